@@ -1,0 +1,247 @@
+"""DeepSpeed adapter: ``shardsafe.adapters.deepspeed.initialize`` is a drop-in for ``deepspeed.initialize``.
+
+Switched on by a top-level ``"shardsafe": {...}`` block in the DeepSpeed config (DeepSpeed ignores
+unknown top-level keys). No fork: the engine's ``_take_model_step`` is wrapped *on the instance*
+(it fires exactly once per optimizer step, also under gradient accumulation; reference/deepspeed.md
+§7), and state is read from / written back into the optimizer's own tensors (§4, §6).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Mapping
+
+import torch
+
+from shardsafe.config import ConfigError, ShardsafeConfig
+from shardsafe.state import RankState, apply_rng, capture_rng
+
+log = logging.getLogger("shardsafe.deepspeed")
+
+SUPPORTED = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "BF16_Optimizer")
+COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+
+def _load_config(args: Any, config: Any, config_params: Any) -> Mapping[str, Any] | None:
+    """The DeepSpeed config wherever the caller put it (dict, JSON path, or args.deepspeed_config)."""
+    src = config if config is not None else config_params
+    if src is None and args is not None:
+        src = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if src is None:
+        return None
+    if isinstance(src, Mapping):
+        return src
+    if isinstance(src, (str, os.PathLike)):
+        try:
+            import hjson  # what DeepSpeed itself parses configs with (comments allowed)
+            with open(src) as f:
+                return hjson.load(f)
+        except ImportError:
+            with open(src) as f:
+                return json.load(f)
+    return None
+
+
+def config_from_ds(ds_config: Mapping[str, Any] | None) -> ShardsafeConfig:
+    if ds_config is None or "shardsafe" not in ds_config:
+        return ShardsafeConfig(enabled=False)
+    return ShardsafeConfig.from_dict(ds_config["shardsafe"], where='"shardsafe" block of the DeepSpeed config')
+
+
+class DeepSpeedStateAdapter:
+    """Rank state of a DeepSpeed engine with a ZeRO-1/2/3 or BF16 optimizer."""
+
+    # Adam moments/step exist only after the first step: a fresh engine restores them from the snapshot.
+    optional_prefixes = ("opt/state/",)
+
+    def __init__(self, engine: Any, extra: dict | None = None):
+        self.engine = engine
+        self.extra: dict[str, Any] = extra if extra is not None else {}
+        check_supported(engine)
+        o = engine.optimizer
+        self.kind = type(o).__name__
+        self.z3 = self.kind == "DeepSpeedZeroOptimizer_Stage3"
+
+    def masters(self) -> list[torch.Tensor]:
+        o = self.engine.optimizer
+        if self.kind == "DeepSpeedZeroOptimizer":
+            return list(o.single_partition_of_fp32_groups)
+        if self.z3:
+            return list(o.fp32_partitioned_groups_flat)
+        return list(o.fp32_groups_flat_partition)
+
+    def capture(self) -> RankState:
+        e, o = self.engine, self.engine.optimizer
+        base = o.optimizer
+        st = RankState()
+        scalars: dict[str, dict[str, Any]] = {}
+        for i, m in enumerate(self.masters()):
+            st.tensors[f"opt/master/{i}"] = m
+            for k, v in base.state.get(m, {}).items():
+                if torch.is_tensor(v):
+                    st.tensors[f"opt/state/{i}/{k}"] = v
+                else:
+                    scalars.setdefault(str(i), {})[k] = v
+        rng = capture_rng()
+        st.tensors.update(rng.tensors)
+        scaler = {}
+        if getattr(o, "loss_scaler", None) is not None:
+            for k, v in vars(o.loss_scaler).items():
+                if torch.is_tensor(v):
+                    st.tensors[f"loss_scaler/{k}"] = v
+                elif isinstance(v, (bool, int, float, str, type(None))):
+                    scaler[k] = v
+        st.meta = {
+            "engine": "deepspeed", "optimizer": self.kind, "zero_stage": int(e.zero_optimization_stage()),
+            "dp_world_size": int(e.dp_world_size),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups],
+            "opt_scalars": scalars,
+            "state_devices": {n: str(t.device) for n, t in st.tensors.items()},
+            "lr_scheduler": e.lr_scheduler.state_dict() if e.lr_scheduler is not None else None,
+            "counters": {k: int(getattr(e, k)) for k in COUNTERS},
+            "loss_scaler": scaler, "extra": dict(self.extra), **rng.meta,
+        }
+        return st
+
+    def apply(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        e, o = self.engine, self.engine.optimizer
+        base = o.optimizer
+        if meta.get("optimizer") != self.kind or meta.get("dp_world_size") != e.dp_world_size:
+            raise ValueError(f"snapshot was taken with {meta.get('optimizer')} at data-parallel size "
+                             f"{meta.get('dp_world_size')}, this engine runs {self.kind} at {e.dp_world_size}")
+        if self.z3:
+            o.checkpoint_event_prologue()   # release gathered/persistent params before touching partitions
+        masters = self.masters()
+        with torch.no_grad():
+            for i, m in enumerate(masters):
+                m.copy_(tensors[f"opt/master/{i}"])
+                state = base.state[m]   # empty on a fresh engine: entries are created
+                prefix = f"opt/state/{i}/"
+                for name, v in tensors.items():
+                    if not name.startswith(prefix):
+                        continue
+                    k = name[len(prefix):]
+                    cur = state.get(k)
+                    if torch.is_tensor(cur) and cur.shape == v.shape and cur.dtype == v.dtype:
+                        cur.copy_(v)
+                    else:
+                        dev = meta["state_devices"].get(name, str(m.device))
+                        state[k] = v.to(device=dev, copy=True)
+                for k, v in meta["opt_scalars"].get(str(i), {}).items():
+                    state[k] = v
+        for g, saved in zip(base.param_groups, meta["param_groups"]):
+            g.update(saved)   # lr etc.: a restored scheduler does not rewrite param_group['lr']
+        if e.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+            e.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        for k, v in meta["counters"].items():
+            setattr(e, k, v)
+        if getattr(o, "loss_scaler", None) is not None:
+            for k, v in meta["loss_scaler"].items():
+                setattr(o.loss_scaler, k, v)
+            for name, v in tensors.items():
+                if name.startswith("loss_scaler/"):
+                    getattr(o.loss_scaler, name.split("/", 1)[1]).copy_(v)
+        apply_rng(tensors, meta)
+        self.extra.clear()
+        self.extra.update(meta.get("extra", {}))
+        if not self.z3:
+            o.update_lp_params()   # fp32 shard -> own low-precision partition -> all-gather over DP
+        else:
+            with torch.no_grad():
+                for fp32, lp in zip(o.fp32_partitioned_groups_flat, o.fp16_partitioned_groups_flat):
+                    lp.copy_(fp32)
+            o.checkpoint_event_epilogue()
+
+
+def check_supported(engine: Any) -> None:
+    """Reject configurations shardsafe cannot protect yet, naming the setting."""
+    name = type(engine.optimizer).__name__
+    if name not in SUPPORTED:
+        stage = engine.zero_optimization_stage()
+        raise ConfigError(f"shardsafe protects ZeRO stages 1-3 (and the bf16 BF16_Optimizer); this engine runs "
+                          f"zero_optimization.stage={stage} with {name}. Set zero_optimization.stage to 1, 2 or 3, "
+                          f"or set shardsafe.enabled=false.")
+    if type(engine).__name__ == "PipelineEngine":
+        raise ConfigError("shardsafe does not protect DeepSpeed pipeline parallelism (PipelineModule) yet; "
+                          "train without pipeline stages or set shardsafe.enabled=false.")
+    if getattr(engine, "has_moe_layers", False):
+        raise ConfigError("shardsafe does not protect DeepSpeed MoE layers (expert-parallel state) yet; "
+                          "set shardsafe.enabled=false for MoE models.")
+    zc = engine._config.zero_config
+    for what, sub in (("offload_optimizer", zc.offload_optimizer), ("offload_param", zc.offload_param)):
+        dev = getattr(getattr(sub, "device", None), "value", getattr(sub, "device", None))
+        if dev == "nvme":
+            raise ConfigError(f"shardsafe does not protect zero_optimization.{what}.device=nvme (state lives on "
+                              "NVMe, not in memory); use device cpu or none, or set shardsafe.enabled=false.")
+    sd = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    try:
+        from shardsafe.manifest import to_jsonable
+        json.dumps(to_jsonable(sd))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"the LR scheduler {type(engine.lr_scheduler).__name__} has a state_dict that is not "
+                          f"plain data ({e}); shardsafe stores scheduler state as JSON. Use a DeepSpeed or torch "
+                          "scheduler without callables, or set shardsafe.enabled=false.") from None
+
+
+class ShardsafeEngineHook:
+    """What ``initialize`` attaches to the engine as ``engine.shardsafe``."""
+
+    def __init__(self, engine: Any, cfg: ShardsafeConfig):
+        from shardsafe.runtime import Runtime
+        import torch.distributed as dist
+        self.cfg = cfg
+        self.adapter = DeepSpeedStateAdapter(engine)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.runtime = Runtime(cfg, rank=rank, world_size=world)
+        self.restored = self.runtime.try_restore(self.adapter)
+        self._install(engine)
+
+    @property
+    def extra(self) -> dict:
+        """User state (JSON-able: e.g. a data-loader position) saved and restored with every snapshot."""
+        return self.adapter.extra
+
+    def _install(self, engine: Any) -> None:
+        # Two per-instance wrappers (no fork): _take_model_step runs exactly once per optimizer step
+        # and is where the pending copy must be finished before the optimizer mutates the state;
+        # the snapshot itself is taken after engine.step() returns, when micro_steps and the other
+        # counters have their post-step values (they are bumped after _take_model_step).
+        orig_take, orig_step = engine._take_model_step, engine.step
+        rt, adapter = self.runtime, self.adapter
+
+        def _take_model_step(*args: Any, **kwargs: Any) -> Any:
+            rt.before_step(engine.global_steps + 1)
+            return orig_take(*args, **kwargs)
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            boundary = engine.is_gradient_accumulation_boundary()
+            out = orig_step(*args, **kwargs)
+            if boundary:
+                rt.after_step(engine.global_steps, adapter)
+            return out
+
+        engine._take_model_step = _take_model_step
+        engine.step = step
+
+    def flush(self) -> bool:
+        return self.runtime.pipeline.flush()
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None, *pos: Any, config: Any = None,
+               config_params: Any = None, **kwargs: Any):
+    """Same arguments and return value as ``deepspeed.initialize``; protects the engine when the config
+    has ``"shardsafe": {"enabled": true, ...}``. A malformed block raises ConfigError before DeepSpeed runs."""
+    import deepspeed
+    ds_cfg = _load_config(args, config, config_params)
+    cfg = config_from_ds(ds_cfg)   # validate first: a typo fails fast, before the engine is built
+    ret = deepspeed.initialize(args, model, optimizer, model_parameters, training_data, lr_scheduler, *pos,
+                               config=config, config_params=config_params, **kwargs)
+    engine = ret[0]
+    engine.shardsafe = ShardsafeEngineHook(engine, cfg) if cfg.enabled else None
+    return ret

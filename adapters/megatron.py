@@ -1,0 +1,844 @@
+"""Megatron adapter: a rank's Megatron state as a :class:`RankState`, and back, in place.
+
+What one rank owns (megatron-core's torch-Adam, TE and Apex paths alike):
+  * per optimizer of a ``ChainedOptimizer`` (dense, expert, ...):
+      - the params the inner optimizer updates: DistributedOptimizer fp32 main-param *shards*
+        (``shard_fp32_from_float16_groups``; for fp32 models, views into the param buffer),
+        Float16OptimizerWithFloat16Params fp32 main params, FP32Optimizer model params;
+      - the inner optimizer's per-param state (exp_avg, exp_avg_sq, ``step`` on torch Adam);
+      - ``param_groups`` hyper-parameters (lr, weight_decay, ``step`` on TE/Apex FusedAdam, ...);
+      - the grad scaler (fp16);
+  * the LR/WD scheduler, the RNGs (torch CPU/CUDA, python, numpy, Megatron's CUDA RNG tracker),
+    TE FP8 scaling state (scale, amax history) of layers that have it, the iteration, counters
+    (consumed samples, FLOPs, ...) and a user ``extra`` dict.
+Low-precision model params are *not* saved: apply writes the main params back and re-derives them
+exactly as ``optimizer.step()`` does (main -> model copy, then the DistOpt param all-gather).
+
+Restore never goes through ``optimizer.load_state_dict`` / Megatron's checkpoint loaders, which
+have step-counter bugs on the torch-Adam path (shared ``step`` tensor, ``KeyError: 'step'``, step
+not restored; see shared/reference/megatron-core.md §3.4): every value is copied into the existing
+tensors, and a fresh optimizer's missing per-param state is allocated one tensor per param.
+
+The Megatron-LM integration (``install_hooks`` / ``pretrain``) wraps module globals of
+``megatron.training.training`` (no fork of Megatron-LM) and drives a :class:`Runtime`.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from typing import Any, Callable, Iterable, Mapping, MutableMapping, Optional, Protocol, Sequence
+
+import torch
+
+from shardsafe.config import ConfigError, ShardsafeConfig
+from shardsafe.state import RankState, apply_rng, capture_rng
+
+from .megatron_args import add_arguments, compose_extra_args_provider, config_from_args
+
+__all__ = [
+    "MegatronStateAdapter", "SnapshotMismatch", "Runtime", "snapshot_state", "apply_state", "rank_coordinates",
+    "check_supported", "install_hooks", "pretrain", "add_arguments", "config_from_args", "FORMAT",
+]
+
+log = logging.getLogger("shardsafe.megatron")
+
+FORMAT = "shardsafe.megatron/1"
+"""Meta format tag: bumped when names or meta layout change, so an old snapshot is refused, not misread."""
+
+_FP8_META_KEYS = ("scaling_fwd", "scaling_bwd")
+_FP8_ATTRS = ("scale", "scale_inv", "amax_history")
+# parallel_state coordinates that must be identical between the snapshotting and the restoring rank.
+_COORD_KEYS = ("tp", "tp_size", "pp", "pp_size", "dp", "dp_size", "cp", "cp_size", "ep", "ep_size",
+               "etp", "etp_size", "vpp_size")
+
+
+class SnapshotMismatch(ValueError):
+    """A snapshot does not fit the live model/optimizer (other layout, model or optimizer config)."""
+
+
+class Runtime(Protocol):
+    """What the Megatron-LM hooks drive (the holder runtime implements it; tests use doubles)."""
+
+    def after_step(self, iteration: int, adapter: "MegatronStateAdapter") -> None:
+        """Called after every optimizer step (scheduler stepped, ``iteration`` incremented).
+
+        The runtime applies ``ShardsafeConfig.interval`` and may call ``adapter.capture()``; it
+        must finish copying the captured tensors before the next optimizer step.
+        """
+
+    def on_exit(self, iteration: int, adapter: "MegatronStateAdapter") -> None:
+        """Megatron-LM decided to exit (signal, exit interval/duration): seal or flush snapshots."""
+
+    def try_restore(self, adapter: "MegatronStateAdapter") -> Optional[int]:
+        """Restore the newest recoverable version through ``adapter.apply`` (a collective on every
+        rank); return its iteration, or None when nothing was restored."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Supported configurations
+# --------------------------------------------------------------------------------------------------
+
+def _mcore():
+    try:
+        import megatron.core as mc
+    except ImportError as e:  # pragma: no cover - exercised only without megatron-core
+        raise ImportError("shardsafe's Megatron adapter needs megatron-core: pip install megatron-core==0.16.1 "
+                          "(see docs/megatron.md for 0.17+ on Python 3.11)") from e
+    return mc
+
+
+def megatron_core_version() -> str:
+    return str(getattr(_mcore(), "__version__", "unknown"))
+
+
+def leaf_optimizers(optimizer: Any) -> list:
+    """The MegatronOptimizers inside a ChainedOptimizer (or the optimizer itself)."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _kind(leaf: Any) -> str:
+    from megatron.core.optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+    if isinstance(leaf, DistributedOptimizer):
+        return "DistributedOptimizer"
+    if isinstance(leaf, Float16OptimizerWithFloat16Params):
+        return "Float16OptimizerWithFloat16Params"
+    if isinstance(leaf, FP32Optimizer):
+        return "FP32Optimizer"
+    raise ConfigError(f"shardsafe's Megatron adapter supports DistributedOptimizer, Float16OptimizerWithFloat16Params "
+                      f"and FP32Optimizer; got {type(leaf).__name__}. Use --use-distributed-optimizer "
+                      f"(OptimizerConfig.use_distributed_optimizer=True) or run without --shardsafe.")
+
+
+def check_supported(model_chunks: Sequence[Any], optimizer: Any) -> None:
+    """Reject configurations whose state the adapter cannot restore exactly, naming the setting.
+
+    Raises:
+        ConfigError: the first unsupported setting found.
+    """
+    for leaf in leaf_optimizers(optimizer):
+        kind = _kind(leaf)
+        cfg = getattr(leaf, "config", None)
+        if cfg is not None and getattr(cfg, "use_precision_aware_optimizer", False):
+            raise ConfigError("--use-precision-aware-optimizer (OptimizerConfig.use_precision_aware_optimizer) is not "
+                              "supported by shardsafe: TE FusedAdam then keeps the master weights and their remainders "
+                              "inside its own state. Turn it off, or run without --shardsafe.")
+        if cfg is not None and getattr(cfg, "optimizer_cpu_offload", False):
+            raise ConfigError("--optimizer-cpu-offload (OptimizerConfig.optimizer_cpu_offload) is not supported by "
+                              "shardsafe: HybridDeviceOptimizer keeps the state in CPU sub-optimizers. Turn it off, "
+                              "or run without --shardsafe.")
+        if kind == "DistributedOptimizer" and not getattr(leaf, "is_stub_optimizer", False):
+            ddp_cfg = getattr(leaf, "ddp_config", None)
+            if ddp_cfg is not None and getattr(ddp_cfg, "use_megatron_fsdp", False):
+                raise ConfigError("--use-megatron-fsdp (DistributedDataParallelConfig.use_megatron_fsdp) is not "
+                                  "supported by shardsafe: use --use-distributed-optimizer with Megatron DDP.")
+            for attr in ("buffers", "model_param_gbuf_map", "shard_fp32_groups", "shard_fp32_from_float16_groups",
+                         "model_fp32_groups", "model_float16_groups", "_copy_main_params_to_model_params"):
+                if not hasattr(leaf, attr):
+                    raise ConfigError(f"megatron-core {megatron_core_version()}: DistributedOptimizer has no '{attr}'; "
+                                      "this version is not supported by shardsafe (tested: 0.16.1, 0.17.1).")
+    for i, chunk in enumerate(model_chunks):
+        if not hasattr(chunk, "named_parameters"):
+            raise ConfigError(f"model_chunks[{i}] is a {type(chunk).__name__}, not a torch module: pass the list "
+                              "of (DDP-wrapped) model chunks returned by get_model()/setup_model_and_optimizer().")
+
+
+# --------------------------------------------------------------------------------------------------
+# Rank coordinates (parity placement)
+# --------------------------------------------------------------------------------------------------
+
+def rank_coordinates() -> dict[str, Any]:
+    """This rank's place in Megatron's parallel layout, from ``megatron.core.parallel_state``.
+
+    Returns a JSON-able dict: ``rank``/``world_size``; ``tp``, ``pp``, ``dp``, ``cp``, ``ep``, ``etp``
+    ranks with their ``*_size``; ``vpp_size``; and the world ranks of the groups a parity group is
+    placed in: ``dp_ranks`` (the group the DistributedOptimizer shards over: data-parallel with
+    context-parallel), ``tp_ranks``, ``pp_ranks`` and, with experts, ``edp_ranks``.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("rank_coordinates(): megatron.core.parallel_state is not initialized; call it after "
+                           "initialize_model_parallel() (Megatron-LM: after initialize_megatron()).")
+
+    def ranks(group) -> list[int]:
+        return [int(r) for r in dist.get_process_group_ranks(group)] if group is not None else [dist.get_rank()]
+
+    def opt(fn: str, *a, default=None, **k):
+        f = getattr(ps, fn, None)
+        if f is None:
+            return default
+        try:
+            return f(*a, **k)
+        except (AssertionError, RuntimeError, TypeError):
+            return default
+
+    c: dict[str, Any] = {
+        "rank": dist.get_rank(), "world_size": dist.get_world_size(),
+        "tp": ps.get_tensor_model_parallel_rank(), "tp_size": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_rank(), "pp_size": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_rank(with_context_parallel=True),
+        "dp_size": ps.get_data_parallel_world_size(with_context_parallel=True),
+        "cp": opt("get_context_parallel_rank", default=0), "cp_size": opt("get_context_parallel_world_size", default=1),
+        "ep": opt("get_expert_model_parallel_rank", default=0),
+        "ep_size": opt("get_expert_model_parallel_world_size", default=1),
+        "etp": opt("get_expert_tensor_parallel_rank", default=0),
+        "etp_size": opt("get_expert_tensor_parallel_world_size", default=1),
+        "vpp_size": opt("get_virtual_pipeline_model_parallel_world_size", default=None) or 1,
+        "dp_ranks": ranks(ps.get_data_parallel_group(with_context_parallel=True)),
+        "tp_ranks": ranks(ps.get_tensor_model_parallel_group()),
+        "pp_ranks": ranks(ps.get_pipeline_model_parallel_group()),
+    }
+    if c["ep_size"] > 1:
+        c["edp_ranks"] = ranks(opt("get_expert_data_parallel_group"))
+    return c
+
+
+# --------------------------------------------------------------------------------------------------
+# The adapter
+# --------------------------------------------------------------------------------------------------
+
+def _jsonable(v: Any, where: str) -> Any:
+    """Plain JSON values only (tuples become lists; ``apply`` turns them back where the live value is a tuple)."""
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        return int(v)
+    if isinstance(v, float):
+        return float(v)
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x, f"{where}[{i}]") for i, x in enumerate(v)]
+    if isinstance(v, Mapping):
+        return {str(k): _jsonable(x, f"{where}.{k}") for k, x in v.items()}
+    if hasattr(v, "item") and getattr(v, "ndim", 1) == 0 and not isinstance(v, torch.Tensor):  # numpy scalar
+        return v.item()
+    raise TypeError(f"{where} is a {type(v).__name__}, which a snapshot's JSON metadata cannot hold; "
+                    "keep counters and extra values to numbers/strings/lists/dicts, or pass them as tensors.")
+
+
+def _like_live(saved: Any, live: Any) -> Any:
+    if isinstance(live, tuple) and isinstance(saved, list):
+        return tuple(saved)
+    return saved
+
+
+class MegatronStateAdapter:
+    """:class:`shardsafe.state.StateAdapter` for megatron-core model chunks + MegatronOptimizer.
+
+    Args:
+        model_chunks: the DDP-wrapped model chunks (one per virtual pipeline stage).
+        optimizer: ``get_megatron_optimizer(...)``'s result (ChainedOptimizer or a single optimizer).
+        scheduler: ``OptimizerParamScheduler`` (or any object with ``state_dict``/``load_state_dict``), or None.
+        get_iteration / set_iteration: read and write the training loop's iteration counter.
+        extra: user state. Tensor values are captured by reference and copied back in place; other
+            values must be JSON-able and are written back into this same mapping on ``apply``.
+        get_counters / set_counters: read/write loop counters (consumed samples, FLOPs so far, ...),
+            a flat ``{name: number}`` dict; Megatron-LM's hooks bind them to ``get_args()``.
+        include_rng: capture/restore the RNGs (torch, CUDA, python, numpy, Megatron's RNG tracker).
+
+    ``apply`` is collective: every rank of the job must call it (the DistOpt param all-gather).
+    Call ``validate`` first (no communication) and agree on the result before calling ``apply``.
+    """
+
+    def __init__(self, model_chunks: Any, optimizer: Any, scheduler: Any = None, *,
+                 get_iteration: Callable[[], int], set_iteration: Callable[[int], None],
+                 extra: Optional[MutableMapping[str, Any]] = None,
+                 get_counters: Optional[Callable[[], Mapping[str, Any]]] = None,
+                 set_counters: Optional[Callable[[Mapping[str, Any]], None]] = None,
+                 include_rng: bool = True) -> None:
+        self.model_chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.get_iteration = get_iteration
+        self.set_iteration = set_iteration
+        self.extra = extra
+        self.get_counters = get_counters
+        self.set_counters = set_counters
+        self.include_rng = include_rng
+        check_supported(self.model_chunks, optimizer)
+        self.leaves = leaf_optimizers(optimizer)
+        self._kinds = [_kind(leaf) for leaf in self.leaves]
+        self._param_names = {id(p): f"c{ci}.{n}" for ci, chunk in enumerate(self.model_chunks)
+                             for n, p in chunk.named_parameters()}
+
+    # ---------------------------------------------------------------- enumeration (one place, used both ways)
+    def _groups(self, li: int) -> list[dict]:
+        inner = getattr(self.leaves[li], "optimizer", None)
+        return list(inner.param_groups) if inner is not None else []
+
+    def _model_param_of(self, li: int) -> dict[int, tuple[Any, Optional[list[int]]]]:
+        """id(optimizer param) -> (model param, [start, end) of the model param this rank owns or None)."""
+        leaf, kind, out = self.leaves[li], self._kinds[li], {}
+        if getattr(leaf, "optimizer", None) is None:
+            return out
+        if kind == "DistributedOptimizer":
+            pairs = []
+            for shards, models in ((leaf.shard_fp32_groups, leaf.model_fp32_groups),
+                                   (leaf.shard_fp32_from_float16_groups, leaf.model_float16_groups)):
+                for sg, mg in zip(shards, models):
+                    pairs.extend(zip(sg, mg))
+            for shard, model in pairs:
+                if shard is None:
+                    continue
+                rng = None
+                try:
+                    r = leaf._get_model_param_range_map(model)["param"]
+                    rng = [int(r.start), int(r.end)]
+                except (AttributeError, KeyError):
+                    pass
+                out[id(shard)] = (model, rng)
+        elif kind == "Float16OptimizerWithFloat16Params":
+            for g16, g32 in zip(leaf.float16_groups, leaf.fp32_from_fp32_groups):
+                for p in g16:
+                    out[id(p.main_param)] = (p, None)
+                for p in g32:
+                    out[id(p)] = (p, None)
+        else:
+            for g in self._groups(li):
+                for p in g["params"]:
+                    out[id(p)] = (p, None)
+        return out
+
+    def _fp8_modules(self) -> Iterable[tuple[str, Any]]:
+        """(name, module) of TE modules carrying FP8 scaling state (duck-typed: ``fp8_meta`` dict)."""
+        for ci, chunk in enumerate(self.model_chunks):
+            for name, m in chunk.named_modules():
+                if isinstance(getattr(m, "fp8_meta", None), dict):
+                    yield f"c{ci}.{name}", m
+
+    # ---------------------------------------------------------------- capture
+    def capture(self) -> RankState:
+        """References to this rank's live state tensors plus JSON metadata (see module docstring).
+
+        Exceptions to "references": RNG states are copies by nature, and TE FP8 scaling tensors are
+        cloned because TE updates amax history during the *forward* pass, i.e. before the next step.
+        """
+        st = RankState()
+        meta: dict[str, Any] = {"format": FORMAT, "megatron_core": megatron_core_version(),
+                                "iteration": int(self.get_iteration())}
+        try:
+            meta["coords"] = rank_coordinates()
+        except RuntimeError:
+            meta["coords"] = None  # no parallel_state: single-process use
+        opts = []
+        for li, leaf in enumerate(self.leaves):
+            inner = getattr(leaf, "optimizer", None)
+            owner = self._model_param_of(li)
+            om: dict[str, Any] = {"type": self._kinds[li], "stub": inner is None, "groups": []}
+            for gi, group in enumerate(self._groups(li)):
+                gm: dict[str, Any] = {"hparams": {}, "hparam_tensors": [], "params": []}
+                for k, v in group.items():
+                    if k == "params":
+                        continue
+                    if isinstance(v, torch.Tensor):
+                        st.tensors[f"opt{li}/g{gi}/hp/{k}"] = v
+                        gm["hparam_tensors"].append(k)
+                    else:
+                        try:
+                            gm["hparams"][k] = _jsonable(v, f"param_groups[{gi}][{k!r}]")
+                        except TypeError:
+                            log.debug("param_groups[%d][%r] (%s) is not snapshotted", gi, k, type(v).__name__)
+                for pi, p in enumerate(group["params"]):
+                    model, rng = owner.get(id(p), (None, None))
+                    pre = f"opt{li}/g{gi}/p{pi}"
+                    st.tensors[f"{pre}/param"] = p.detach()
+                    state = inner.state.get(p, {})
+                    pm = {"name": self._param_names.get(id(model)) if model is not None else None,
+                          "shape": list(p.shape), "range": rng, "state": sorted(state), "state_meta": {}}
+                    for k, v in state.items():
+                        if isinstance(v, torch.Tensor):
+                            st.tensors[f"{pre}/{k}"] = v
+                        else:
+                            pm["state_meta"][k] = _jsonable(v, f"optimizer.state[{pre}][{k!r}]")
+                    gm["params"].append(pm)
+                om["groups"].append(gm)
+            om["grad_scaler"] = self._capture_grad_scaler(li, st)
+            opts.append(om)
+        meta["optimizers"] = opts
+        meta["scheduler"] = (_jsonable(self.scheduler.state_dict(), "scheduler.state_dict()")
+                             if self.scheduler is not None else None)
+        meta["counters"] = _jsonable(dict(self.get_counters()), "counters") if self.get_counters else {}
+        meta["extra"] = self._capture_extra(st)
+        meta["fp8"] = self._capture_fp8(st)
+        meta["rng"] = self._capture_rng(st) if self.include_rng else None
+        st.meta = meta
+        return st
+
+    def _capture_grad_scaler(self, li: int, st: RankState) -> Optional[dict]:
+        gs = getattr(self.leaves[li], "grad_scaler", None)
+        if gs is None:
+            return None
+        out: dict[str, Any] = {"type": type(gs).__name__, "attrs": {}}
+        for k, v in vars(gs).items():
+            if isinstance(v, torch.Tensor):
+                st.tensors[f"opt{li}/grad_scaler/{k}"] = v
+            elif isinstance(v, (int, float, bool)):
+                out["attrs"][k] = v
+        return out
+
+    def _capture_extra(self, st: RankState) -> dict:
+        out: dict[str, Any] = {}
+        for k, v in (self.extra or {}).items():
+            if isinstance(v, torch.Tensor):
+                st.tensors[f"extra/{k}"] = v
+            else:
+                out[k] = _jsonable(v, f"extra[{k!r}]")
+        return out
+
+    def _capture_fp8(self, st: RankState) -> list:
+        found = []
+        for name, m in self._fp8_modules():
+            for key in _FP8_META_KEYS:
+                obj = m.fp8_meta.get(key)
+                for attr in _FP8_ATTRS:
+                    t = getattr(obj, attr, None)
+                    if isinstance(t, torch.Tensor):
+                        st.tensors[f"fp8/{name}/{key}/{attr}"] = t.detach().clone()
+                        found.append([name, key, attr])
+        return found
+
+    def _capture_rng(self, st: RankState) -> dict:
+        r = capture_rng("rng")
+        st.tensors.update(r.tensors)
+        tracker_names = []
+        tracker = _rng_tracker()
+        if tracker is not None:
+            for name, s in tracker.get_states().items():
+                st.tensors[f"rng/tracker/{name}"] = s.get_state() if isinstance(s, torch.Generator) else s
+                tracker_names.append(name)
+        return {"base": r.meta, "tracker": tracker_names}
+
+    # ---------------------------------------------------------------- validate
+    def validate(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> list[str]:
+        """Problems that would stop ``apply`` (empty list = applicable). No communication, no mutation."""
+        p: list[str] = []
+        if meta.get("format") != FORMAT:
+            return [f"snapshot format {meta.get('format')!r} is not {FORMAT!r} (written by another shardsafe version)"]
+        cur = None
+        try:
+            cur = rank_coordinates()
+        except RuntimeError:
+            pass
+        old = meta.get("coords")
+        if cur is not None and old is not None:
+            diff = [f"{k}: snapshot {old.get(k)} vs now {cur.get(k)}" for k in _COORD_KEYS if old.get(k) != cur.get(k)]
+            if diff:
+                p.append("parallel layout differs (" + "; ".join(diff) + "); restore with the same --tensor-model-"
+                         "parallel-size/--pipeline-model-parallel-size/data-parallel size and rank order, or use "
+                         "Megatron's persistent checkpoint (--load) to change the layout")
+        opts = meta.get("optimizers", [])
+        if len(opts) != len(self.leaves):
+            p.append(f"snapshot has {len(opts)} optimizer(s), the live ChainedOptimizer has {len(self.leaves)}")
+            return p
+        for li, om in enumerate(opts):
+            if om["type"] != self._kinds[li]:
+                p.append(f"optimizer {li}: snapshot {om['type']} vs live {self._kinds[li]} (--use-distributed-optimizer, "
+                         f"--bf16/--fp16 must match)")
+                continue
+            owner = self._model_param_of(li)
+            groups = self._groups(li)
+            if len(om["groups"]) != len(groups):
+                p.append(f"optimizer {li}: {len(om['groups'])} param groups in the snapshot vs {len(groups)} live")
+                continue
+            inner = getattr(self.leaves[li], "optimizer", None)
+            for gi, (gm, group) in enumerate(zip(om["groups"], groups)):
+                if len(gm["params"]) != len(group["params"]):
+                    p.append(f"optimizer {li} group {gi}: {len(gm['params'])} params in the snapshot vs "
+                             f"{len(group['params'])} live (another model or optimizer config)")
+                    continue
+                for k in gm["hparam_tensors"]:
+                    self._check_tensor(p, tensors, f"opt{li}/g{gi}/hp/{k}", group.get(k))
+                for pi, (pm, param) in enumerate(zip(gm["params"], group["params"])):
+                    pre = f"opt{li}/g{gi}/p{pi}"
+                    model, rng = owner.get(id(param), (None, None))
+                    name = self._param_names.get(id(model)) if model is not None else None
+                    if pm["name"] != name or pm["range"] != rng:
+                        p.append(f"{pre}: snapshot holds {pm['name']}{pm['range'] or ''}, live is {name}{rng or ''}")
+                        continue
+                    self._check_tensor(p, tensors, f"{pre}/param", param)
+                    live_state = inner.state.get(param, {}) if inner is not None else {}
+                    if live_state and sorted(live_state) != pm["state"]:
+                        p.append(f"{pre}: optimizer state keys {pm['state']} in the snapshot vs {sorted(live_state)} "
+                                 "live (another optimizer, or amsgrad differs)")
+                        continue
+                    for k in pm["state"]:
+                        if k in pm["state_meta"]:
+                            continue
+                        self._check_tensor(p, tensors, f"{pre}/{k}", live_state.get(k))
+            gs = getattr(self.leaves[li], "grad_scaler", None)
+            if (om["grad_scaler"] is None) != (gs is None):
+                p.append(f"optimizer {li}: grad scaler {'missing' if gs is None else 'present'} live but not in the "
+                         "snapshot (--fp16/--loss-scale must match)")
+            elif gs is not None:
+                for k, v in vars(gs).items():
+                    if isinstance(v, torch.Tensor):
+                        self._check_tensor(p, tensors, f"opt{li}/grad_scaler/{k}", v)
+        if (meta.get("scheduler") is None) != (self.scheduler is None):
+            p.append("scheduler state is " + ("missing from the snapshot" if meta.get("scheduler") is None else
+                                              "in the snapshot but no scheduler was given to the adapter"))
+        for k, v in (meta.get("extra") or {}).items():
+            if self.extra is None:
+                p.append(f"extra[{k!r}] is in the snapshot but the adapter has no extra mapping")
+                break
+        for k in _names_with_prefix(tensors, "extra/"):
+            live = (self.extra or {}).get(k[len("extra/"):])
+            self._check_tensor(p, tensors, k, live)
+        if self.include_rng and meta.get("rng") is None:
+            p.append("the snapshot has no RNG state (taken with include_rng=False)")
+        return p
+
+    @staticmethod
+    def _check_tensor(p: list[str], tensors: Mapping[str, torch.Tensor], name: str, live: Any) -> None:
+        t = tensors.get(name)
+        if t is None:
+            p.append(f"tensor {name} is missing from the snapshot")
+        elif isinstance(live, torch.Tensor) and (t.shape != live.shape or t.dtype != live.dtype):
+            p.append(f"tensor {name}: snapshot {tuple(t.shape)} {t.dtype} vs live {tuple(live.shape)} {live.dtype}")
+
+    # ---------------------------------------------------------------- apply
+    @torch.no_grad()
+    def apply(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """Copy a verified snapshot into the live state, in place, then re-derive the model params.
+
+        Collective (DistOpt param all-gather): every rank calls it. Raises SnapshotMismatch before
+        touching anything if ``validate`` finds a problem.
+        """
+        problems = self.validate(tensors, meta)
+        if problems:
+            more = f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""
+            raise SnapshotMismatch("the snapshot does not fit this model/optimizer: " + "; ".join(problems[:8]) + more)
+        for li, om in enumerate(meta["optimizers"]):
+            self._apply_optimizer_tensors(li, om, tensors)
+        # Scheduler before hyper-parameters: Megatron's scheduler.load_state_dict rewrites lr/wd of
+        # every param group, and the snapshot's param_groups are the exact values to continue with.
+        self._apply_scheduler(meta.get("scheduler"))
+        for li, om in enumerate(meta["optimizers"]):
+            self._apply_hparams(li, om, tensors)
+            self._apply_grad_scaler(li, om, tensors)
+        self._apply_fp8(meta.get("fp8") or [], tensors)
+        self._apply_extra(meta.get("extra") or {}, tensors)
+        if self.set_counters is not None:
+            self.set_counters(dict(meta.get("counters") or {}))
+        self.set_iteration(int(meta["iteration"]))
+        self._rederive_model_params()
+        if self.include_rng:  # last: nothing above may draw random numbers after it
+            self._apply_rng(meta["rng"], tensors)
+
+    def _apply_optimizer_tensors(self, li: int, om: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+        inner = getattr(self.leaves[li], "optimizer", None)
+        for gi, (gm, group) in enumerate(zip(om["groups"], self._groups(li))):
+            for pi, (pm, param) in enumerate(zip(gm["params"], group["params"])):
+                pre = f"opt{li}/g{gi}/p{pi}"
+                param.detach().copy_(tensors[f"{pre}/param"])
+                state = inner.state[param]
+                for k in pm["state"]:
+                    if k in pm["state_meta"]:
+                        state[k] = _like_live(pm["state_meta"][k], state.get(k))
+                        continue
+                    src = tensors[f"{pre}/{k}"]
+                    if k not in state:
+                        state[k] = _allocate_state(src, param, group)
+                    state[k].copy_(src)
+
+    def _apply_scheduler(self, sd: Optional[Mapping[str, Any]]) -> None:
+        if sd is None or self.scheduler is None:
+            return
+        if hasattr(self.scheduler, "num_steps"):
+            # OptimizerParamScheduler.load_state_dict does step(increment=num_steps): it *adds* the saved
+            # count to the live one. Start from zero so a roll-back does not count twice.
+            self.scheduler.num_steps = 0
+        self.scheduler.load_state_dict(dict(sd))
+
+    def _apply_hparams(self, li: int, om: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+        for gi, (gm, group) in enumerate(zip(om["groups"], self._groups(li))):
+            for k, v in gm["hparams"].items():
+                group[k] = _like_live(v, group.get(k))
+            for k in gm["hparam_tensors"]:
+                group[k].copy_(tensors[f"opt{li}/g{gi}/hp/{k}"])
+
+    def _apply_grad_scaler(self, li: int, om: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+        gs = getattr(self.leaves[li], "grad_scaler", None)
+        if gs is None or om.get("grad_scaler") is None:
+            return
+        for k, v in vars(gs).items():
+            if isinstance(v, torch.Tensor):
+                v.copy_(tensors[f"opt{li}/grad_scaler/{k}"])
+        for k, v in om["grad_scaler"]["attrs"].items():
+            setattr(gs, k, v)
+
+    def _apply_extra(self, em: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+        if self.extra is None:
+            return
+        for name in _names_with_prefix(tensors, "extra/"):
+            self.extra[name[len("extra/"):]].copy_(tensors[name])
+        for k, v in em.items():
+            self.extra[k] = v
+
+    def _apply_fp8(self, found: list, tensors: Mapping[str, torch.Tensor]) -> None:
+        """TE FP8 scaling state; code path only (TE is not installable without CUDA, see docs/megatron.md)."""
+        if not found:
+            return
+        modules = dict(self._fp8_modules())
+        pending: dict[str, list] = {}
+        for name, key, attr in found:
+            m = modules.get(name)
+            if m is None:
+                raise SnapshotMismatch(f"the snapshot has FP8 scaling state for {name}, which is not a TE module here "
+                                       "(--fp8-format / --transformer-impl must match)")
+            live = getattr(m.fp8_meta.get(key), attr, None)
+            if isinstance(live, torch.Tensor):
+                live.copy_(tensors[f"fp8/{name}/{key}/{attr}"])
+            else:
+                pending.setdefault(name, []).append((key, attr, tensors[f"fp8/{name}/{key}/{attr}"].clone()))
+        for name, items in pending.items():
+            _defer_fp8_restore(modules[name], items)
+
+    def _rederive_model_params(self) -> None:
+        """Main params -> model params, as ``optimizer.step()`` ends, then the DistOpt param all-gather."""
+        any_distopt = False
+        for leaf, kind in zip(self.leaves, self._kinds):
+            if getattr(leaf, "optimizer", None) is None or kind == "FP32Optimizer":
+                continue  # FP32Optimizer updates the model params themselves
+            leaf._copy_main_params_to_model_params()
+            any_distopt |= kind == "DistributedOptimizer"
+        if any_distopt:
+            for chunk in self.model_chunks:
+                # With --overlap-param-gather a gather dispatched before the roll-back may be pending, and
+                # start_param_sync(force_sync=True) then only waits for it: call twice so the second one
+                # gathers the restored shards.
+                chunk.start_param_sync(force_sync=True)
+                if getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False):
+                    chunk.start_param_sync(force_sync=True)
+
+    def _apply_rng(self, rm: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+        apply_rng(tensors, rm["base"], "rng")
+        names = rm.get("tracker") or []
+        if not names:
+            return
+        tracker = _rng_tracker()
+        if tracker is None:
+            raise SnapshotMismatch("the snapshot has Megatron RNG tracker states but the tracker is not initialized "
+                                   "here: call model_parallel_cuda_manual_seed() before restoring")
+        live = tracker.get_states()
+        new = {}
+        for name in names:
+            saved = tensors[f"rng/tracker/{name}"]
+            cur = live.get(name)
+            if isinstance(cur, torch.Generator):
+                cur.set_state(saved.clone())
+                new[name] = cur
+            else:
+                new[name] = saved.clone()  # the snapshot's memory is not ours to keep
+        tracker.set_states(new)
+
+
+def _names_with_prefix(tensors: Mapping[str, Any], prefix: str) -> list[str]:
+    return [k for k in tensors if k.startswith(prefix)]
+
+
+def _allocate_state(src: torch.Tensor, param: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
+    """One state tensor for a fresh optimizer, placed where torch.optim.Adam/AdamW would put it.
+
+    Param-shaped state (exp_avg, ...) lives with the param; torch Adam keeps the scalar ``step`` on
+    the CPU unless ``capturable``/``fused``. Every param gets its own tensor (Megatron's own
+    load_state_dict shares one ``step`` tensor across params, which then advances N times per step).
+    """
+    if src.shape == param.shape:
+        device = param.device
+    elif src.dim() == 0:
+        device = param.device if (group.get("capturable") or group.get("fused")) else torch.device("cpu")
+    else:
+        device = param.device
+    return torch.empty(src.shape, dtype=src.dtype, device=device)
+
+
+def _defer_fp8_restore(module: Any, items: list) -> None:
+    """TE allocates FP8 scaling tensors in its first FP8 forward; restore them right there.
+
+    A one-shot forward pre-hook asks TE to allocate (``init_fp8_metadata``, inside the caller's
+    fp8_autocast) and copies the saved values in before the forward computes with them.
+    """
+    num_gemms = None
+    for key, attr, t in items:
+        if key == "scaling_fwd" and attr == "scale":
+            num_gemms = max(1, t.numel() // 3)  # TE: 3 forward scaling slots (input, weight, output) per GEMM
+
+    def hook(mod, _inputs):
+        init = getattr(mod, "init_fp8_metadata", None)
+        if init is not None:
+            init(num_gemms=num_gemms) if num_gemms is not None else init()
+        for key, attr, t in items:
+            live = getattr(mod.fp8_meta.get(key), attr, None)
+            if not isinstance(live, torch.Tensor):
+                raise SnapshotMismatch(f"TE did not allocate fp8_meta[{key!r}].{attr} for {type(mod).__name__}; "
+                                       "its FP8 scaling state cannot be restored (check --fp8-format/--fp8-recipe)")
+            with torch.no_grad():
+                live.copy_(t.to(live.device))
+        handle.remove()
+
+    handle = module.register_forward_pre_hook(hook)
+
+
+def _rng_tracker():
+    try:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    except ImportError:  # pragma: no cover
+        return None
+    tracker = get_cuda_rng_tracker()
+    init = getattr(tracker, "is_initialized", None)
+    if init is not None and not init():
+        return None
+    return tracker
+
+
+# --------------------------------------------------------------------------------------------------
+# Core API for megatron-core users with their own loop
+# --------------------------------------------------------------------------------------------------
+
+def snapshot_state(model_chunks: Any, optimizer: Any, scheduler: Any, iteration: int,
+                   extra: Optional[MutableMapping[str, Any]] = None) -> RankState:
+    """This rank's state after the optimizer step of ``iteration`` (references; see ``MegatronStateAdapter``)."""
+    return MegatronStateAdapter(model_chunks, optimizer, scheduler, get_iteration=lambda: iteration,
+                                set_iteration=lambda _: None, extra=extra).capture()
+
+
+def apply_state(model_chunks: Any, optimizer: Any, scheduler: Any, tensors: Mapping[str, torch.Tensor],
+                meta: Mapping[str, Any], extra: Optional[MutableMapping[str, Any]] = None) -> int:
+    """Restore a ``snapshot_state`` result in place (collective); returns the snapshot's iteration."""
+    box = {}
+    MegatronStateAdapter(model_chunks, optimizer, scheduler, get_iteration=lambda: 0,
+                         set_iteration=lambda i: box.__setitem__("it", i), extra=extra).apply(tensors, meta)
+    return box["it"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-LM integration (fork-free: wraps module globals of megatron.training.training)
+# --------------------------------------------------------------------------------------------------
+
+# Counters Megatron-LM keeps on ``args`` and restores from a checkpoint (checkpointing.load_checkpoint).
+_ARGS_COUNTERS = ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples")
+
+
+class _HookState:
+    def __init__(self, runtime_factory: Callable[[ShardsafeConfig], Runtime]):
+        self.runtime_factory = runtime_factory
+        self.runtime: Optional[Runtime] = None
+        self.adapter: Optional[MegatronStateAdapter] = None
+        self.iteration = 0
+        self.flops = 0.0
+
+
+class HookHandle:
+    """Undo ``install_hooks`` (tests; a second pretrain in one process)."""
+
+    def __init__(self, module: Any, originals: dict[str, Any], state: _HookState):
+        self._module, self._originals, self.state = module, originals, state
+
+    def remove(self) -> None:
+        for k, v in self._originals.items():
+            setattr(self._module, k, v)
+        self._originals = {}
+
+
+def default_runtime_factory(cfg: ShardsafeConfig) -> Runtime:
+    """WIRING POINT: the holder runtime (shardsafe/holder, snapshot, restore) plugs in here."""
+    raise NotImplementedError("shardsafe's holder runtime is not wired into the Megatron adapter yet: pass "
+                              "runtime_factory= to shardsafe.adapters.megatron.pretrain()/install_hooks().")
+
+
+def install_hooks(runtime_factory: Callable[[ShardsafeConfig], Runtime] = default_runtime_factory, *,
+                  training_module: Any = None) -> HookHandle:
+    """Wrap ``setup_model_and_optimizer`` (restore) and ``checkpoint_and_decide_exit`` (snapshot, exit).
+
+    ``train()`` looks both up as module globals at call time, so replacing them before
+    ``pretrain()`` runs is enough; Megatron-LM is not modified. The flags must be parsed already
+    (``extra_args_provider=add_arguments``); with ``--shardsafe`` absent the wrappers only pass through.
+
+    Restore happens right after the model and optimizer exist (after any ``--load``) and before
+    the data iterators are built, so ``consumed_train_samples`` positions the data sampler.
+    """
+    if training_module is None:
+        import megatron.training.training as training_module
+    T = training_module
+    from megatron.training.global_vars import get_args
+
+    state = _HookState(runtime_factory)
+    orig_setup, orig_ckpt = T.setup_model_and_optimizer, T.checkpoint_and_decide_exit
+
+    def setup_model_and_optimizer(*a, **kw):
+        args = get_args()
+        cfg = config_from_args(args)  # ConfigError here: before the model is built or anything trains
+        model, optimizer, scheduler = orig_setup(*a, **kw)
+        if not cfg.enabled or optimizer is None:
+            return model, optimizer, scheduler
+        state.iteration = int(args.iteration)
+        state.flops = float(getattr(args, "num_floating_point_operations_so_far", 0) or 0)
+
+        def get_counters():
+            c = {k: getattr(args, k) for k in _ARGS_COUNTERS if getattr(args, k, None) is not None}
+            c["num_floating_point_operations_so_far"] = state.flops
+            return c
+
+        def set_counters(c):
+            for k in _ARGS_COUNTERS:
+                if k in c:
+                    setattr(args, k, c[k])
+            state.flops = c.get("num_floating_point_operations_so_far", state.flops)
+            args.num_floating_point_operations_so_far = state.flops
+
+        def set_iteration(i):
+            state.iteration = i
+            args.iteration = i
+
+        state.adapter = MegatronStateAdapter(model, optimizer, scheduler, get_iteration=lambda: state.iteration,
+                                             set_iteration=set_iteration, get_counters=get_counters,
+                                             set_counters=set_counters)
+        state.runtime = state.runtime_factory(cfg)
+        if cfg.restore:
+            restored = state.runtime.try_restore(state.adapter)
+            if restored is not None:
+                from megatron.core.num_microbatches_calculator import update_num_microbatches
+                update_num_microbatches(args.consumed_train_samples, consistency_check=False, verbose=True)
+                log.info("shardsafe: restored iteration %d (consumed_train_samples=%s)", restored,
+                         getattr(args, "consumed_train_samples", None))
+        return model, optimizer, scheduler
+
+    def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
+                                   num_floating_point_operations_so_far, *a, **kw):
+        if state.runtime is not None:
+            state.iteration, state.flops = int(iteration), float(num_floating_point_operations_so_far)
+            state.runtime.after_step(int(iteration), state.adapter)
+        should_exit = orig_ckpt(model, optimizer, opt_param_scheduler, iteration,
+                                num_floating_point_operations_so_far, *a, **kw)
+        if should_exit and state.runtime is not None:
+            state.runtime.on_exit(int(iteration), state.adapter)
+        return should_exit
+
+    T.setup_model_and_optimizer = setup_model_and_optimizer
+    T.checkpoint_and_decide_exit = checkpoint_and_decide_exit
+    return HookHandle(T, {"setup_model_and_optimizer": orig_setup, "checkpoint_and_decide_exit": orig_ckpt}, state)
+
+
+def pretrain(*args: Any, runtime_factory: Callable[[ShardsafeConfig], Runtime] = default_runtime_factory,
+             **kwargs: Any) -> Any:
+    """Drop-in for ``megatron.training.pretrain`` that adds shardsafe's flags and hooks.
+
+    megatron-core <= 0.17: ``pretrain(dataset_provider, model_provider, model_type, forward_step, ...)``;
+    the user's ``extra_args_provider`` (if any) is kept and shardsafe's flags are added to it.
+    megatron-core >= 0.18: ``pretrain(cfg_container, ...)`` no longer parses arguments; parse them
+    with ``parse_and_validate_args(extra_args_provider=add_arguments)`` before calling this.
+    """
+    import megatron.training.training as T
+
+    sig = inspect.signature(T.pretrain)
+    if "extra_args_provider" in sig.parameters:
+        bound = sig.bind_partial(*args, **kwargs)
+        bound.arguments["extra_args_provider"] = compose_extra_args_provider(bound.arguments.get("extra_args_provider"))
+        args, kwargs = bound.args, bound.kwargs
+    handle = install_hooks(runtime_factory, training_module=T)
+    try:
+        return T.pretrain(*args, **kwargs)
+    finally:
+        handle.remove()

@@ -1,0 +1,208 @@
+"""A tiny GPT pretrained with DeepSpeed on CPU (gloo), deterministic; used by the demo, tests and benches.
+
+    torchrun --nproc-per-node 2 examples/ds_pretrain_gpt.py --steps 50 --zero-stage 2 --dtype bf16
+    (or any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
+
+Data is a pure function of (seed, global micro-batch index, data-parallel rank), so the stream
+continues exactly from the engine's restored counters. Per optimizer step each rank appends
+``{"step", "loss" (float.hex), "attempt"}`` to RUN_DIR/losses_rank{R}.jsonl; at the end it writes
+its final rank state (payload + JSON manifest) for bit-exact comparison.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.drop = nn.Dropout(dropout)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+        y = (self.drop(att.softmax(-1)) @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.drop(self.proj(y))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int, dropout: float = 0.1):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device)))
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.ln(x)).float()
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def batch(seed: int, micro_index: int, dp_rank: int, mb: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + micro_index * 4099 + dp_rank)
+    tokens = torch.randint(vocab, (mb, seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def ds_config(a: argparse.Namespace, world: int) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": a.micro_batch,
+        "gradient_accumulation_steps": a.gas,
+        "train_batch_size": a.micro_batch * a.gas * world,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": a.zero_stage},
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+    if a.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif a.dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    if a.zero_stage == 3:
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = a.z3_persistence
+    if not a.no_shardsafe:
+        block = {"enabled": True, "interval": a.interval}
+        if a.budget_gb:
+            block["memory_budget_gb"] = a.budget_gb
+        if a.shardsafe_json:
+            block.update(json.loads(a.shardsafe_json))
+        cfg["shardsafe"] = block
+    return cfg
+
+
+def final_state(engine) -> dict[str, torch.Tensor]:
+    """Everything that must match bit for bit: the rank state plus the low-precision model params."""
+    from shardsafe.adapters.deepspeed import DeepSpeedStateAdapter
+    ad = DeepSpeedStateAdapter(engine)
+    out = dict(ad.capture().tensors)
+    o = engine.optimizer
+    lps = getattr(o, "bit16_groups_flat", None) or getattr(o, "bf16_groups_flat", None) or \
+        getattr(o, "fp16_partitioned_groups_flat", None) or []
+    for i, t in enumerate(lps):
+        out[f"lp/{i}"] = t
+    return out
+
+
+def write_state(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    from shardsafe import manifest as mf
+    entries, n = mf.layout(tensors)
+    buf = bytearray(n)
+    for e, t in zip(entries, tensors.values()):
+        b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        buf[e["offset"]: e["offset"] + len(b)] = b
+    with open(path + ".bin", "wb") as f:
+        f.write(buf)
+    with open(path + ".json", "w") as f:
+        json.dump({"entries": entries, "payload_nbytes": n}, f)
+
+
+def read_state(path: str) -> dict[str, torch.Tensor]:
+    from shardsafe import manifest as mf
+    with open(path + ".json") as f:
+        man = json.load(f)
+    with open(path + ".bin", "rb") as f:
+        buf = bytearray(f.read())
+    return {k: v.clone() for k, v in mf.views(man, buf).items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--gas", type=int, default=1, help="gradient accumulation steps")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--interval", type=int, default=1, help="shardsafe snapshot interval")
+    p.add_argument("--budget-gb", type=float, default=0.0)
+    p.add_argument("--shardsafe-json", default="", help="extra keys for the shardsafe block, as JSON")
+    p.add_argument("--no-shardsafe", action="store_true", help="plain deepspeed.initialize (the reference run)")
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--z3-persistence", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="sleep per step (simulate a slower model)")
+    p.add_argument("--out", default=os.environ.get("SHARDSAFE_RUN_DIR", ""), help="where losses and final state go")
+    a = p.parse_args(argv)
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    torch.set_num_threads(1)
+    import deepspeed
+    import deepspeed.ops
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build, no /dev/shm leak (reference §1)
+    from shardsafe.adapters.deepspeed import initialize
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=float(os.environ.get("SHARDSAFE_PG_TIMEOUT", 30))))
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(a.seed)
+    model = TinyGPT(a.vocab, a.d_model, a.layers, a.heads, a.seq)
+    torch.manual_seed(a.seed + 1 + rank)  # per-rank dropout streams: the adapter must keep RNG per rank
+    random.seed(a.seed + rank)
+    np.random.seed(a.seed + rank)
+    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=ds_config(a, world))
+    if engine.shardsafe:
+        r = engine.shardsafe.restored
+        print(f"[rank {rank}] shardsafe: {r.message} (tier {r.tier}, {r.seconds:.3f} s)", flush=True)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.dtype)
+    dp_rank = engine.mpu.get_data_parallel_rank() if engine.mpu else rank
+    attempt = int(os.environ.get("SHARDSAFE_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    losses = open(os.path.join(a.out, f"losses_rank{rank}.jsonl"), "a") if a.out else None
+    events = engine.shardsafe.runtime.events if engine.shardsafe else None
+    if events is not None:
+        events.emit("train_ready", iteration=engine.global_steps)
+    while engine.global_steps < a.steps:
+        t0 = time.perf_counter()
+        total = 0.0
+        for _ in range(a.gas):
+            x, y = batch(a.seed, engine.micro_steps, dp_rank, a.micro_batch, a.seq, a.vocab)
+            loss = engine(x, y) if dtype is None else engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        if a.step_sleep:
+            time.sleep(a.step_sleep)
+        if losses:
+            losses.write(json.dumps({"step": engine.global_steps, "loss": float(total).hex(), "attempt": attempt}) + "\n")
+            losses.flush()
+        if events is not None:
+            events.emit("iteration", iteration=engine.global_steps, seconds=time.perf_counter() - t0)
+    if engine.shardsafe:
+        engine.shardsafe.flush()
+    if a.out:
+        write_state(os.path.join(a.out, f"final_rank{rank}"), final_state(engine))
+    if engine.shardsafe:
+        engine.shardsafe.close()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

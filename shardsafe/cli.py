@@ -1,0 +1,130 @@
+"""`shardsafe holder|status|demo|tor ...` — the command-line entry point."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+
+def _setup_logging(prefix: str = "") -> None:
+    logging.basicConfig(level=os.environ.get("SHARDSAFE_LOG", "INFO"),
+                        format=f"%(asctime)s shardsafe{prefix} %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def cmd_holder(a: argparse.Namespace) -> int:
+    from shardsafe.holder.paths import HolderPaths
+    from shardsafe.holder.server import Holder
+    from shardsafe.config import ShardsafeConfig
+    cfg = ShardsafeConfig(job_id=a.job_id or ShardsafeConfig().job_id, node=a.node or ShardsafeConfig().node,
+                          holder_dir=a.holder_dir or ShardsafeConfig().holder_dir, memory_budget_gb=a.memory_budget_gb)
+    paths = HolderPaths(cfg.holder_dir, cfg.job_id, cfg.node)
+    paths.ensure_dir()
+    holder = Holder(paths, budget_bytes=cfg.memory_budget_bytes, idle_exit_s=a.idle_exit_s, run_dir=a.run_dir)
+    if not a.daemonize:
+        _setup_logging(f"[holder {cfg.node}]")
+        holder.serve(ready=lambda: print(f"holder ready: {paths.socket}", flush=True))
+        return 0
+    # Double fork + setsid: the holder must survive whatever kills the trainer's process tree.
+    r, w = os.pipe()
+    if os.fork() > 0:
+        os.close(w)
+        ok = os.read(r, 1)
+        return 0 if ok == b"1" else 1
+    os.close(r)
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    logf = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(logf, 1)
+    os.dup2(logf, 2)
+    _setup_logging(f"[holder {cfg.node}]")
+
+    def ready() -> None:
+        os.write(w, b"1")
+        os.close(w)
+    try:
+        holder.serve(ready=ready)
+    finally:
+        os._exit(0)
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    from shardsafe.config import ShardsafeConfig
+    from shardsafe.holder.client import HolderClient, HolderUnavailable
+    from shardsafe.holder.paths import HolderPaths
+    base = ShardsafeConfig()
+    root, job = a.holder_dir or base.holder_dir, a.job_id or base.job_id
+    nodes = [a.node] if a.node else HolderPaths.list_nodes(root, job)
+    out = []
+    for node in nodes:
+        try:
+            c = HolderClient(HolderPaths(root, job, node), timeout_s=5).connect()
+            out.append(c.status())
+            c.close()
+        except HolderUnavailable as e:
+            out.append({"node": node, "job_id": job, "error": str(e)})
+    if a.json:
+        print(json.dumps({"job_id": job, "holders": out}))
+        return 0
+    if not out:
+        print(f"no holder found for job {job!r} under {root}")
+        return 1
+    for h in out:
+        if "error" in h:
+            print(f"node {h['node']}: {h['error']}")
+            continue
+        print(f"node {h['node']} job {h['job_id']} pid {h['pid']}: {h['used'] / 2**20:.1f} MiB used "
+              f"of {h['budget'] / 2**20:.1f} MiB budget, {h['clients']} client(s)")
+        for rank, kinds in h["ranks"].items():
+            for kind, slots in kinds.items():
+                desc = ", ".join(f"v{s['version']} {s['state']}{' committed' if s['committed'] else ''} "
+                                 f"{s['nbytes'] / 2**20:.1f} MiB" for s in slots)
+                print(f"  rank {rank} {kind}: {desc}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardsafe", description="In-memory, erasure-coded fault tolerance for pretraining")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    h = sub.add_parser("holder", help="run the per-node snapshot holder")
+    h.add_argument("--job-id", default="")
+    h.add_argument("--node", default="")
+    h.add_argument("--holder-dir", default="")
+    h.add_argument("--memory-budget-gb", type=float, default=0.0, help="0 = half the node's RAM")
+    h.add_argument("--idle-exit-s", type=float, default=0.0, help="exit after this long without clients (0 = never)")
+    h.add_argument("--run-dir", default=os.environ.get("SHARDSAFE_RUN_DIR", ""), help="append TOR events here")
+    h.add_argument("--daemonize", action="store_true", help="detach (double fork + setsid) once serving")
+    h.set_defaults(func=cmd_holder)
+
+    s = sub.add_parser("status", help="print what each holder of a job holds")
+    s.add_argument("--job-id", default="")
+    s.add_argument("--node", default="")
+    s.add_argument("--holder-dir", default="")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+
+    try:
+        from shardsafe import demo
+        demo.register_cli(sub)
+    except ImportError:
+        pass
+    try:
+        from shardsafe import tor
+        tor.register_cli(sub)
+    except (ImportError, AttributeError):
+        pass
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    return int(a.func(a) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

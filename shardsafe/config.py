@@ -1,0 +1,120 @@
+"""One config dataclass for shardsafe, built from a DeepSpeed JSON block, Megatron CLI args or env.
+
+Every field is checked in ``__post_init__``; an error names the key, what was expected, what came,
+and what to do. Unknown keys are rejected (a typo must not silently disable protection).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A shardsafe setting is malformed or cannot be honoured."""
+
+
+def default_job_id() -> str:
+    """Scope everything by job: SLURM, torch elastic, or an explicit SHARDSAFE_JOB_ID."""
+    for var in ("SHARDSAFE_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        v = os.environ.get(var)
+        if v and v != "none":
+            return v
+    return "local"
+
+
+def default_node_name() -> str:
+    """The failure domain this process lives in (simulated nodes set SHARDSAFE_NODE)."""
+    return os.environ.get("SHARDSAFE_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def default_holder_dir() -> str:
+    if os.environ.get("SHARDSAFE_HOLDER_DIR"):
+        return os.environ["SHARDSAFE_HOLDER_DIR"]
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return os.path.join(base, f"shardsafe-{os.getuid()}")
+
+
+@dataclass(kw_only=True)
+class ShardsafeConfig:
+    enabled: bool = True
+    """Switch protection on. With false the adapters return the framework's objects untouched."""
+    interval: int = 1
+    """Snapshot every `interval` optimizer steps (1 = every iteration)."""
+    memory_budget_gb: float = 0.0
+    """Holder memory budget in GiB for the whole node (0 = half of the node's RAM)."""
+    holder_dir: str = field(default_factory=default_holder_dir)
+    """Directory for the holder's socket, lock and pid files (created 0700)."""
+    job_id: str = field(default_factory=default_job_id)
+    """Scopes sockets and shared memory; two jobs on one node never see each other."""
+    node: str = field(default_factory=default_node_name)
+    """Failure-domain name of this process (hostname by default)."""
+    start_holder: bool = True
+    """Start a detached holder when none is running for this node and job."""
+    restore: bool = True
+    """Restore from the newest recoverable snapshot at start."""
+    parity_shards: int = 1
+    """m: members of a parity group that may be lost (Reed-Solomon parity shares)."""
+    parity_group_size: int = 0
+    """n: members per parity group (0 = the data-parallel size capped at 8; 1 disables parity)."""
+    timeout_s: float = 60.0
+    """How long a holder request or the background agreement may take before the snapshot is skipped."""
+    run_dir: str = ""
+    """Where trainers append TOR events (events.jsonl); empty = SHARDSAFE_RUN_DIR or no event log."""
+
+    def __post_init__(self) -> None:
+        _check_type(self)
+        if self.interval < 1:
+            raise ConfigError(f"shardsafe.interval must be an integer >= 1 (snapshot every N steps); got {self.interval}. "
+                              "Use 1 to snapshot every iteration.")
+        if self.memory_budget_gb < 0:
+            raise ConfigError(f"shardsafe.memory_budget_gb must be >= 0 GiB (0 = half the node's RAM); got {self.memory_budget_gb}.")
+        if self.parity_shards < 1:
+            raise ConfigError(f"shardsafe.parity_shards (m) must be >= 1; got {self.parity_shards}.")
+        if self.parity_group_size < 0:
+            raise ConfigError(f"shardsafe.parity_group_size (n) must be >= 0; got {self.parity_group_size}.")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"shardsafe.timeout_s must be > 0 seconds; got {self.timeout_s}.")
+        for key in ("job_id", "node"):
+            v = getattr(self, key)
+            if not v or any(c in v for c in "/\0") or len(v) > 64:
+                raise ConfigError(f"shardsafe.{key} must be 1-64 characters without '/'; got {v!r}.")
+        if not self.run_dir:
+            self.run_dir = os.environ.get("SHARDSAFE_RUN_DIR", "")
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        if self.memory_budget_gb == 0:
+            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
+        return int(self.memory_budget_gb * (1 << 30))
+
+    @classmethod
+    def from_dict(cls, block: Mapping[str, Any] | None, *, where: str = '"shardsafe" block') -> "ShardsafeConfig":
+        """Build from a JSON-like mapping (the DeepSpeed block). Unknown keys are errors."""
+        if block is None:
+            return cls(enabled=False)
+        if not isinstance(block, Mapping):
+            raise ConfigError(f"the {where} must be a JSON object, got {type(block).__name__}: {block!r}.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(block) - known)
+        if unknown:
+            raise ConfigError(f"unknown key(s) {unknown} in the {where}; valid keys are {sorted(known)}.")
+        return cls(**dict(block))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_TYPES = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}
+
+
+def _check_type(cfg: ShardsafeConfig) -> None:
+    hints = {"bool": bool, "int": int, "float": float, "str": str}
+    for f in fields(cfg):
+        want = hints[f.type] if isinstance(f.type, str) else f.type
+        v = getattr(cfg, f.name)
+        ok = isinstance(v, _TYPES[want]) and not (want in (int, float) and isinstance(v, bool))
+        if not ok:
+            raise ConfigError(f"shardsafe.{f.name} must be of type {want.__name__}; got {type(v).__name__} {v!r}.")

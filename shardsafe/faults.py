@@ -1,0 +1,91 @@
+"""Deterministic fault injection for demos and tests (real SIGKILL/SIGSTOP, at seeded points).
+
+Spec: ``SHARDSAFE_INJECT="kill-rank:1@30;kill-copy:0@55"``. Fault j applies to restart attempt j
+(attempt = SHARDSAFE_ATTEMPT or torch elastic's TORCHELASTIC_RESTART_COUNT), so one job can take
+several successive failures. Kinds handled inside trainers:
+  kill-rank:R@S   SIGKILL rank R at the start of optimizer step S (after its backward pass)
+  kill-copy:R@S   SIGKILL rank R halfway through copying snapshot version S (a torn write)
+  hang-rank:R@S   SIGSTOP rank R at the start of optimizer step S (detected by the launcher's timeout)
+  kill-node:N@S   handled by the launcher (kills node N's trainers and holder at step S)
+"""
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+
+class FaultKind(enum.Enum):
+    KILL_RANK = "kill-rank"
+    KILL_COPY = "kill-copy"
+    HANG_RANK = "hang-rank"
+    KILL_NODE = "kill-node"
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: FaultKind
+    target: str     # rank number or node name
+    step: int
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}:{self.target}@{self.step}"
+
+
+def parse(spec: str) -> list[Fault]:
+    out = []
+    for part in filter(None, (p.strip() for p in spec.replace(",", ";").split(";"))):
+        try:
+            kind, rest = part.split(":", 1)
+            target, step = rest.rsplit("@", 1)
+            out.append(Fault(FaultKind(kind), target, int(step)))
+        except ValueError:
+            raise ValueError(f"bad fault spec {part!r}: expected KIND:TARGET@STEP with KIND in "
+                             f"{[k.value for k in FaultKind]}, e.g. kill-rank:1@30") from None
+    return out
+
+
+def current_attempt() -> int:
+    return int(os.environ.get("SHARDSAFE_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def _record(kind: str, rank: int, step: int) -> None:
+    """Leave the true fault time for TOR's detection accounting before dying."""
+    run_dir = os.environ.get("SHARDSAFE_RUN_DIR")
+    if run_dir:
+        try:
+            from shardsafe.tor import EventLog
+            EventLog(run_dir, source="trainer", rank=rank, attempt=current_attempt()).emit(
+                "fault_injected", fault=kind, step=step, t_fault=time.time())
+        except Exception:
+            pass
+
+
+class Injector:
+    """The fault (if any) this rank must suffer in this attempt."""
+
+    def __init__(self, rank: int, spec: str | None = None, attempt: int | None = None):
+        faults = parse(os.environ.get("SHARDSAFE_INJECT", "") if spec is None else spec)
+        attempt = current_attempt() if attempt is None else attempt
+        f = faults[attempt] if attempt < len(faults) else None
+        self.rank = rank
+        self.fault = f if f is not None and f.kind != FaultKind.KILL_NODE and f.target == str(rank) else None
+
+    def before_step(self, step: int) -> None:
+        f = self.fault
+        if f is None or f.step != step:
+            return
+        if f.kind == FaultKind.KILL_RANK:
+            _record(str(f), self.rank, step)
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif f.kind == FaultKind.HANG_RANK:
+            _record(str(f), self.rank, step)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def copy_progress(self, version: int, fraction: float) -> None:
+        f = self.fault
+        if f is not None and f.kind == FaultKind.KILL_COPY and f.step == version and fraction >= 0.5:
+            _record(str(f), self.rank, version)
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,183 @@
+"""Trainer-side client of the node's holder, and the detached start of a holder when none runs."""
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from .paths import HolderPaths
+from .protocol import HolderError, ProtocolError, recv_msg, send_msg
+
+log = logging.getLogger("shardsafe.holder")
+
+
+class HolderUnavailable(RuntimeError):
+    """No holder answers for this job and node."""
+
+
+class HolderClient:
+    """One connection to the holder. Thread-safe: the snapshot worker and the main thread share it.
+
+    Writable mappings are cached per slot id: re-mapping a 1 GiB segment every snapshot would pay
+    the page-table faults again.
+    """
+
+    def __init__(self, paths: HolderPaths, *, timeout_s: float = 60.0):
+        self.paths = paths
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._maps: dict[int, mmap.mmap] = {}
+
+    # ---- connection -------------------------------------------------------------------------------
+    def connect(self) -> "HolderClient":
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout_s)
+        try:
+            s.connect(self.paths.socket)
+        except OSError as e:
+            s.close()
+            raise HolderUnavailable(f"no holder for job {self.paths.job_id!r} on node {self.paths.node!r} "
+                                    f"at {self.paths.socket} ({e.strerror or e})") from None
+        self._sock = s
+        self.request("hello", job_id=self.paths.job_id)
+        return self
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            try:
+                m.close()
+            except BufferError:
+                pass
+        self._maps.clear()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def request(self, op: str, **kw: Any) -> tuple[dict, list[int]]:
+        with self._lock:
+            if self._sock is None:
+                raise HolderUnavailable(f"not connected to the holder of node {self.paths.node!r}")
+            try:
+                send_msg(self._sock, {"op": op, **kw})
+                resp, fds = recv_msg(self._sock)
+            except (ProtocolError, OSError) as e:
+                self._sock.close()
+                self._sock = None
+                raise HolderUnavailable(f"holder of node {self.paths.node!r} went away during {op!r}: {e}") from None
+        if not resp.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            raise HolderError(resp.get("code", "error"), resp.get("error", "unknown holder error"))
+        return resp, fds
+
+    # ---- operations -------------------------------------------------------------------------------
+    def acquire(self, *, rank: int, version: int, nbytes: int, kind: str = "data") -> tuple[int, mmap.mmap]:
+        """A writable mapping of at least ``nbytes`` for ``version`` (pre-faulted, reused)."""
+        resp, fds = self.request("acquire", rank=rank, version=version, nbytes=nbytes, kind=kind)
+        slot, cap = resp["slot"], resp["capacity"]
+        try:
+            m = self._maps.get(slot)
+            if m is None:
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                m = mmap.mmap(fds[0], cap, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+                self._maps[slot] = m
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return slot, m
+
+    def forget_mapping(self, slot: int) -> None:
+        m = self._maps.pop(slot, None)
+        if m is not None:
+            try:
+                m.close()
+            except BufferError:
+                pass
+
+    def seal(self, *, rank: int, version: int, manifest: dict, kind: str = "data") -> None:
+        self.request("seal", rank=rank, version=version, manifest=manifest, kind=kind)
+
+    def commit(self, *, ranks: list[int], version: int, kind: str = "data") -> None:
+        self.request("commit", ranks=ranks, version=version, kind=kind)
+
+    def list(self, rank: int | None = None) -> dict[str, Any]:
+        return self.request("list", **({} if rank is None else {"rank": rank}))[0]["ranks"]
+
+    def sealed_versions(self, rank: int, kind: str = "data") -> list[int]:
+        info = self.list(rank).get(str(rank), {}).get(kind, [])
+        return sorted(s["version"] for s in info if s["state"] == "sealed")
+
+    def open(self, *, rank: int, version: int, kind: str = "data") -> tuple[dict, mmap.mmap]:
+        """(manifest, read-only mapping) of a sealed version. The caller closes the mapping."""
+        resp, fds = self.request("open", rank=rank, version=version, kind=kind)
+        try:
+            size = os.fstat(fds[0]).st_size
+            m = mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return resp["manifest"], m
+
+    def drop(self, *, rank: int | None = None, ranks: list[int] | None = None, version: int | None = None,
+             kind: str = "data") -> int:
+        kw: dict[str, Any] = {"kind": kind, "ranks": ranks if ranks is not None else [rank]}
+        if version is not None:
+            kw["version"] = version
+        return self.request("drop", **kw)[0]["freed"]
+
+    def status(self) -> dict:
+        return self.request("status")[0]
+
+    def shutdown(self) -> None:
+        self.request("shutdown")
+
+
+def holder_command(paths: HolderPaths, *, budget_gb: float, idle_exit_s: float = 0.0, run_dir: str = "",
+                   daemonize: bool = False) -> list[str]:
+    cmd = [sys.executable, "-m", "shardsafe.cli", "holder", "--job-id", paths.job_id, "--node", paths.node,
+           "--holder-dir", paths.root, "--memory-budget-gb", repr(float(budget_gb))]
+    if idle_exit_s:
+        cmd += ["--idle-exit-s", repr(float(idle_exit_s))]
+    if run_dir:
+        cmd += ["--run-dir", run_dir]
+    if daemonize:
+        cmd.append("--daemonize")
+    return cmd
+
+
+def connect_or_start(paths: HolderPaths, *, budget_gb: float, start: bool, timeout_s: float = 60.0,
+                     idle_exit_s: float = 1800.0, run_dir: str = "") -> HolderClient:
+    """Connect to the node's holder; if none runs and ``start``, start one detached first.
+
+    Several local ranks may race here: an flock on the job directory makes exactly one of them
+    start the holder. The holder double-forks and ``setsid``s, so neither torchrun's process-group
+    kill nor the deepspeed launcher's tree kill reaches it (reference/deepspeed.md §8).
+    """
+    try:
+        return HolderClient(paths, timeout_s=timeout_s).connect()
+    except HolderUnavailable:
+        if not start:
+            raise
+    paths.ensure_dir()
+    with open(paths.lock, "a") as lk:
+        fcntl.flock(lk, fcntl.LOCK_EX)
+        try:
+            return HolderClient(paths, timeout_s=timeout_s).connect()
+        except HolderUnavailable:
+            pass
+        cmd = holder_command(paths, budget_gb=budget_gb, idle_exit_s=idle_exit_s, run_dir=run_dir, daemonize=True)
+        log.info("starting a detached holder for job %s on node %s", paths.job_id, paths.node)
+        t0 = time.monotonic()
+        rc = subprocess.run(cmd, stdin=subprocess.DEVNULL, timeout=timeout_s, start_new_session=True).returncode
+        if rc != 0:
+            raise HolderUnavailable(f"starting the holder failed (exit {rc}); see {paths.log}")
+        log.info("holder ready in %.2f s", time.monotonic() - t0)
+        return HolderClient(paths, timeout_s=timeout_s).connect()

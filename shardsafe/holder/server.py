@@ -1,0 +1,313 @@
+"""The holder daemon: one per (job, node); owns snapshot memory and outlives crashed trainers.
+
+State per (rank, kind): at most two slots. A slot is ``writing`` (acquired, maybe torn),
+``sealed`` (complete, with its manifest) and possibly ``committed`` (all ranks agreed). The slot
+holding a rank's newest committed version is never handed out for writing, so a crash at any
+moment leaves that version intact. Memory stays inside the budget; an over-budget request gets
+an error naming the bytes needed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .paths import HolderPaths
+from .protocol import HolderError, ProtocolError, recv_msg, send_msg
+from .segments import Segment, round_size
+
+log = logging.getLogger("shardsafe.holder")
+
+KINDS = ("data", "parity", "manifest")
+MAX_SLOTS = 2
+
+
+@dataclass
+class Slot:
+    slot_id: int
+    seg: Segment
+    version: int = -1
+    state: str = "free"        # free | writing | sealed
+    committed: bool = False
+    manifest: dict | None = None
+    nbytes: int = 0            # bytes the writer asked for (payload size)
+    sealed_at: float = 0.0
+
+    def info(self) -> dict[str, Any]:
+        return {"slot": self.slot_id, "version": self.version, "state": self.state, "committed": self.committed,
+                "nbytes": self.nbytes, "capacity": self.seg.size}
+
+
+@dataclass
+class RankEntry:
+    slots: dict[str, list[Slot]] = field(default_factory=lambda: {k: [] for k in KINDS})
+    last_committed: dict[str, int] = field(default_factory=lambda: {k: -1 for k in KINDS})
+
+
+class Holder:
+    def __init__(self, paths: HolderPaths, *, budget_bytes: int, idle_exit_s: float = 0.0,
+                 run_dir: str = ""):
+        self.paths = paths
+        self.budget = int(budget_bytes)
+        self.idle_exit_s = idle_exit_s
+        self.ranks: dict[int, RankEntry] = {}
+        self.lock = threading.RLock()
+        self._next_slot = 1
+        self._stop = threading.Event()
+        self._clients = 0
+        self._last_activity = time.monotonic()
+        self.started = time.time()
+        self._events = None
+        if run_dir:
+            try:
+                from shardsafe.tor import EventLog
+                self._events = EventLog(run_dir, source="holder", node=paths.node)
+            except Exception as e:  # accounting never takes the holder down
+                log.warning("TOR event log unavailable: %s", e)
+
+    # ---- accounting -------------------------------------------------------------------------------
+    def used_bytes(self) -> int:
+        return sum(s.seg.size for r in self.ranks.values() for lst in r.slots.values() for s in lst)
+
+    def _emit(self, kind: str, **f: Any) -> None:
+        if self._events is not None:
+            self._events.emit(kind, **f)
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def _entry(self, rank: int) -> RankEntry:
+        if not isinstance(rank, int) or rank < 0:
+            raise HolderError("bad_request", f"rank must be a non-negative integer, got {rank!r}")
+        return self.ranks.setdefault(rank, RankEntry())
+
+    @staticmethod
+    def _kind(req: dict) -> str:
+        kind = req.get("kind", "data")
+        if kind not in KINDS:
+            raise HolderError("bad_request", f"kind must be one of {KINDS}, got {kind!r}")
+        return kind
+
+    def acquire(self, req: dict) -> tuple[dict, list[int]]:
+        rank, kind, version, nbytes = req["rank"], self._kind(req), int(req["version"]), int(req["nbytes"])
+        if nbytes < 0:
+            raise HolderError("bad_request", f"nbytes must be >= 0, got {nbytes}")
+        with self.lock:
+            ent = self._entry(rank)
+            slots = ent.slots[kind]
+            protected = ent.last_committed[kind]
+            # Candidates: never the slot of the newest committed version; prefer the oldest other one.
+            # Rewriting a version (a restarted job replays it) invalidates the old copy of it, committed or not.
+            same = [s for s in slots if s.version == version]
+            cands = [s for s in slots if not (s.committed and s.version == protected)]
+            slot = same[0] if same else (min(cands, key=lambda s: (s.state != "free", s.version)) if cands else None)
+            if same and same[0].committed:
+                same[0].committed = False
+                ent.last_committed[kind] = max([s.version for s in slots if s.committed], default=-1)
+            need = round_size(nbytes)
+            if slot is None and len(slots) >= MAX_SLOTS:
+                raise HolderError("state", f"rank {rank} already has {MAX_SLOTS} {kind} slots and none may be overwritten")
+            if slot is not None and slot.seg.size < need:
+                self._check_budget(need - slot.seg.size, rank, nbytes)
+                slots.remove(slot)
+                slot.seg.close()
+                slot = None
+            if slot is None:
+                self._check_budget(need, rank, nbytes)
+                seg = Segment(f"shardsafe.{self.paths.job_id}.{self.paths.node}.r{rank}.{kind}.{self._next_slot}", need)
+                slot = Slot(self._next_slot, seg)
+                self._next_slot += 1
+                slots.append(slot)
+            slot.version, slot.state, slot.committed, slot.manifest, slot.nbytes = version, "writing", False, None, nbytes
+            return {"slot": slot.slot_id, "capacity": slot.seg.size}, [slot.seg.fd]
+
+    def _check_budget(self, extra: int, rank: int, nbytes: int) -> None:
+        used = self.used_bytes()
+        if used + extra > self.budget:
+            gib = (used + extra) / (1 << 30)
+            raise HolderError(
+                "budget",
+                f"holder on node {self.paths.node} (job {self.paths.job_id}) cannot hold {nbytes} bytes for rank {rank}: "
+                f"{used} bytes in use + {extra} needed > budget {self.budget} bytes. "
+                f"Raise memory_budget_gb (--memory-budget-gb) to at least {gib:.3f} GiB "
+                f"(two versions per rank are kept), or snapshot less often.")
+
+    def _find(self, rank: int, kind: str, version: int, states: tuple[str, ...]) -> Slot:
+        ent = self.ranks.get(rank)
+        for s in (ent.slots[kind] if ent else []):
+            if s.version == version and s.state in states:
+                return s
+        raise HolderError("not_found", f"node {self.paths.node} holds no {'/'.join(states)} {kind} version {version} "
+                                       f"for rank {rank}")
+
+    def seal(self, req: dict) -> dict:
+        rank, kind, version = req["rank"], self._kind(req), int(req["version"])
+        manifest = req.get("manifest")
+        if not isinstance(manifest, dict):
+            raise HolderError("bad_request", "seal needs a JSON object manifest")
+        with self.lock:
+            s = self._find(rank, kind, version, ("writing",))
+            s.state, s.manifest, s.sealed_at = "sealed", manifest, time.time()
+        return {}
+
+    def commit(self, req: dict) -> dict:
+        """Mark ``version`` committed for the given ranks; older versions become overwritable."""
+        kind, version = self._kind(req), int(req["version"])
+        with self.lock:
+            for rank in req["ranks"]:
+                s = self._find(rank, kind, version, ("sealed",))
+                s.committed = True
+                ent = self.ranks[rank]
+                ent.last_committed[kind] = max(ent.last_committed[kind], version)
+        return {}
+
+    def list(self, req: dict) -> dict:
+        want = req.get("rank")
+        with self.lock:
+            out = {}
+            for rank, ent in sorted(self.ranks.items()):
+                if want is not None and rank != want:
+                    continue
+                out[str(rank)] = {k: [s.info() for s in sorted(lst, key=lambda s: s.version)] for k, lst in ent.slots.items() if lst}
+            return {"ranks": out}
+
+    def open(self, req: dict) -> tuple[dict, list[int]]:
+        rank, kind, version = req["rank"], self._kind(req), int(req["version"])
+        with self.lock:
+            s = self._find(rank, kind, version, ("sealed",))
+            return {"slot": s.slot_id, "manifest": s.manifest, "nbytes": s.nbytes, "committed": s.committed}, [s.seg.readonly_fd()]
+
+    def drop(self, req: dict) -> dict:
+        kind = self._kind(req)
+        ranks = req["ranks"] if "ranks" in req else [req["rank"]]
+        version = req.get("version")
+        freed = 0
+        with self.lock:
+            for rank in ranks:
+                ent = self.ranks.get(rank)
+                if not ent:
+                    continue
+                keep = []
+                for s in ent.slots[kind]:
+                    if version is None or s.version == int(version):
+                        freed += s.seg.size
+                        s.seg.close()
+                    else:
+                        keep.append(s)
+                ent.slots[kind] = keep
+                if version is None or ent.last_committed[kind] == version:
+                    ent.last_committed[kind] = max([s.version for s in keep if s.committed], default=-1)
+        return {"freed": freed}
+
+    def status(self, req: dict) -> dict:
+        with self.lock:
+            return {"job_id": self.paths.job_id, "node": self.paths.node, "pid": os.getpid(),
+                    "budget": self.budget, "used": self.used_bytes(), "started": self.started,
+                    "clients": self._clients, **self.list({})}
+
+    def handle(self, req: dict) -> tuple[dict, list[int]]:
+        op = req.get("op")
+        if op in ("acquire", "open"):
+            return getattr(self, op)(req)
+        if op in ("seal", "commit", "list", "drop", "status"):
+            return getattr(self, op)(req), []
+        if op == "hello":
+            if req.get("job_id") != self.paths.job_id:
+                raise HolderError("job", f"this holder serves job {self.paths.job_id!r}, not {req.get('job_id')!r}")
+            return {"node": self.paths.node, "pid": os.getpid()}, []
+        if op == "shutdown":
+            self._stop.set()
+            return {}, []
+        raise HolderError("bad_request", f"unknown op {op!r}")
+
+    # ---- serving ----------------------------------------------------------------------------------
+    def _serve_conn(self, conn: socket.socket) -> None:
+        with self.lock:
+            self._clients += 1
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+            uid = int.from_bytes(creds[4:8], "little")
+            if uid != os.getuid():  # the 0600 socket already stops this; belt and braces
+                log.warning("refused a connection from uid %d", uid)
+                return
+            while not self._stop.is_set():
+                try:
+                    req, fds = recv_msg(conn)
+                except (ProtocolError, ConnectionError, OSError):
+                    return
+                for fd in fds:  # clients never send fds
+                    os.close(fd)
+                self._last_activity = time.monotonic()
+                try:
+                    resp, out_fds = self.handle(req)
+                    resp = {"ok": True, **resp}
+                except HolderError as e:
+                    resp, out_fds = {"ok": False, "code": e.code, "error": str(e)}, []
+                except (KeyError, TypeError, ValueError) as e:
+                    resp, out_fds = {"ok": False, "code": "bad_request", "error": f"malformed request {req.get('op')!r}: {e!r}"}, []
+                except OSError as e:  # fallocate ENOSPC/ENOMEM: the node is out of memory
+                    resp, out_fds = {"ok": False, "code": "budget", "error": f"holder on node {self.paths.node} could not allocate: {e}"}, []
+                try:
+                    send_msg(conn, resp, out_fds)
+                except OSError:
+                    return
+                finally:
+                    if req.get("op") == "open":
+                        for fd in out_fds:
+                            os.close(fd)
+        finally:
+            with self.lock:
+                self._clients -= 1
+            conn.close()
+
+    def serve(self, ready: Callable[[], None] | None = None) -> None:
+        self.paths.ensure_dir()
+        try:
+            os.unlink(self.paths.socket)
+        except FileNotFoundError:
+            pass
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket is created 0600: only this user may connect
+        try:
+            srv.bind(self.paths.socket)
+        finally:
+            os.umask(old)
+        os.chmod(self.paths.socket, 0o600)
+        srv.listen(256)
+        srv.settimeout(0.5)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stop.set())
+        self._emit("holder_start", budget=self.budget, pid=os.getpid())
+        log.info("holder for job %s node %s serving on %s (budget %d bytes)", self.paths.job_id, self.paths.node,
+                 self.paths.socket, self.budget)
+        if ready:
+            ready()
+        try:
+            while not self._stop.is_set():
+                try:
+                    conn, _ = srv.accept()
+                except socket.timeout:
+                    if (self.idle_exit_s > 0 and self._clients == 0
+                            and time.monotonic() - self._last_activity > self.idle_exit_s):
+                        log.info("no client for %.0f s: exiting", self.idle_exit_s)
+                        break
+                    continue
+                conn.settimeout(None)
+                threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
+        finally:
+            srv.close()
+            try:
+                os.unlink(self.paths.socket)
+            except FileNotFoundError:
+                pass
+            with self.lock:
+                for ent in self.ranks.values():
+                    for lst in ent.slots.values():
+                        for s in lst:
+                            s.seg.close()
+                self.ranks.clear()
+            self._emit("holder_stop")
+            log.info("holder stopped; memory freed")

@@ -1,0 +1,101 @@
+"""The per-rank shardsafe runtime shared by the engine adapters.
+
+It connects to (or starts) the node's holder, creates the snapshot agreement group, restores at
+start, and snapshots after optimizer steps. Adapters only supply a :class:`StateAdapter` and call
+``before_step`` / ``after_step``. Nothing here raises into the training loop once training runs:
+snapshot failures are logged, recorded as TOR events and skipped.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+from .config import ShardsafeConfig
+from .faults import Injector, current_attempt
+from .holder.client import HolderClient, HolderUnavailable, connect_or_start
+from .holder.paths import HolderPaths
+from .restore import Collectives, RestoreResult, restore_from_holder
+from .snapshot import GlooAgreement, LocalAgreement, SnapshotPipeline
+from .state import StateAdapter
+
+log = logging.getLogger("shardsafe")
+
+
+class _NoEvents:
+    def emit(self, kind: str, **fields: Any) -> None:
+        pass
+
+
+def _event_log(cfg: ShardsafeConfig, rank: int):
+    if not cfg.run_dir:
+        return _NoEvents()
+    try:
+        from .tor import EventLog
+        return EventLog(cfg.run_dir, source="trainer", rank=rank, node=cfg.node, attempt=current_attempt())
+    except Exception as e:  # accounting never takes training down
+        log.warning("[rank %d] TOR event log unavailable: %s", rank, e)
+        return _NoEvents()
+
+
+class Runtime:
+    """Args:
+        cfg: the validated shardsafe config.
+        rank, world_size: global rank and size (torch.distributed must be initialised when world_size > 1).
+    """
+
+    def __init__(self, cfg: ShardsafeConfig, *, rank: int, world_size: int):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.events = _event_log(cfg, rank)
+        self.injector = Injector(rank)
+        self.paths = HolderPaths(cfg.holder_dir, cfg.job_id, cfg.node)
+        self.client: Optional[HolderClient] = None
+        try:
+            self.client = connect_or_start(self.paths, budget_gb=cfg.memory_budget_gb, start=cfg.start_holder,
+                                           timeout_s=cfg.timeout_s, run_dir=cfg.run_dir)
+        except (HolderUnavailable, OSError) as e:
+            log.warning("[rank %d] no holder for job %s on node %s (%s): training runs unprotected", rank,
+                        cfg.job_id, cfg.node, e)
+        group = None
+        if world_size > 1:
+            import torch.distributed as dist
+            # A dedicated gloo group: snapshot votes run in a background thread, never on the
+            # training communicator (NCCL on GPU), and time out on their own.
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
+        self.coll = Collectives(group, world_size)
+        self.pipeline = SnapshotPipeline(
+            self.client, rank=rank, world_size=world_size, node=cfg.node,
+            agreement=GlooAgreement(group) if world_size > 1 else LocalAgreement(),
+            on_progress=self.injector.copy_progress, on_event=self.events.emit, reconnect=self._reconnect)
+        self.restored: RestoreResult | None = None
+
+    def _reconnect(self) -> HolderClient:
+        return HolderClient(self.paths, timeout_s=self.cfg.timeout_s).connect()
+
+    # ---- the three calls adapters make ------------------------------------------------------------
+    def try_restore(self, adapter: StateAdapter) -> RestoreResult:
+        if not self.cfg.restore:
+            self.restored = RestoreResult(message="restore disabled by config")
+            return self.restored
+        self.restored = restore_from_holder(adapter, self.client, rank=self.rank, coll=self.coll,
+                                            on_event=self.events.emit)
+        if self.rank == 0:
+            log.info("[rank 0] %s (%.3f s)", self.restored.message, self.restored.seconds)
+        return self.restored
+
+    def before_step(self, step: int) -> float:
+        """Call before the optimizer step ``step`` mutates the state. Returns the stall in seconds."""
+        self.injector.before_step(step)
+        return self.pipeline.wait_copied()
+
+    def after_step(self, step: int, adapter: StateAdapter) -> None:
+        if step % self.cfg.interval != 0:
+            return
+        self.pipeline.submit(step, adapter.capture())
+
+    def close(self) -> None:
+        self.pipeline.close()
+        if self.client is not None:
+            self.client.close()

@@ -1,0 +1,295 @@
+"""Asynchronous snapshot pipeline: rank state -> holder slot, checksummed, sealed, agreed, committed.
+
+One background worker per rank processes snapshot jobs in order:
+  acquire slot -> copy tensors (CPU: torch copy in this thread; GPU: D2H on a side stream into
+  cudaHostRegister'ed shared memory) -> [copied] -> xxh3 per segment -> seal with manifest
+  -> agreement (all ranks sealed?) -> commit.
+The training loop only waits for [copied] before the next optimizer step mutates the state;
+that wait (and waiting for a previous job still in flight) is the *stall*, recorded per version.
+Every due version goes through agreement on every rank, even when this rank's copy failed
+(it votes "not ok"): the background collectives stay aligned across ranks, and a failed
+snapshot never takes training down.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+from . import manifest as mf
+from .holder.client import HolderClient, HolderUnavailable
+from .holder.protocol import HolderError
+from .state import RankState
+
+log = logging.getLogger("shardsafe.snapshot")
+
+
+class Agreement(Protocol):
+    def all_ok(self, version: int, ok: bool) -> bool:
+        """True iff every rank voted ok for the same version (a collective: all ranks call it in order)."""
+
+
+class GlooAgreement:
+    """Votes over a dedicated gloo group, used only by snapshot workers (off the training path)."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def all_ok(self, version: int, ok: bool) -> bool:
+        import torch.distributed as dist
+        t = torch.tensor([1 if ok else 0, version, -version], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t[0] == 1 and t[1] == version and -t[2] == version)
+
+
+class LocalAgreement:
+    """Single-rank jobs: my vote is the decision."""
+
+    def all_ok(self, version: int, ok: bool) -> bool:
+        return ok
+
+
+@dataclass
+class SnapshotStats:
+    version: int
+    nbytes: int = 0
+    stall_s: float = 0.0
+    copy_s: float = 0.0
+    hash_s: float = 0.0
+    committed: bool = False
+    error: str = ""
+
+
+@dataclass
+class _Job:
+    version: int
+    state: RankState
+    entries: list
+    nbytes: int
+    copied: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    cuda_ready: Any = None      # torch.cuda.Event recorded on the compute stream at submit
+    cuda_done: Any = None       # torch.cuda.Event recorded on the side stream after the copies
+    stats: SnapshotStats = None  # type: ignore[assignment]
+
+
+class SnapshotPipeline:
+    """Args:
+        client: connection to this node's holder (or None: every snapshot is skipped with a reason).
+        rank, world_size, node: identity written into manifests.
+        agreement: how ranks agree that a version is complete everywhere.
+        on_progress: fault-injection hook called as ``on_progress(version, fraction_copied)``.
+        on_event: ``on_event(kind, **fields)`` for the TOR log.
+    """
+
+    def __init__(self, client: Optional[HolderClient], *, rank: int, world_size: int, node: str,
+                 agreement: Agreement, on_progress: Callable[[int, float], None] | None = None,
+                 on_event: Callable[..., None] | None = None, reconnect: Callable[[], HolderClient] | None = None):
+        self.client = client
+        self.rank, self.world_size, self.node = rank, world_size, node
+        self.agreement = agreement
+        self.on_progress = on_progress
+        self.on_event = on_event or (lambda kind, **f: None)
+        self.reconnect = reconnect
+        self.history: list[SnapshotStats] = []
+        self.last_committed = -1
+        self._q: "queue.Queue[_Job | None]" = queue.Queue()
+        self._inflight: Optional[_Job] = None
+        self._broken = False
+        self._warned: set[str] = set()
+        self._side_stream = None
+        self._registered: set[int] = set()
+        self._worker = threading.Thread(target=self._run, name=f"shardsafe-snapshot-r{rank}", daemon=True)
+        self._worker.start()
+
+    # ---- training-loop side -----------------------------------------------------------------------
+    def submit(self, version: int, state: RankState) -> None:
+        """Queue a snapshot of ``state`` (live tensors) for ``version``. Waits for a previous job still in flight."""
+        t0 = time.perf_counter()
+        prev = self._inflight
+        if prev is not None:
+            # A previous snapshot still in flight blocks this one: that wait is its stall too.
+            prev.done.wait()
+            prev.stats.stall_s += time.perf_counter() - t0
+            self._report(prev)
+        t0 = time.perf_counter()
+        tensors = {n: (t.detach() if t.is_contiguous() else t.detach().contiguous()) for n, t in state.tensors.items()}
+        entries, nbytes = mf.layout(tensors)
+        job = _Job(version, RankState(tensors, state.meta), entries, nbytes, stats=SnapshotStats(version, nbytes))
+        if any(t.is_cuda for t in tensors.values()):
+            job.cuda_ready = torch.cuda.Event()
+            job.cuda_ready.record()
+        job.stats.stall_s += time.perf_counter() - t0
+        self._inflight = job
+        self._q.put(job)
+
+    def wait_copied(self) -> float:
+        """Block until the in-flight copy no longer needs the live tensors; return the seconds blocked."""
+        job = self._inflight
+        if job is None or job.copied.is_set() and job.cuda_done is None:
+            return 0.0
+        t0 = time.perf_counter()
+        job.copied.wait()
+        if job.cuda_done is not None:
+            # GPU: the next optimizer step's kernels wait for the D2H copy on the device, not the CPU.
+            torch.cuda.current_stream().wait_event(job.cuda_done)
+            job.cuda_done = None
+        dt = time.perf_counter() - t0
+        job.stats.stall_s += dt
+        return dt
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued snapshot is sealed/agreed; True if the last one committed."""
+        job = self._inflight
+        if job is None:
+            return True
+        job.done.wait(timeout)
+        return job.stats.committed
+
+    def close(self) -> None:
+        self.flush()
+        if self._inflight is not None:
+            self._report(self._inflight)
+            self._inflight = None
+        self._q.put(None)
+        self._worker.join(timeout=10)
+
+    def _report(self, job: _Job) -> None:
+        st = job.stats
+        self.on_event("snapshot", version=st.version, stall_s=st.stall_s, copy_s=st.copy_s, hash_s=st.hash_s,
+                      bytes=st.nbytes, committed=st.committed)
+
+    # ---- worker side ------------------------------------------------------------------------------
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("[rank %d] %s", self.rank, msg)
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                self._process(job)
+            except BaseException as e:  # never let the worker die silently: training must go on
+                job.stats.error = job.stats.error or f"{type(e).__name__}: {e}"
+                log.exception("[rank %d] snapshot %d failed", self.rank, job.version)
+            finally:
+                job.copied.set()
+                job.done.set()
+                self.history.append(job.stats)
+
+    def _process(self, job: _Job) -> None:
+        ok, man = False, None
+        if self._broken:
+            job.stats.error = "agreement group broken earlier"
+            job.copied.set()
+            return
+        try:
+            man = self._write(job)
+            ok = True
+        except (HolderError, HolderUnavailable, OSError, RuntimeError) as e:
+            job.stats.error = str(e)
+            key = "budget" if isinstance(e, HolderError) and e.code == "budget" else type(e).__name__
+            self._warn_once(key, f"snapshot {job.version} skipped, training continues: {e}")
+            self.on_event("snapshot_skipped", version=job.version, reason=str(e)[:500])
+        finally:
+            job.copied.set()
+        try:
+            agreed = self.agreement.all_ok(job.version, ok)
+        except Exception as e:
+            self._broken = True
+            job.stats.error = f"agreement failed: {e}"
+            self._warn_once("agree", f"snapshot agreement failed ({e}); snapshots disabled for this run")
+            return
+        if not agreed:
+            if ok:
+                job.stats.error = "another rank could not complete this version"
+            return
+        try:
+            self.client.commit(ranks=[self.rank], version=job.version)
+            job.stats.committed = True
+            self.last_committed = job.version
+        except (HolderError, HolderUnavailable) as e:
+            job.stats.error = f"commit failed: {e}"
+            self._warn_once("commit", f"commit of snapshot {job.version} failed: {e}")
+
+    def _ensure_client(self) -> HolderClient:
+        if self.client is not None and self.client._sock is not None:
+            return self.client
+        if self.reconnect is not None:
+            try:
+                self.client = self.reconnect()
+                return self.client
+            except HolderUnavailable as e:
+                raise HolderUnavailable(f"holder for node {self.node!r} is gone: snapshots skipped, training continues "
+                                        f"({e})") from None
+        raise HolderUnavailable(f"no holder for node {self.node!r}: snapshots skipped, training continues")
+
+    def _write(self, job: _Job) -> dict:
+        client = self._ensure_client()
+        slot, mm = client.acquire(rank=self.rank, version=job.version, nbytes=job.nbytes)
+        t0 = time.perf_counter()
+        dst_all = torch.frombuffer(mm, dtype=torch.uint8, count=job.nbytes) if job.nbytes else torch.empty(0, dtype=torch.uint8)
+        if job.cuda_ready is not None:
+            self._copy_cuda(job, slot, mm, dst_all)
+        else:
+            self._copy_cpu(job, dst_all)
+        job.stats.copy_s = time.perf_counter() - t0
+        job.copied.set()
+        t1 = time.perf_counter()
+        buf = memoryview(mm)
+        try:
+            for e in job.entries:
+                e["xxh3"] = [mf.hash_bytes(buf[a:b]) for a, b in mf.chunk_ranges(e)]
+        finally:
+            buf.release()
+        job.stats.hash_s = time.perf_counter() - t1
+        man = mf.build(version=job.version, rank=self.rank, world_size=self.world_size, node=self.node,
+                       entries=job.entries, payload_nbytes=job.nbytes, meta=mf.to_jsonable(job.state.meta))
+        client.seal(rank=self.rank, version=job.version, manifest=man)
+        return man
+
+    def _copy_cpu(self, job: _Job, dst_all: torch.Tensor) -> None:
+        total, done = max(job.nbytes, 1), 0
+        for e, t in zip(job.entries, job.state.tensors.values()):
+            src = t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
+            n = e["nbytes"]
+            for a in range(0, n, mf.CHUNK_BYTES):
+                b = min(a + mf.CHUNK_BYTES, n)
+                dst_all[e["offset"] + a: e["offset"] + b].copy_(src[a:b])
+                done += b - a
+                if self.on_progress is not None:
+                    self.on_progress(job.version, done / total)
+
+    def _copy_cuda(self, job: _Job, slot: int, mm, dst_all: torch.Tensor) -> None:
+        # Pinning makes the D2H copy a true async DMA; register each reused slot mapping once.
+        if slot not in self._registered:
+            cudart = torch.cuda.cudart()
+            rc = cudart.cudaHostRegister(dst_all.data_ptr(), len(mm), 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister of the {len(mm)}-byte holder slot failed (error {int(rc)})")
+            self._registered.add(slot)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream()
+        with torch.cuda.stream(self._side_stream):
+            self._side_stream.wait_event(job.cuda_ready)
+            for e, t in zip(job.entries, job.state.tensors.values()):
+                if not e["nbytes"]:
+                    continue
+                src = t.reshape(-1).view(torch.uint8)
+                dst = dst_all[e["offset"]: e["offset"] + e["nbytes"]]
+                dst.copy_(src, non_blocking=src.is_cuda)
+            done = torch.cuda.Event()
+            done.record(self._side_stream)
+        job.cuda_done = done
+        job.copied.set()        # the main thread can now make its stream wait on cuda_done
+        done.synchronize()      # the worker itself needs the bytes before hashing
+        if self.on_progress is not None:
+            self.on_progress(job.version, 1.0)
