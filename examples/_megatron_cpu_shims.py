@@ -13,6 +13,7 @@ to run where a real GPU is present, because there the shims would silently move 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 import torch
@@ -117,10 +118,14 @@ def install() -> None:
 
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.set_rng_state = lambda s, device="cuda": torch.set_rng_state(s)
-    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
-    torch.cuda.manual_seed_all = lambda seed: torch.manual_seed(seed)
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed only the CPU generator here.
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = lambda seed: None
     R._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     R._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    # With one generator behind both, the tracker's "CPU RNG state changed within GPU RNG context"
+    # warning fires on every fork and means nothing here.
+    logging.getLogger(R.__name__).setLevel(logging.ERROR)
 
     # Allocation device and stream/sync APIs.
     torch.cuda.current_device = lambda: torch.device("cpu")

@@ -108,28 +108,6 @@ def final_state(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_state(path: str, tensors: dict[str, torch.Tensor]) -> None:
-    from shardsafe import manifest as mf
-    entries, n = mf.layout(tensors)
-    buf = bytearray(n)
-    for e, t in zip(entries, tensors.values()):
-        b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        buf[e["offset"]: e["offset"] + len(b)] = b
-    with open(path + ".bin", "wb") as f:
-        f.write(buf)
-    with open(path + ".json", "w") as f:
-        json.dump({"entries": entries, "payload_nbytes": n}, f)
-
-
-def read_state(path: str) -> dict[str, torch.Tensor]:
-    from shardsafe import manifest as mf
-    with open(path + ".json") as f:
-        man = json.load(f)
-    with open(path + ".bin", "rb") as f:
-        buf = bytearray(f.read())
-    return {k: v.clone() for k, v in mf.views(man, buf).items()}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=50)
@@ -158,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed.ops
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build, no /dev/shm leak (reference §1)
     from shardsafe.adapters.deepspeed import initialize
+    from shardsafe.manifest import save_tensors
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=float(os.environ.get("SHARDSAFE_PG_TIMEOUT", 30))))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -196,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if engine.shardsafe:
         engine.shardsafe.flush()
     if a.out:
-        write_state(os.path.join(a.out, f"final_rank{rank}"), final_state(engine))
+        save_tensors(os.path.join(a.out, f"final_rank{rank}"), final_state(engine))
     if engine.shardsafe:
         engine.shardsafe.close()
     torch.distributed.barrier()

@@ -6,6 +6,7 @@ repair can name the exact bad segment.
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Iterable, Mapping
 
@@ -137,3 +138,26 @@ def from_jsonable(obj: Any) -> Any:
             return torch.tensor(obj["__scalar_tensor__"], dtype=dtype_from_name(obj["dtype"]))
         return {k: from_jsonable(v) for k, v in obj.items()}
     return obj
+
+
+# ---- plain files (final-state dumps for comparisons; raw bytes + JSON, no pickle) -------------------
+
+def save_tensors(path: str, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write ``path.bin`` (payload) and ``path.json`` (layout)."""
+    entries, n = layout(tensors)
+    buf = bytearray(n)
+    for e, t in zip(entries, tensors.values()):
+        b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        buf[e["offset"]: e["offset"] + len(b)] = b
+    with open(path + ".bin", "wb") as f:
+        f.write(buf)
+    with open(path + ".json", "w") as f:
+        json.dump({"entries": entries, "payload_nbytes": n}, f)
+
+
+def load_tensors(path: str) -> dict[str, torch.Tensor]:
+    with open(path + ".json") as f:
+        man = json.load(f)
+    with open(path + ".bin", "rb") as f:
+        buf = bytearray(f.read())
+    return {k: v.clone() for k, v in views(man, buf).items()}

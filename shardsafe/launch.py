@@ -1,0 +1,221 @@
+"""Local launcher: N simulated nodes on one host, one holder per node, whole-group restarts.
+
+This is the local mode behind ``shardsafe demo`` and the tests: every simulated node gets its own
+node name (SHARDSAFE_NODE) and its own holder process, started outside the restarted worker group
+so it survives trainer failures. When any trainer fails, the whole worker group is killed and
+restarted (torch elastic's semantics), up to ``max_restarts`` times; holders keep their memory.
+Rank-to-node placement is stable across restarts (rank r always runs on node r // nproc_per_node).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .faults import FaultKind, parse
+from .holder.client import HolderClient, HolderUnavailable, holder_command
+from .holder.paths import HolderPaths
+
+log = logging.getLogger("shardsafe.launch")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    nodes: int = 1
+    """Simulated nodes (failure domains), each with its own holder."""
+    nproc_per_node: int = 1
+    """Trainer processes per node."""
+    job_id: str
+    """Scopes holders' sockets and memory."""
+    run_dir: str
+    """Per-run directory: event log, trainer logs, outputs."""
+    holder_dir: str = ""
+    """Where holder sockets live (default: the config default)."""
+    memory_budget_gb: float = 0.0
+    """Per-holder budget (0 = half the node's RAM)."""
+    max_restarts: int = 3
+    """Restarts of the worker group before giving up."""
+    inject: str = ""
+    """Fault spec (see shardsafe.faults); fault j applies to attempt j."""
+    start_holders: bool = True
+    """Start one holder per node before the first attempt."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for trainers."""
+    attempt_timeout_s: float = 600.0
+    """An attempt running longer than this is killed as hung."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.nproc_per_node < 1:
+            raise ValueError(f"need nodes >= 1 and nproc_per_node >= 1, got {self.nodes} and {self.nproc_per_node}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        parse(self.inject)  # fail fast on a malformed spec
+        if not self.holder_dir:
+            from .config import default_holder_dir
+            self.holder_dir = default_holder_dir()
+
+    def node_name(self, i: int) -> str:
+        return f"node{i}"
+
+
+@dataclass
+class LaunchResult:
+    ok: bool
+    attempts: int
+    failures: list[dict[str, Any]]
+    wall_s: float
+
+
+class _NoEvents:
+    def emit(self, kind: str, **f: Any) -> None:
+        pass
+
+
+class LocalLauncher:
+    def __init__(self, cfg: LaunchConfig):
+        self.cfg = cfg
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        try:
+            from .tor import EventLog
+            self.events = EventLog(cfg.run_dir, source="launcher")
+        except Exception:
+            self.events = _NoEvents()
+        self.holders: dict[str, subprocess.Popen] = {}
+
+    # ---- holders ----------------------------------------------------------------------------------
+    def paths(self, node: str) -> HolderPaths:
+        return HolderPaths(self.cfg.holder_dir, self.cfg.job_id, node)
+
+    def start_holder(self, node: str) -> None:
+        p = self.paths(node)
+        p.ensure_dir()
+        cmd = holder_command(p, budget_gb=self.cfg.memory_budget_gb, run_dir=self.cfg.run_dir)
+        logf = open(os.path.join(self.cfg.run_dir, f"holder_{node}.log"), "ab")
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf,
+                                start_new_session=True)
+        line = proc.stdout.readline()  # "holder ready: ..." once the socket is bound
+        if not line.startswith(b"holder ready"):
+            raise RuntimeError(f"holder for {node} did not start (exit {proc.poll()}); see {logf.name}")
+        self.holders[node] = proc
+
+    def kill_node_holder(self, node: str) -> None:
+        """Node loss: the holder dies with SIGKILL and its memory with it."""
+        proc = self.holders.pop(node, None)
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        try:
+            os.unlink(self.paths(node).socket)
+        except FileNotFoundError:
+            pass
+
+    def stop_holders(self) -> None:
+        for node, proc in list(self.holders.items()):
+            try:
+                c = HolderClient(self.paths(node), timeout_s=10).connect()
+                c.shutdown()
+                c.close()
+                proc.wait(timeout=10)
+            except (HolderUnavailable, subprocess.TimeoutExpired, OSError):
+                proc.kill()
+                proc.wait()
+        self.holders.clear()
+
+    # ---- workers ----------------------------------------------------------------------------------
+    def _spawn(self, cmd: list[str], attempt: int) -> list[subprocess.Popen]:
+        c = self.cfg
+        port, world = free_port(), c.nodes * c.nproc_per_node
+        procs = []
+        for rank in range(world):
+            node_idx, local = divmod(rank, c.nproc_per_node)
+            env = {**os.environ, **c.env,
+                   "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+                   "LOCAL_WORLD_SIZE": str(c.nproc_per_node), "GROUP_RANK": str(node_idx),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "SHARDSAFE_NODE": c.node_name(node_idx), "SHARDSAFE_JOB_ID": c.job_id,
+                   "SHARDSAFE_HOLDER_DIR": c.holder_dir, "SHARDSAFE_RUN_DIR": c.run_dir,
+                   "SHARDSAFE_ATTEMPT": str(attempt), "SHARDSAFE_INJECT": c.inject,
+                   "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+            out = open(os.path.join(c.run_dir, f"trainer_rank{rank}.log"), "ab")
+            out.write(f"==== attempt {attempt} ====\n".encode())
+            out.flush()
+            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        return procs
+
+    @staticmethod
+    def _kill_all(procs: list[subprocess.Popen]) -> None:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in procs:
+            p.wait()
+
+    def run(self, cmd: list[str]) -> LaunchResult:
+        c = self.cfg
+        t0 = time.time()
+        self.events.emit("job_start", nodes=c.nodes, nproc_per_node=c.nproc_per_node, cmd=" ".join(cmd)[:500])
+        failures: list[dict[str, Any]] = []
+        ok = False
+        attempt = 0
+        try:
+            if c.start_holders:
+                for i in range(c.nodes):
+                    self.start_holder(c.node_name(i))
+            while True:
+                self.events.emit("attempt_start", attempt=attempt)
+                procs = self._spawn(cmd, attempt)
+                started = time.monotonic()
+                failed: dict[str, Any] | None = None
+                while True:
+                    codes = [p.poll() for p in procs]
+                    bad = [(r, rc) for r, rc in enumerate(codes) if rc not in (None, 0)]
+                    if bad:
+                        r, rc = bad[0]
+                        failed = {"cause": "rank_exit", "rank": r, "rc": rc, "attempt": attempt,
+                                  "node": c.node_name(r // c.nproc_per_node)}
+                        break
+                    if all(rc == 0 for rc in codes):
+                        break
+                    if time.monotonic() - started > c.attempt_timeout_s:
+                        failed = {"cause": "hang", "attempt": attempt}
+                        break
+                    time.sleep(0.05)
+                if failed:
+                    self.events.emit("failure_detected", **failed)
+                    self._kill_all(procs)
+                    failures.append(failed)
+                    self.events.emit("attempt_end", attempt=attempt, rc=failed.get("rc"), cause=failed["cause"])
+                    log.warning("attempt %d failed (%s); %s", attempt, failed,
+                                "restarting" if attempt < c.max_restarts else "giving up")
+                    if attempt >= c.max_restarts:
+                        break
+                    attempt += 1
+                    self.events.emit("restart", attempt=attempt)
+                    continue
+                self.events.emit("attempt_end", attempt=attempt, rc=0, cause="finished")
+                ok = True
+                break
+        finally:
+            self.stop_holders()
+            self.events.emit("job_end", ok=ok)
+        return LaunchResult(ok=ok, attempts=attempt + 1, failures=failures, wall_s=time.time() - t0)
+
+
+def example_command(script: str, *args: str) -> list[str]:
+    return [sys.executable, script, *args]
