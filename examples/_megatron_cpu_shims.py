@@ -147,3 +147,34 @@ def install() -> None:
     _MODE = _CudaToCpu()
     _MODE.__enter__()  # kept referenced in _MODE: the mode stays active for the process lifetime
     _INSTALLED = True
+
+
+class _FakeDeviceProps:
+    major, minor, name, total_memory, multi_processor_count = 8, 0, "cpu-shim", 1 << 34, 1
+
+
+def install_training_shims() -> None:
+    """Extra patches for Megatron-LM's ``megatron.training`` loop on CPU (megatron-core >= 0.17 wheels).
+
+    On top of ``install()``: ``initialize_megatron(allow_no_cuda=True)`` (it asserts a GPU otherwise),
+    no dataset-helper compilation or JIT warm-up (both need CUDA/make; the examples use their own
+    mock dataset), device properties for validate_args, and memory statistics.
+    """
+    install()
+    import megatron.training.initialize as I
+    import megatron.training.training as T
+
+    torch.cuda.get_device_properties = lambda *a, **k: _FakeDeviceProps()
+    torch.cuda.get_device_capability = lambda *a, **k: (8, 0)
+    torch.cuda.memory_stats = lambda *a, **k: {}
+    torch.cuda.reset_peak_memory_stats = lambda *a, **k: None
+
+    orig_init = I.initialize_megatron
+
+    def initialize_megatron(*a, **k):
+        k["allow_no_cuda"] = True
+        return orig_init(*a, **k)
+
+    T.initialize_megatron = initialize_megatron
+    I._compile_dependencies = lambda: None
+    T.set_jit_fusion_options = lambda *a, **k: None

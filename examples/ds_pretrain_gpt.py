@@ -129,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-sleep", type=float, default=0.0, help="sleep per step (simulate a slower model)")
     p.add_argument("--out", default=os.environ.get("SHARDSAFE_RUN_DIR", ""), help="where losses and final state go")
     a = p.parse_args(argv)
+    if os.environ.get("SHARDSAFE_RUN_DIR"):
+        from shardsafe.tor import EventLog   # process start, before the slow framework imports
+        EventLog(os.environ["SHARDSAFE_RUN_DIR"], source="trainer", rank=int(os.environ.get("RANK", 0)),
+                 node=os.environ.get("SHARDSAFE_NODE"),
+                 attempt=int(os.environ.get("SHARDSAFE_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+                 ).emit("trainer_start")
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     torch.set_num_threads(1)
@@ -155,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     losses = open(os.path.join(a.out, f"losses_rank{rank}.jsonl"), "a") if a.out else None
     events = engine.shardsafe.runtime.events if engine.shardsafe else None
     if events is not None:
-        events.emit("train_ready", iteration=engine.global_steps)
+        events.emit("train_ready", iteration=engine.global_steps + 1)
     while engine.global_steps < a.steps:
         t0 = time.perf_counter()
         total = 0.0

@@ -164,7 +164,8 @@ class Trainer:
             losses = output_tensor.float().view(-1)
             mask = b["loss_mask"].view(-1)
             loss = torch.sum(losses * mask) / mask.sum()
-            return loss, {"lm loss": loss.detach()}
+            # clone: the schedule divides the returned loss by num_microbatches in place
+            return loss, {"lm loss": loss.detach().clone()}
 
         return out, loss_func
 
@@ -225,6 +226,7 @@ def init_distributed(timeout_s: float) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from shardsafe.adapters.megatron_args import add_arguments
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], fromfile_prefix_chars="@")
+    p.convert_arg_line_to_args = lambda line: line.split("#")[0].split()  # @file: several flags per line
     p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
     p.add_argument("--bf16", action="store_true")

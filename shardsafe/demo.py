@@ -89,6 +89,15 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
            "mismatches": (cmp.loss_mismatches + cmp.state_mismatches)[:10] if cmp else ["protected run failed"],
            "wall_s": round(r1.wall_s, 2), "reference_wall_s": round(r0.wall_s, 2),
            "run_dir": run_dir if keep else None}
+    try:
+        from .tor import compute_tor, read_events, report_dict, report_text
+        rep = compute_tor(read_events(run_dir))
+        d = report_dict(rep)
+        out["tor"] = d.get("tor")
+        out["tor_breakdown"] = d.get("breakdown")
+        out["tor_report"] = report_text(rep)
+    except Exception as e:  # the demo's verdict does not depend on accounting
+        out["tor_report"] = f"TOR report unavailable: {e}"
     if not keep:
         shutil.rmtree(base, ignore_errors=True)
     return out
@@ -98,6 +107,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     t0 = time.time()
     out = run_demo(a)
+    report = out.pop("tor_report", "")
     if a.json:
         print(json.dumps(out))
     else:
@@ -114,7 +124,9 @@ def cmd_demo(a: argparse.Namespace) -> int:
         print(f"  wall time         : {time.time() - t0:.1f} s (reference {out['reference_wall_s']} s, "
               f"protected {out['wall_s']} s)")
         if out["run_dir"]:
-            print(f"  run directory     : {out['run_dir']}")
+            print(f"  run directory     : {out['run_dir']}  (shardsafe tor report {out['run_dir']})")
+        print()
+        print(report)
     return 0 if out["bit_identical"] else 1
 
 

@@ -93,6 +93,7 @@ class LocalLauncher:
         except Exception:
             self.events = _NoEvents()
         self.holders: dict[str, subprocess.Popen] = {}
+        self.t_start = time.time()
 
     # ---- holders ----------------------------------------------------------------------------------
     def paths(self, node: str) -> HolderPaths:
@@ -147,6 +148,7 @@ class LocalLauncher:
                    "SHARDSAFE_NODE": c.node_name(node_idx), "SHARDSAFE_JOB_ID": c.job_id,
                    "SHARDSAFE_HOLDER_DIR": c.holder_dir, "SHARDSAFE_RUN_DIR": c.run_dir,
                    "SHARDSAFE_ATTEMPT": str(attempt), "SHARDSAFE_INJECT": c.inject,
+                   "SHARDSAFE_JOB_START_T": repr(self.t_start),
                    "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
             out = open(os.path.join(c.run_dir, f"trainer_rank{rank}.log"), "ab")
             out.write(f"==== attempt {attempt} ====\n".encode())
@@ -168,7 +170,7 @@ class LocalLauncher:
 
     def run(self, cmd: list[str]) -> LaunchResult:
         c = self.cfg
-        t0 = time.time()
+        t0 = self.t_start = time.time()
         self.events.emit("job_start", nodes=c.nodes, nproc_per_node=c.nproc_per_node, cmd=" ".join(cmd)[:500])
         failures: list[dict[str, Any]] = []
         ok = False

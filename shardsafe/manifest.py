@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -99,11 +100,14 @@ def check_matches(manifest: Mapping[str, Any], live: Mapping[str, torch.Tensor],
 def views(manifest: Mapping[str, Any], buf) -> dict[str, torch.Tensor]:
     """CPU tensors viewing the payload (no copy). Keep ``buf`` alive while they are used."""
     out = {}
-    for e in manifest["entries"]:
-        dt = dtype_from_name(e["dtype"])
-        n = e["nbytes"] // torch.empty((), dtype=dt).element_size()
-        t = torch.frombuffer(buf, dtype=dt, count=n, offset=e["offset"]) if n else torch.empty(0, dtype=dt)
-        out[e["name"]] = t.view(e["shape"])
+    with warnings.catch_warnings():
+        # Read-only mappings are fine: restore only reads these views and copies out of them.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        for e in manifest["entries"]:
+            dt = dtype_from_name(e["dtype"])
+            n = e["nbytes"] // torch.empty((), dtype=dt).element_size()
+            t = torch.frombuffer(buf, dtype=dt, count=n, offset=e["offset"]) if n else torch.empty(0, dtype=dt)
+            out[e["name"]] = t.view(e["shape"])
     return out
 
 

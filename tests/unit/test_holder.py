@@ -1,0 +1,152 @@
+"""The holder daemon over its real socket: slots, budget, torn writes, isolation, crash survival."""
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shardsafe.holder.client import HolderClient, HolderUnavailable, connect_or_start, holder_command
+from shardsafe.holder.paths import HolderPaths
+from shardsafe.holder.protocol import HolderError
+
+
+@pytest.fixture
+def holder(tmp_path):
+    procs = []
+
+    def start(job="job1", node="n0", budget_gb=0.1):
+        p = HolderPaths(str(tmp_path / "h"), job, node)
+        proc = subprocess.Popen(holder_command(p, budget_gb=budget_gb), stdout=subprocess.PIPE)
+        assert proc.stdout.readline().startswith(b"holder ready")
+        procs.append(proc)
+        return p, proc, HolderClient(p, timeout_s=5).connect()
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_slots_never_overwrite_last_committed(holder):
+    _, _, c = holder()
+    _, m = c.acquire(rank=0, version=1, nbytes=1000)
+    m[:4] = b"v001"
+    c.seal(rank=0, version=1, manifest={"v": 1})
+    c.commit(ranks=[0], version=1)
+    for v in (2, 3, 4):   # versions never committed keep cycling through the other slot
+        _, m = c.acquire(rank=0, version=v, nbytes=1000)
+        m[:4] = b"v%03d" % v
+    man, rm = c.open(rank=0, version=1)
+    assert man == {"v": 1} and rm[:4] == b"v001"
+    rm.close()
+    assert c.sealed_versions(0) == [1]          # v4 is being written: invisible to readers
+    info = c.list(0)["0"]["data"]
+    assert len(info) == 2 and {s["version"] for s in info} == {1, 4}
+
+
+def test_torn_write_is_never_listed_or_opened(holder):
+    _, _, c = holder()
+    c.acquire(rank=3, version=7, nbytes=4096)
+    assert c.sealed_versions(3) == []
+    with pytest.raises(HolderError) as e:
+        c.open(rank=3, version=7)
+    assert e.value.code == "not_found"
+
+
+def test_budget_error_names_bytes(holder):
+    _, _, c = holder(budget_gb=0.01)   # 10.7 MB
+    with pytest.raises(HolderError) as e:
+        c.acquire(rank=0, version=1, nbytes=20_000_000)
+    msg = str(e.value)
+    assert e.value.code == "budget"
+    assert "20000000 bytes" in msg and "memory_budget_gb" in msg
+    # the refusal lost nothing: a request that fits still works
+    c.acquire(rank=0, version=1, nbytes=1_000_000)
+
+
+def test_isolation_and_permissions(holder):
+    pa, proc_a, a = holder(job="jobA")
+    pb, _, b = holder(job="jobB")
+    _, m = a.acquire(rank=0, version=1, nbytes=100)
+    a.seal(rank=0, version=1, manifest={})
+    assert b.list() == {} and b.sealed_versions(0) == []
+    for p in (pa, pb):
+        assert stat.S_IMODE(os.stat(p.socket).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(p.dir).st_mode) == 0o700
+    # every memfd the holder owns is 0600
+    fds = [os.path.join(f"/proc/{proc_a.pid}/fd", f) for f in os.listdir(f"/proc/{proc_a.pid}/fd")]
+    memfds = [f for f in fds if "memfd:shardsafe.jobA" in os.readlink(f)]
+    assert memfds and all(stat.S_IMODE(os.stat(f).st_mode) == 0o600 for f in memfds)
+    # a client of job B that finds job A's socket is refused: the holder answers only its own job id
+    s = HolderClient(pa)
+    s._sock = __import__("socket").socket(__import__("socket").AF_UNIX)
+    s._sock.connect(pa.socket)
+    with pytest.raises(HolderError) as e:
+        s.request("hello", job_id="jobB")
+    assert e.value.code == "job"
+
+
+CLIENT = r"""
+import os, signal, sys
+from shardsafe.holder.client import HolderClient
+from shardsafe.holder.paths import HolderPaths
+c = HolderClient(HolderPaths(sys.argv[1], "job1", "n0")).connect()
+_, m = c.acquire(rank=0, version=5, nbytes=1 << 20)
+m[:5] = b"alive"
+c.seal(rank=0, version=5, manifest={"ok": True})
+c.commit(ranks=[0], version=5)
+_, m = c.acquire(rank=0, version=6, nbytes=1 << 20)
+m[:5] = b"torn!"
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_survives_sigkill_of_trainer_and_shuts_down_cleanly(holder):
+    p, proc, c = holder()
+    r = subprocess.run([sys.executable, "-c", CLIENT, p.root])
+    assert r.returncode == -signal.SIGKILL
+    assert c.sealed_versions(0) == [5]
+    man, m = c.open(rank=0, version=5)
+    assert man == {"ok": True} and m[:5] == b"alive"
+    m.close()
+    st = c.status()
+    assert st["used"] > 0 and st["ranks"]["0"]["data"][0]["committed"]
+    c.shutdown()
+    assert proc.wait(timeout=10) == 0
+    assert not os.path.exists(p.socket)
+    with pytest.raises(HolderUnavailable):
+        HolderClient(p).connect()
+
+
+def test_connect_or_start_detaches_one_holder(tmp_path):
+    p = HolderPaths(str(tmp_path / "h"), "jobD", "n0")
+    with pytest.raises(HolderUnavailable):
+        connect_or_start(p, budget_gb=0.01, start=False)
+    c1 = connect_or_start(p, budget_gb=0.01, start=True)
+    c2 = connect_or_start(p, budget_gb=0.01, start=True)   # finds the running one
+    pid = c1.status()["pid"]
+    assert c2.status()["pid"] == pid
+    assert os.getsid(pid) != os.getsid(0)   # its own session: a launcher's group kill misses it
+    c1.shutdown()
+    for _ in range(100):
+        if not os.path.exists(p.socket):
+            break
+        time.sleep(0.05)
+    assert not os.path.exists(p.socket)
+
+
+def test_status_cli(holder):
+    p, _, c = holder()
+    c.acquire(rank=2, version=3, nbytes=5 << 20)
+    c.seal(rank=2, version=3, manifest={})
+    out = subprocess.run([sys.executable, "-m", "shardsafe.cli", "status", "--holder-dir", p.root, "--job-id",
+                          p.job_id, "--json"], capture_output=True, text=True, check=True).stdout
+    st = json.loads(out)["holders"][0]
+    assert st["node"] == "n0" and st["ranks"]["2"]["data"][0]["version"] == 3
+    txt = subprocess.run([sys.executable, "-m", "shardsafe.cli", "status", "--holder-dir", p.root, "--job-id",
+                          p.job_id], capture_output=True, text=True, check=True).stdout
+    assert "rank 2 data: v3 sealed" in txt
