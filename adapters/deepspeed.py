@@ -184,6 +184,19 @@ def check_supported(engine: Any) -> None:
                           "scheduler without callables, or set shardsafe.enabled=false.") from None
 
 
+def _coords(engine: Any, rank: int) -> dict[str, int]:
+    """Data/model-parallel coordinates for parity placement (an mpu, if the engine has one)."""
+    mpu = getattr(engine, "mpu", None)
+    if mpu is None:
+        return {"dp": int(getattr(engine, "global_rank", rank)), "tp": 0, "pp": 0}
+    c = {"dp": int(mpu.get_data_parallel_rank()), "tp": 0, "pp": 0}
+    for key, fn in (("tp", "get_tensor_model_parallel_rank"), ("tp", "get_model_parallel_rank"),
+                    ("pp", "get_pipeline_model_parallel_rank")):
+        if hasattr(mpu, fn):
+            c[key] = int(getattr(mpu, fn)())
+    return c
+
+
 class ShardsafeEngineHook:
     """What ``initialize`` attaches to the engine as ``engine.shardsafe``."""
 
@@ -194,7 +207,7 @@ class ShardsafeEngineHook:
         self.adapter = DeepSpeedStateAdapter(engine)
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self.runtime = Runtime(cfg, rank=rank, world_size=world)
+        self.runtime = Runtime(cfg, rank=rank, world_size=world, coords=_coords(engine, rank))
         self.restored = self.runtime.try_restore(self.adapter)
         self._install(engine)
 

@@ -40,10 +40,18 @@ def summarize(run_dir: str, world: int) -> dict[str, Any]:
         done = [max(b.get(a - 1, [0])) for b in by_attempt]   # steps finished by every rank before the failure
         lost += max(0, min(done) - version)
     rec = [restored[a] for a in sorted(restored) if a > 0 and restored[a][0] >= 0]
+    rebuild_s: dict[int, float] = {}
+    for e in restores:
+        a = int(e.get("attempt") or 0)
+        rebuild_s[a] = max(rebuild_s.get(a, 0.0), float(e.get("rebuild_seconds") or 0.0))
     stalls = [e["stall_s"] * 1e3 for e in ev if e.get("kind") == "snapshot"]
     return {
         "restores": len(rec),
         "restore_tier": rec[-1][2] if rec else "none",
+        "restore_tiers": [r[2] for r in rec],
+        "node_losses": sum(1 for e in ev if e.get("kind") == "failure_detected" and e.get("cause") == "node_loss"),
+        "rebuilt_bytes": sum(int(e.get("rebuilt_bytes") or 0) for e in restores),
+        "rebuild_seconds": round(sum(rebuild_s.values()), 4),
         "restored_versions": [r[0] for r in rec],
         "lost_iterations": lost,
         "restore_seconds": round(sum(r[1] for r in rec), 4),
@@ -62,7 +70,8 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
     world = a.nodes * a.nproc_per_node
     script = str(EXAMPLES / "ds_pretrain_gpt.py")
     common = ["--steps", str(a.steps), "--zero-stage", str(a.zero_stage), "--dtype", a.dtype]
-    inject = a.inject or f"kill-rank:{world - 1}@{a.kill_at or (a.steps * 11) // 20}"
+    inject = a.inject or (f"kill-rank:{world - 1}@{a.kill_at or (a.steps * 2) // 5};"
+                          f"kill-node:node{a.nodes - 1}@{(a.steps * 3) // 4}")
     job = f"demo{os.getpid()}"
     say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else (lambda *x: print(*x, flush=True))
 
@@ -74,12 +83,14 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
     if not r0.ok:
         raise SystemExit(f"the reference run failed; see {ref_dir}/trainer_rank*.log")
     say(f"      done in {r0.wall_s:.1f} s")
-    say(f"[2/3] protected run: snapshot every step into one holder per node; injected fault(s): {inject}")
+    say(f"[2/3] protected run: snapshot every step into one holder per node, parity across nodes; "
+        f"injected faults: {inject} (a SIGKILLed trainer, then a whole node: its trainers and holder)")
     run = LocalLauncher(LaunchConfig(nodes=a.nodes, nproc_per_node=a.nproc_per_node, job_id=job, run_dir=run_dir,
                                      inject=inject, max_restarts=3, memory_budget_gb=a.memory_budget_gb))
     r1 = run.run([sys.executable, script, *common, "--out", run_dir])
     say(f"      done in {r1.wall_s:.1f} s after {r1.attempts} attempt(s); failures: "
-        + ", ".join(f"{f['cause']} of rank {f.get('rank')} (exit {f.get('rc')})" for f in r1.failures))
+        + ", ".join(f"{f['cause']} of " + (f"rank {f['rank']}" if f.get("rank") is not None else f"node {f.get('node')}")
+                    for f in r1.failures))
     say("[3/3] comparing every loss and every rank's final state with the reference (torch.equal)")
     cmp = compare_runs(run_dir, ref_dir, world, a.steps) if r1.ok else None
     out = {"engine": "deepspeed", "zero_stage": a.zero_stage, "dtype": a.dtype, "steps": a.steps,
@@ -115,8 +126,10 @@ def cmd_demo(a: argparse.Namespace) -> int:
         print(f"shardsafe demo: {out['ranks']} ranks on {out['nodes']} nodes, ZeRO-{out['zero_stage']} {out['dtype']}, "
               f"{out['steps']} steps")
         print(f"  failures injected : {out['failures_injected']} (SIGKILL)")
-        print(f"  restores          : {out['restores']} from tier '{out['restore_tier']}' "
-              f"(versions {out['restored_versions']}), {out['restore_seconds']:.3f} s")
+        print(f"  restores          : {out['restores']} from tiers {out['restore_tiers']} "
+              f"(versions {out['restored_versions']}), {out['restore_seconds']:.3f} s in all")
+        print(f"  node losses       : {out['node_losses']}; {out['rebuilt_bytes'] / 2**20:.1f} MiB rebuilt from parity "
+              f"in {out['rebuild_seconds']:.3f} s")
         print(f"  lost iterations   : {out['lost_iterations']}")
         print(f"  snapshot stall    : median {out['snapshot_stall_ms_median']} ms over {out['snapshots']} snapshots "
               f"({out['snapshots_committed']} committed)")

@@ -8,6 +8,7 @@ Rank-to-node placement is stable across restarts (rank r always runs on node r /
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -157,6 +158,28 @@ class LocalLauncher:
                                           start_new_session=True))
         return procs
 
+    def _node_fault(self, attempt: int):
+        faults = parse(self.cfg.inject)
+        f = faults[attempt] if attempt < len(faults) else None
+        return f if f is not None and f.kind == FaultKind.KILL_NODE else None
+
+    def _kill_nodes(self, procs: list[subprocess.Popen], fault, attempt: int) -> dict[str, Any]:
+        """Node loss: SIGKILL the node's trainers and its holder (its shared memory dies with it),
+        then bring up a fresh, empty holder in its place (the replacement node)."""
+        c = self.cfg
+        nodes = fault.target.split("+")
+        t_fault = time.time()
+        for rank, p in enumerate(procs):
+            if c.node_name(rank // c.nproc_per_node) in nodes and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for node in nodes:
+            self.kill_node_holder(node)
+        log.warning("injected node loss: %s at step %d (trainers and holder SIGKILLed)", "+".join(nodes), fault.step)
+        for node in nodes:
+            self.start_holder(node)
+        return {"cause": "node_loss", "node": "+".join(nodes), "attempt": attempt, "rc": -9, "t_fault": t_fault,
+                "rank": None}
+
     @staticmethod
     def _kill_all(procs: list[subprocess.Popen]) -> None:
         for p in procs:
@@ -184,7 +207,12 @@ class LocalLauncher:
                 procs = self._spawn(cmd, attempt)
                 started = time.monotonic()
                 failed: dict[str, Any] | None = None
+                node_fault = self._node_fault(attempt)
+                watch = _EventTail(os.path.join(c.run_dir, "events.jsonl")) if node_fault else None
                 while True:
+                    if node_fault and watch.reached(node_fault.step):
+                        failed = self._kill_nodes(procs, node_fault, attempt)
+                        break
                     codes = [p.poll() for p in procs]
                     bad = [(r, rc) for r, rc in enumerate(codes) if rc not in (None, 0)]
                     if bad:
@@ -217,6 +245,33 @@ class LocalLauncher:
             self.stop_holders()
             self.events.emit("job_end", ok=ok)
         return LaunchResult(ok=ok, attempts=attempt + 1, failures=failures, wall_s=time.time() - t0)
+
+
+class _EventTail:
+    """Follows events.jsonl incrementally: has any trainer finished iteration >= step?"""
+
+    def __init__(self, path: str):
+        self.path, self.pos, self.best = path, 0, 0
+
+    def reached(self, step: int) -> bool:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+        except FileNotFoundError:
+            return False
+        end = data.rfind(b"\n") + 1
+        self.pos += end
+        for line in data[:end].splitlines():
+            if b'"iteration"' not in line:
+                continue
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if ev.get("kind") == "iteration":
+                self.best = max(self.best, int(ev.get("iteration", 0)))
+        return self.best >= step
 
 
 def example_command(script: str, *args: str) -> list[str]:

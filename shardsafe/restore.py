@@ -31,23 +31,35 @@ class RestoreResult:
     seconds: float = 0.0
     nbytes: int = 0
     message: str = ""
+    rebuilt_bytes: int = 0     # bytes this rank rebuilt from parity
+    rebuild_seconds: float = 0.0
+    lost_ranks: list = None    # type: ignore[assignment]
+
+
+class RestoreError(RuntimeError):
+    """Snapshots exist but no version can be restored from memory; the message says what is lost and what to do."""
 
 
 class Collectives:
-    """The two collectives restore needs, over a process group (or trivially for one rank)."""
+    """The collectives restore needs, over a process group (or trivially for one rank)."""
 
     def __init__(self, group=None, world_size: int = 1):
         self.group, self.world_size = group, world_size
 
-    def all_gather_versions(self, mine: list[int]) -> list[list[int]]:
-        v = (sorted(mine, reverse=True) + [-1] * MAX_VERSIONS)[:MAX_VERSIONS]
+    def all_gather_versions(self, *lists: list[int]) -> list[list[list[int]]]:
+        """For each rank, each of ``lists`` (newest MAX_VERSIONS versions each), as plain ints."""
+        rows = [(sorted(v, reverse=True) + [-1] * MAX_VERSIONS)[:MAX_VERSIONS] for v in lists]
+        flat = [x for r in rows for x in r]
         if self.world_size == 1:
-            return [[x for x in v if x >= 0]]
-        import torch.distributed as dist
-        t = torch.tensor(v, dtype=torch.int64)
-        out = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(out, t, group=self.group)
-        return [[x for x in o.tolist() if x >= 0] for o in out]
+            outs = [flat]
+        else:
+            import torch.distributed as dist
+            t = torch.tensor(flat, dtype=torch.int64)
+            got = [torch.empty_like(t) for _ in range(self.world_size)]
+            dist.all_gather(got, t, group=self.group)
+            outs = [g.tolist() for g in got]
+        return [[[x for x in o[i * MAX_VERSIONS:(i + 1) * MAX_VERSIONS] if x >= 0] for i in range(len(lists))]
+                for o in outs]
 
     def all_true(self, flag: bool) -> bool:
         if self.world_size == 1:
@@ -58,28 +70,81 @@ class Collectives:
         return bool(t.item() == 1)
 
 
+def _plan_version(v: int, data: list[list[int]], parity: list[list[int]], exchange) -> tuple[str, list[int]] | None:
+    """How version v can be restored: ("memory", []) if every rank holds it, ("parity", lost ranks) if
+    every parity group misses at most m members and all survivors hold its parity, else None."""
+    missing = [r for r, vs in enumerate(data) if v not in vs]
+    if not missing:
+        return "memory", []
+    if exchange is None:
+        return None
+    for g in exchange.plan:
+        lost = [r for r in g.members if r in missing]
+        if not lost:
+            continue
+        if len(lost) > g.m or any(v not in parity[r] or v not in data[r] for r in g.members if r not in lost):
+            return None
+    return "parity", missing
+
+
+def _unrecoverable_message(data: list[list[int]], nodes: list[str] | None, exchange) -> str:
+    newest = max(v for vs in data for v in vs)
+    missing = [r for r, vs in enumerate(data) if newest not in vs]
+    where = sorted({nodes[r] for r in missing}) if nodes else []
+    msg = (f"cannot restore from memory: the newest snapshot (version {newest}) is gone on ranks {missing}"
+           + (f" (nodes {where})" if where else "") + " and no older version is complete or rebuildable.")
+    if exchange is None:
+        msg += " Parity is off (parity_group_size=1 or all ranks on one node), so a lost node's snapshots cannot be rebuilt."
+    else:
+        worst = [(g.index, g.m, [r for r in g.members if r in missing]) for g in exchange.plan]
+        worst = [w for w in worst if len(w[2]) > w[1]]
+        if worst:
+            gi, m, lost = worst[0]
+            msg += (f" Parity group {gi} lost {len(lost)} members {lost} but parity_shards={m} covers {m}; "
+                    f"rebuilding needs parity_shards >= {len(lost)}.")
+    return (msg + " Resume from your last disk checkpoint (engine.load_checkpoint / Megatron --load) with a new "
+                  "shardsafe job_id, or set shardsafe.restore=false to start from scratch.")
+
+
 def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *, rank: int, coll: Collectives,
-                        on_event: Callable[..., None] | None = None) -> RestoreResult:
-    """Run on every rank at start. Returns what was restored (version -1: nothing, fresh start)."""
+                        on_event: Callable[..., None] | None = None, exchange=None,
+                        nodes: list[str] | None = None) -> RestoreResult:
+    """Run on every rank at start. Returns what was restored (version -1: nothing, fresh start).
+
+    Raises RestoreError when snapshots exist but none is restorable (e.g. more lost nodes than
+    parity covers): silently starting from scratch would throw the whole run away.
+    """
     emit = on_event or (lambda kind, **f: None)
     t0 = time.perf_counter()
     emit("restore_start")
-    mine: list[int] = []
+    mine_d: list[int] = []
+    mine_p: list[int] = []
     if client is not None:
         try:
-            mine = client.sealed_versions(rank)
+            mine_d = client.sealed_versions(rank)
+            mine_p = client.sealed_versions(rank, kind="parity") if exchange is not None else []
         except (HolderError, HolderUnavailable) as e:
             log.warning("[rank %d] cannot list snapshots from the holder: %s", rank, e)
-    everyone = coll.all_gather_versions(mine)
-    common = sorted(set.intersection(*map(set, everyone)), reverse=True) if everyone else []
-    res = RestoreResult()
-    if not common:
-        if any(everyone):
-            res.message = (f"no snapshot version is held for every rank (per-rank versions: {everyone}); starting fresh")
-        else:
-            res.message = "no snapshot in memory for this job: starting fresh"
+    everyone = coll.all_gather_versions(mine_d, mine_p)
+    data, parity = [e[0] for e in everyone], [e[1] for e in everyone]
+    candidates = sorted({v for vs in data for v in vs}, reverse=True)
+    res = RestoreResult(message="no snapshot in memory for this job: starting fresh")
     live = adapter.capture().tensors
-    for version in common:
+    rebuilt_bytes, rebuild_s, tried = 0, 0.0, []
+    for version in candidates:
+        how = _plan_version(version, data, parity, exchange)
+        if how is None:
+            continue
+        tier, lost = how
+        tried.append(version)
+        if tier == "parity":
+            t1 = time.perf_counter()
+            ok, nb, why = exchange.rebuild(version=version, client=client, lost=lost)
+            if not coll.all_true(ok):
+                if why:
+                    log.error("[rank %d] rebuild of version %d from parity failed: %s", rank, version, why)
+                continue
+            rebuilt_bytes, rebuild_s = nb, time.perf_counter() - t1
         manifest, mm, bad = None, None, ["not opened"]
         try:
             manifest, mm = client.open(rank=rank, version=version)
@@ -89,7 +154,7 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
                 bad = mf.verify(manifest, buf)
             finally:
                 buf.release()
-        except (HolderError, HolderUnavailable, mf.ManifestError, OSError, KeyError) as e:
+        except (HolderError, HolderUnavailable, mf.ManifestError, OSError, KeyError, AttributeError) as e:
             bad = [str(e)]
         if bad:
             log.error("[rank %d] snapshot version %d failed verification, not loaded: %s", rank, version, "; ".join(bad[:5]))
@@ -102,12 +167,20 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
         adapter.apply(views, mf.from_jsonable(manifest["meta"]))
         del views
         mm.close()
-        res = RestoreResult(version=version, tier="memory", seconds=time.perf_counter() - t0,
-                            nbytes=manifest["payload_nbytes"], message=f"restored version {version} from holder memory")
+        res = RestoreResult(version=version, tier=tier, nbytes=manifest["payload_nbytes"],
+                            message=f"restored version {version} from holder memory"
+                                    + (f" after rebuilding ranks {lost} from parity" if lost else ""))
+        res.rebuilt_bytes, res.rebuild_seconds, res.lost_ranks = rebuilt_bytes, rebuild_s, lost
         break
     else:
-        if common:
-            res.message = f"none of the in-memory versions {common} verified on every rank; starting fresh"
+        if candidates:
+            res.seconds = time.perf_counter() - t0
+            emit("restore_end", tier="none", version=-1, seconds=res.seconds, bytes=0)
+            raise RestoreError(_unrecoverable_message(data, nodes, exchange) if not tried else
+                               f"none of the in-memory versions {tried} verified on every rank (corrupt snapshot?); "
+                               "nothing was loaded. Resume from your last disk checkpoint with a new shardsafe job_id, "
+                               "or set shardsafe.restore=false to start from scratch.")
     res.seconds = time.perf_counter() - t0
-    emit("restore_end", tier=res.tier, version=res.version, seconds=res.seconds, bytes=res.nbytes)
+    emit("restore_end", tier=res.tier, version=res.version, seconds=res.seconds, bytes=res.nbytes,
+         rebuilt_bytes=res.rebuilt_bytes, rebuild_seconds=res.rebuild_seconds)
     return res

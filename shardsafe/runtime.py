@@ -13,7 +13,9 @@ import time
 from datetime import timedelta
 from typing import Any, Optional
 
-from .config import ShardsafeConfig
+from .config import ConfigError, ShardsafeConfig
+from .exchange import ParityExchange, gather_places, plan_parity
+from .topology import TopologyError
 from .faults import Injector, current_attempt
 from .holder.client import HolderClient, HolderUnavailable, connect_or_start
 from .holder.paths import HolderPaths
@@ -46,7 +48,7 @@ class Runtime:
         rank, world_size: global rank and size (torch.distributed must be initialised when world_size > 1).
     """
 
-    def __init__(self, cfg: ShardsafeConfig, *, rank: int, world_size: int):
+    def __init__(self, cfg: ShardsafeConfig, *, rank: int, world_size: int, coords: dict[str, int] | None = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.events = _event_log(cfg, rank)
         self.injector = Injector(rank)
@@ -65,10 +67,27 @@ class Runtime:
             # training communicator (NCCL on GPU), and time out on their own.
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
         self.coll = Collectives(group, world_size)
+        self.exchange = None
+        self.nodes: list[str] | None = None
+        if world_size > 1:
+            c = {"dp": rank, "tp": 0, "pp": 0, **(coords or {})}
+            places = gather_places(rank, world_size, cfg.node, c["dp"], c["tp"], c["pp"], group=group)
+            self.nodes = [p.node for p in places]
+            try:
+                plan = plan_parity(places, group_size=cfg.parity_group_size, parity_shards=cfg.parity_shards)
+            except TopologyError as e:
+                raise ConfigError(f"shardsafe parity settings cannot be placed on this job: {e}") from None
+            if plan is not None:
+                self.exchange = ParityExchange(plan, rank, timeout_s=cfg.timeout_s)
+                g = self.exchange.group
+                if rank == 0:
+                    log.info("[rank 0] parity on: %d group(s), RS(k=%d, m=%d) per group; group of rank 0: ranks %s on "
+                             "nodes %s", len(plan), g.k, g.m, list(g.members), list(g.nodes))
         self.pipeline = SnapshotPipeline(
             self.client, rank=rank, world_size=world_size, node=cfg.node,
             agreement=GlooAgreement(group) if world_size > 1 else LocalAgreement(),
-            on_progress=self.injector.copy_progress, on_event=self.events.emit, reconnect=self._reconnect)
+            on_progress=self.injector.copy_progress, on_event=self.events.emit, reconnect=self._reconnect,
+            parity=self.exchange)
         self.restored: RestoreResult | None = None
 
     def _reconnect(self) -> HolderClient:
@@ -80,7 +99,7 @@ class Runtime:
             self.restored = RestoreResult(message="restore disabled by config")
             return self.restored
         self.restored = restore_from_holder(adapter, self.client, rank=self.rank, coll=self.coll,
-                                            on_event=self.events.emit)
+                                            on_event=self.events.emit, exchange=self.exchange, nodes=self.nodes)
         if self.rank == 0:
             log.info("[rank 0] %s (%.3f s)", self.restored.message, self.restored.seconds)
         return self.restored

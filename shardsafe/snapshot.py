@@ -61,6 +61,7 @@ class SnapshotStats:
     stall_s: float = 0.0
     copy_s: float = 0.0
     hash_s: float = 0.0
+    parity_s: float = 0.0
     committed: bool = False
     error: str = ""
 
@@ -89,13 +90,15 @@ class SnapshotPipeline:
 
     def __init__(self, client: Optional[HolderClient], *, rank: int, world_size: int, node: str,
                  agreement: Agreement, on_progress: Callable[[int, float], None] | None = None,
-                 on_event: Callable[..., None] | None = None, reconnect: Callable[[], HolderClient] | None = None):
+                 on_event: Callable[..., None] | None = None, reconnect: Callable[[], HolderClient] | None = None,
+                 parity: Any = None):
         self.client = client
         self.rank, self.world_size, self.node = rank, world_size, node
         self.agreement = agreement
         self.on_progress = on_progress
         self.on_event = on_event or (lambda kind, **f: None)
         self.reconnect = reconnect
+        self.parity = parity   # exchange.ParityExchange or None
         self.history: list[SnapshotStats] = []
         self.last_committed = -1
         self._q: "queue.Queue[_Job | None]" = queue.Queue()
@@ -162,7 +165,7 @@ class SnapshotPipeline:
     def _report(self, job: _Job) -> None:
         st = job.stats
         self.on_event("snapshot", version=st.version, stall_s=st.stall_s, copy_s=st.copy_s, hash_s=st.hash_s,
-                      bytes=st.nbytes, committed=st.committed)
+                      parity_s=st.parity_s, bytes=st.nbytes, committed=st.committed)
 
     # ---- worker side ------------------------------------------------------------------------------
     def _warn_once(self, key: str, msg: str) -> None:
@@ -186,13 +189,13 @@ class SnapshotPipeline:
                 self.history.append(job.stats)
 
     def _process(self, job: _Job) -> None:
-        ok, man = False, None
+        ok, man, mm = False, None, None
         if self._broken:
             job.stats.error = "agreement group broken earlier"
             job.copied.set()
             return
         try:
-            man = self._write(job)
+            man, mm = self._write(job)
             ok = True
         except (HolderError, HolderUnavailable, OSError, RuntimeError) as e:
             job.stats.error = str(e)
@@ -202,6 +205,16 @@ class SnapshotPipeline:
         finally:
             job.copied.set()
         try:
+            if self.parity is not None:
+                # Every member of the parity group takes part, also after a failed write (it votes no).
+                t0 = time.perf_counter()
+                pok = self.parity.encode(version=job.version, client=self.client, data_mm=mm, data_manifest=man, ok=ok)
+                job.stats.parity_s = time.perf_counter() - t0
+                if ok and not pok:
+                    job.stats.error = f"parity not stored: {self.parity.last_error}"
+                    self._warn_once("parity", f"snapshot {job.version} not protected by parity, not committed: "
+                                              f"{self.parity.last_error}")
+                ok = ok and pok
             agreed = self.agreement.all_ok(job.version, ok)
         except Exception as e:
             self._broken = True
@@ -214,6 +227,8 @@ class SnapshotPipeline:
             return
         try:
             self.client.commit(ranks=[self.rank], version=job.version)
+            if self.parity is not None:
+                self.client.commit(ranks=[self.rank], version=job.version, kind="parity")
             job.stats.committed = True
             self.last_committed = job.version
         except (HolderError, HolderUnavailable) as e:
@@ -232,9 +247,10 @@ class SnapshotPipeline:
                                         f"({e})") from None
         raise HolderUnavailable(f"no holder for node {self.node!r}: snapshots skipped, training continues")
 
-    def _write(self, job: _Job) -> dict:
+    def _write(self, job: _Job) -> tuple[dict, Any]:
         client = self._ensure_client()
-        slot, mm = client.acquire(rank=self.rank, version=job.version, nbytes=job.nbytes)
+        want = job.nbytes if self.parity is None else max(job.nbytes, self.parity.padded_nbytes(job.nbytes))
+        slot, mm = client.acquire(rank=self.rank, version=job.version, nbytes=want)
         t0 = time.perf_counter()
         dst_all = torch.frombuffer(mm, dtype=torch.uint8, count=job.nbytes) if job.nbytes else torch.empty(0, dtype=torch.uint8)
         if job.cuda_ready is not None:
@@ -243,6 +259,8 @@ class SnapshotPipeline:
             self._copy_cpu(job, dst_all)
         job.stats.copy_s = time.perf_counter() - t0
         job.copied.set()
+        if want > job.nbytes:   # parity covers the padded payload: padding must be deterministic
+            torch.frombuffer(mm, dtype=torch.uint8, count=want - job.nbytes, offset=job.nbytes).zero_()
         t1 = time.perf_counter()
         buf = memoryview(mm)
         try:
@@ -254,7 +272,7 @@ class SnapshotPipeline:
         man = mf.build(version=job.version, rank=self.rank, world_size=self.world_size, node=self.node,
                        entries=job.entries, payload_nbytes=job.nbytes, meta=mf.to_jsonable(job.state.meta))
         client.seal(rank=self.rank, version=job.version, manifest=man)
-        return man
+        return man, mm
 
     def _copy_cpu(self, job: _Job, dst_all: torch.Tensor) -> None:
         total, done = max(job.nbytes, 1), 0

@@ -9,7 +9,7 @@ import torch
 from shardsafe import manifest as mf
 from shardsafe.holder.client import HolderClient, holder_command
 from shardsafe.holder.paths import HolderPaths
-from shardsafe.restore import Collectives, restore_from_holder
+from shardsafe.restore import Collectives, RestoreError, restore_from_holder
 from shardsafe.snapshot import LocalAgreement, SnapshotPipeline
 from shardsafe.state import RankState, apply_rng, capture_rng
 
@@ -108,8 +108,8 @@ def test_layout_mismatch_is_refused(client):
     snap(client, ToyAdapter(1), 3)
     other = ToyAdapter(2)
     other.t["master"] = torch.zeros(10)
-    res = restore_from_holder(other, client, rank=0, coll=Collectives())
-    assert res.version == -1 and "starting fresh" in res.message
+    with pytest.raises(RestoreError, match="nothing was loaded"):
+        restore_from_holder(other, client, rank=0, coll=Collectives())
     assert torch.equal(other.t["master"], torch.zeros(10))
 
 

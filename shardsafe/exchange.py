@@ -1,0 +1,275 @@
+"""Parity exchange and rebuild inside parity groups, over dedicated gloo process groups.
+
+After a rank has sealed its data payload for a version, the members of its parity group
+(topology.ParityGroup) move stripes point-to-point: member i sends chunk c of its padded payload
+to the parity holders of codeword i+1+c; each member receives the k data chunks of the m codewords
+it holds parity for, encodes one parity fragment per codeword (ISA-L on CPU) straight into a
+"parity" slot of its own holder, checksums it and seals it with a manifest that also carries every
+member's data manifest (so a lost member's checksums survive it). A version is committed only when
+this succeeded on every rank.
+
+Rebuild (restore after node loss): survivors read their data and parity slots and send the k
+source fragments of every affected codeword to the lost members, who decode their chunks into a
+fresh data slot of their (new, empty) holder, verify them against the replicated checksums and
+seal them; the normal restore path then loads them.
+
+All collectives here run on the parity group's own gloo group, from the snapshot worker thread
+(encode) or the main thread before training (rebuild); every member of a group takes the same
+branches, decided by small votes, so point-to-point traffic never waits for a peer that skipped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from datetime import timedelta
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from . import manifest as mf
+from .holder.client import HolderClient
+from .parity import get_codec
+from .topology import ParityGroup, ParityGroups, RankPlace, build_parity_groups
+
+log = logging.getLogger("shardsafe.parity")
+_MANIFEST_TAG = 1 << 20
+
+
+class ExchangeError(RuntimeError):
+    """Parity could not be computed or a payload could not be rebuilt; the message says why."""
+
+
+def gather_places(rank: int, world_size: int, node: str, dp: int, tp: int = 0, pp: int = 0, group=None) -> list[RankPlace]:
+    """Every rank's (node, dp, tp, pp), exchanged as fixed-size tensors (no pickle)."""
+    import torch.distributed as dist
+    name = node.encode()[:64].ljust(64, b"\0")
+    mine = torch.tensor([rank, dp, tp, pp, *name], dtype=torch.int64)
+    out = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(out, mine, group=group)
+    places = []
+    for t in out:
+        v = t.tolist()
+        places.append(RankPlace(rank=v[0], dp=v[1], tp=v[2], pp=v[3], node=bytes(v[4:]).rstrip(b"\0").decode()))
+    return places
+
+
+def plan_parity(places: list[RankPlace], *, group_size: int, parity_shards: int) -> ParityGroups | None:
+    """The job's parity plan, or None when parity is off (n == 1) or impossible with *default* sizing
+    (e.g. every rank on one node). An explicit group_size that cannot be honoured raises TopologyError."""
+    if group_size == 1:
+        return None
+    if group_size == 0:
+        from .topology import TopologyError
+        try:
+            return build_parity_groups(places, group_size=None, parity_shards=parity_shards)
+        except TopologyError as e:
+            log.info("parity off: %s", e)
+            return None
+    return build_parity_groups(places, group_size=group_size, parity_shards=parity_shards)
+
+
+class ParityExchange:
+    """Args:
+        plan: the job's parity groups (every rank builds the same plan).
+        rank: this rank.
+        timeout_s: timeout of the groups' collectives.
+        backend: codec backend ("auto": ISA-L, else the numpy reference).
+    """
+
+    def __init__(self, plan: ParityGroups, rank: int, *, timeout_s: float = 60.0, backend: str = "auto"):
+        import torch.distributed as dist
+        self.plan, self.rank = plan, rank
+        self.pg = None
+        for g in plan:   # new_group is collective over the whole world: every rank creates every group
+            pg = dist.new_group(ranks=list(g.members), backend="gloo", timeout=timedelta(seconds=timeout_s))
+            if rank in g.members:
+                self.pg = pg
+        self.group: ParityGroup = plan.group_of(rank)
+        self.codec = get_codec(k=self.group.k, m=self.group.m, backend=backend)
+        self._staging: torch.Tensor | None = None
+        self.last_error = ""
+
+    # ---- sizes ------------------------------------------------------------------------------------
+    def padded_nbytes(self, payload_nbytes: int) -> int:
+        return self.group.padded_nbytes(payload_nbytes)
+
+    def _vote(self, ok: bool, nbytes: int) -> tuple[bool, int]:
+        import torch.distributed as dist
+        t = torch.tensor([1 if ok else 0, -nbytes], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pg)
+        return bool(t[0] == 1), int(-t[1])
+
+    def _all_gather_bytes(self, blob: bytes) -> list[bytes]:
+        import torch.distributed as dist
+        n = self.group.n
+        lens = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+        dist.all_gather(lens, torch.tensor([len(blob)], dtype=torch.int64), group=self.pg)
+        mx = max(int(x) for x in lens)
+        buf = torch.zeros(mx, dtype=torch.uint8)
+        if blob:
+            buf[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        outs = [torch.empty(mx, dtype=torch.uint8) for _ in range(n)]
+        dist.all_gather(outs, buf, group=self.pg)
+        return [bytes(o[: int(ln)].numpy()) for o, ln in zip(outs, lens)]
+
+    def _staging_for(self, nbytes: int) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8).fill_(0)   # pre-faulted, reused
+        return self._staging[:nbytes]
+
+    # ---- encode after a snapshot --------------------------------------------------------------------
+    def encode(self, *, version: int, client: HolderClient | None, data_mm: Any, data_manifest: dict | None,
+               ok: bool) -> bool:
+        """Compute and store this member's parity shares for ``version``. Every member calls it,
+        also when its own snapshot failed (``ok=False``): the group then skips together."""
+        import torch.distributed as dist
+        g, me = self.group, self.rank
+        self.last_error = ""
+        nbytes = data_manifest["payload_nbytes"] if ok and data_manifest else 0
+        ok, pmax = self._vote(ok, nbytes)
+        if not ok:
+            self.last_error = "a member of the parity group has no snapshot for this version"
+            return False
+        cs = g.chunk_size(pmax)
+        pmm = None
+        try:
+            if g.k * cs > len(data_mm):
+                raise ExchangeError(f"data slot of {len(data_mm)} bytes is smaller than the padded payload {g.k * cs}")
+            _, pmm = client.acquire(rank=me, version=version, nbytes=g.m * cs, kind="parity")
+            ready = True
+        except Exception as e:   # budget, holder gone: vote no, the group skips together
+            self.last_error = f"parity slot: {e}"
+            ready = False
+        blobs = self._all_gather_bytes(json.dumps(data_manifest).encode() if ready else b"")
+        ready, _ = self._vote(ready and all(blobs), 0)
+        if not ready:
+            self.last_error = self.last_error or "a member of the parity group could not store parity"
+            return False
+        data = torch.frombuffer(data_mm, dtype=torch.uint8, count=g.k * cs)
+        stage = self._staging_for(g.m * g.k * cs).view(g.m, g.k, cs)
+        reqs = []
+        for c, stripe in enumerate(g.data_stripes(me)):
+            for pref in stripe.parity:
+                reqs.append(dist.isend(data[c * cs:(c + 1) * cs], dst=pref.rank, group=self.pg, tag=stripe.codeword))
+        for j, stripe in enumerate(g.parity_stripes(me)):
+            for p, dref in enumerate(stripe.data):
+                reqs.append(dist.irecv(stage[j, p], src=dref.rank, group=self.pg, tag=stripe.codeword))
+        for r in reqs:
+            r.wait()
+        sums, codewords = [], []
+        for j, stripe in enumerate(g.parity_stripes(me)):
+            out = np.frombuffer(pmm, dtype=np.uint8, count=cs, offset=j * cs)
+            self.codec.reconstruct({p: stage[j, p].numpy() for p in range(g.k)}, [g.k + j], out=[out])
+            sums.append(mf.hash_bytes(memoryview(pmm)[j * cs:(j + 1) * cs]))
+            codewords.append(stripe.codeword)
+        man = {"format": mf.FORMAT, "kind": "parity", "version": version, "rank": me,
+               "group": {"index": g.index, "members": list(g.members), "nodes": list(g.nodes), "k": g.k, "m": g.m},
+               "code": self.codec.spec(), "chunk_size": cs, "payload_max": pmax, "codewords": codewords, "xxh3": sums,
+               "group_manifests": {str(r): json.loads(b) for r, b in zip(g.members, blobs)}}
+        client.seal(rank=me, version=version, manifest=man, kind="parity")
+        return True
+
+    # ---- rebuild at restore -------------------------------------------------------------------------
+    def rebuild(self, *, version: int, client: HolderClient | None, lost: Iterable[int]) -> tuple[bool, int, str]:
+        """Rebuild the data payloads of ``lost`` members of this rank's group (all members call it).
+
+        Returns (ok, bytes rebuilt by this rank, reason). Never raises for a bad share: a survivor
+        whose parity fails its checksum votes no before anything moves, and a rebuilt payload that
+        does not verify against the replicated checksums is not sealed (ok=False on that rank)."""
+        g, me = self.group, self.rank
+        lost = sorted(set(lost) & set(g.members))
+        if not lost:
+            return True, 0, ""
+        handles: list[Any] = []
+        try:
+            return self._rebuild(version, client, lost, handles)
+        finally:
+            for mm in handles:
+                try:
+                    mm.close()
+                except BufferError:
+                    pass
+
+    def _rebuild(self, version: int, client: HolderClient | None, lost: list[int], handles: list) -> tuple[bool, int, str]:
+        import torch.distributed as dist
+        g, me = self.group, self.rank
+        survivors = [r for r in g.members if r not in lost]
+        sender = survivors[0]
+        info: dict[str, Any] = {}
+        reason = ""
+        if me in survivors:
+            try:
+                pman, pmm = client.open(rank=me, version=version, kind="parity")
+                handles.append(pmm)
+                _, dmm = client.open(rank=me, version=version)
+                handles.append(dmm)
+                cs = pman["chunk_size"]
+                pv = memoryview(pmm)
+                bad = [j for j, s in enumerate(pman["xxh3"]) if mf.hash_bytes(pv[j * cs:(j + 1) * cs]) != s]
+                pv.release()
+                if bad:
+                    reason = f"rank {me}: parity share(s) {bad} of version {version} fail their checksum"
+                info = {"chunk_size": cs, "manifests": pman["group_manifests"]}
+            except Exception as e:
+                reason = f"rank {me}: cannot read data/parity of version {version}: {e}"
+        ok, _ = self._vote(not reason, 0)
+        if not ok:
+            return False, 0, reason or "a survivor of the parity group cannot serve its shares"
+        # The rebuilders learn the chunk size and their manifests from one survivor.
+        if me == sender:
+            blob = torch.frombuffer(bytearray(json.dumps(info).encode()), dtype=torch.uint8)
+            for r in lost:
+                dist.send(torch.tensor([blob.numel()], dtype=torch.int64), dst=r, group=self.pg, tag=_MANIFEST_TAG)
+                dist.send(blob, dst=r, group=self.pg, tag=_MANIFEST_TAG + 1)
+        elif me in lost:
+            n = torch.zeros(1, dtype=torch.int64)
+            dist.recv(n, src=sender, group=self.pg, tag=_MANIFEST_TAG)
+            blob = torch.empty(int(n), dtype=torch.uint8)
+            dist.recv(blob, src=sender, group=self.pg, tag=_MANIFEST_TAG + 1)
+            info = json.loads(bytes(blob.numpy()))
+        cs = info["chunk_size"]
+        plan = g.recovery_plan(lost)
+        reqs, recv_bufs = [], {}
+        if me in survivors:
+            dv = torch.frombuffer(handles[1], dtype=torch.uint8, count=g.k * cs)
+            pv_t = torch.frombuffer(handles[0], dtype=torch.uint8, count=g.m * cs)
+        for cw in plan:
+            takers = sorted({t.rank for t in cw.targets if not t.is_parity})
+            for f in cw.sources:
+                if f.rank == me:
+                    src = (pv_t if f.is_parity else dv)[f.slot * cs:(f.slot + 1) * cs]
+                    for t in takers:
+                        reqs.append(dist.isend(src, dst=t, group=self.pg, tag=cw.codeword))
+            if me in takers:
+                bufs = [torch.empty(cs, dtype=torch.uint8) for _ in cw.sources]
+                recv_bufs[cw.codeword] = bufs
+                for f, b in zip(cw.sources, bufs):
+                    reqs.append(dist.irecv(b, src=f.rank, group=self.pg, tag=cw.codeword))
+        for r in reqs:
+            r.wait()
+        if me not in lost:
+            return True, 0, ""
+        my_man = info["manifests"][str(me)]
+        try:
+            _, wmm = client.acquire(rank=me, version=version, nbytes=g.k * cs)
+        except Exception as e:
+            return False, 0, f"rank {me}: no slot to rebuild into: {e}"
+        for cw in plan:
+            mine = [t for t in cw.targets if t.rank == me and not t.is_parity]
+            if not mine:
+                continue
+            outs = [np.frombuffer(wmm, dtype=np.uint8, count=cs, offset=t.slot * cs) for t in mine]
+            self.codec.reconstruct({f.fragment: b.numpy() for f, b in zip(cw.sources, recv_bufs[cw.codeword])},
+                                   [t.fragment for t in mine], out=outs)
+        buf = memoryview(wmm)
+        try:
+            bad = mf.verify(my_man, buf)
+        finally:
+            buf.release()
+        if bad:
+            return False, 0, (f"rank {me}: payload of version {version} rebuilt from parity fails its checksums "
+                              f"({'; '.join(bad[:3])}): a peer's data or parity share is corrupt; not loaded")
+        client.seal(rank=me, version=version, manifest=my_man)
+        return True, my_man["payload_nbytes"], ""
