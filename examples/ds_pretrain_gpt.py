@@ -105,7 +105,28 @@ def final_state(engine) -> dict[str, torch.Tensor]:
         getattr(o, "fp16_partitioned_groups_flat", None) or []
     for i, t in enumerate(lps):
         out[f"lp/{i}"] = t
+    if type(o).__name__ == "DeepSpeedZeroOptimizer_Stage3":
+        # ZeRO-3 pads every parameter's partition to a multiple of the DP size; DeepSpeed leaves
+        # those elements uninitialised, so two plain runs already differ there. They never touch
+        # the model: compare the real elements only.
+        masks = [_z3_real_elements(params, engine.dp_world_size, engine.global_rank % engine.dp_world_size)
+                 for params in o.fp16_groups]
+        for name, t in list(out.items()):
+            parts = name.split("/")
+            if parts[0] in ("opt", "lp") and t.dim() == 1:
+                j = int(parts[2] if parts[0] == "opt" else parts[1])
+                if masks[j].numel() == t.numel():
+                    out[name] = t.detach().clone().masked_fill_(~masks[j], 0)
     return out
+
+
+def _z3_real_elements(params, dp: int, dp_rank: int) -> torch.Tensor:
+    chunks = []
+    for p in params:
+        part = p.partition_numel()
+        real = max(0, min(part, p.ds_numel - dp_rank * part))
+        chunks.append(torch.arange(part) < real)
+    return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.bool)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,41 @@
+"""Whole-node loss with real DeepSpeed: trainers and holder SIGKILLed, shared memory gone, a fresh
+empty holder in its place; the lost ranks are rebuilt from parity and the run stays bit-exact.
+
+One rank per simulated node, so a lost node loses exactly one member of the parity group.
+"""
+import json
+
+import pytest
+
+from shardsafe.runcheck import compare_runs, read_jsonl
+
+from .helpers import restores, run_job, trainer_logs
+
+STEPS = 10
+pytestmark = pytest.mark.slow
+
+
+def tiers(run_dir):
+    return {int(e.get("attempt") or 0): e["tier"] for e in read_jsonl(f"{run_dir}/events.jsonl")
+            if e.get("kind") == "restore_end"}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("m, nodes, lose", [(1, 3, "node1"), (2, 4, "node0+node2")])
+def test_node_loss_rebuilt_from_parity(tmp_path, reference, stage, m, nodes, lose):
+    ref = reference(stage, "bf16", STEPS, world=nodes)
+    res = run_job(tmp_path, stage=stage, dtype="bf16", steps=STEPS, nodes=nodes, nproc=1,
+                  inject=f"kill-node:{lose}@6", extra=["--shardsafe-json", json.dumps({"parity_shards": m})])
+    assert res.ok and res.attempts == 2 and res.failures[0]["cause"] == "node_loss", res
+    assert restores(tmp_path)[1] in (4, 5) and tiers(tmp_path)[1] == "parity"
+    cmp = compare_runs(str(tmp_path), str(ref), nodes, STEPS)
+    assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)
+
+
+def test_more_node_losses_than_parity_fail_clearly(tmp_path):
+    res = run_job(tmp_path, stage=2, dtype="fp32", steps=8, nodes=3, nproc=1, inject="kill-node:node0+node1@4",
+                  max_restarts=1)
+    assert not res.ok   # nothing restored, nothing loaded: the attempt after the loss stops with the error
+    logs = trainer_logs(str(tmp_path))
+    assert "RestoreError: cannot restore from memory" in logs
+    assert "nodes ['node0', 'node1']" in logs and "parity_shards >= 2" in logs and "disk checkpoint" in logs
