@@ -28,7 +28,11 @@ def _nvcc():
 
 
 def build_cuda_kernels(out_dir: Path) -> None:
-    """Compile kernels/csrc/*.cu into libshardsafe_ec.so (sm_80, sm_90) when nvcc exists."""
+    """Compile kernels/csrc/*.cu into libshardsafe_ec.so (sm_80, sm_90) when nvcc exists.
+
+    Also embeds compute_90 PTX so GPUs newer than Hopper can JIT the kernels. cudart is linked
+    statically (nvcc's default), so the library needs a driver at least as new as this nvcc.
+    """
     nvcc = _nvcc()
     srcs = sorted((HERE / "kernels" / "csrc").glob("*.cu"))
     if nvcc is None or not srcs:
@@ -37,7 +41,7 @@ def build_cuda_kernels(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "libshardsafe_ec.so"
     cmd = [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--shared",
-           "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
+           "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=[sm_90,compute_90]",
            "-I", str(HERE / "kernels" / "csrc"), "-o", str(out), *map(str, srcs)]
     print("shardsafe: building CUDA kernels:", " ".join(cmd))
     subprocess.check_call(cmd)

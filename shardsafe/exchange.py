@@ -90,10 +90,13 @@ class ParityExchange:
         self.codec = get_codec(k=self.group.k, m=self.group.m, backend=backend)
         self._staging: torch.Tensor | None = None
         self.last_error = ""
+        # Largest payload seen in the group: members with smaller payloads (Megatron's DistOpt
+        # shards differ by up to a bucket) size their data slot for the group's padded layout.
+        self.pmax_hint = 0
 
     # ---- sizes ------------------------------------------------------------------------------------
     def padded_nbytes(self, payload_nbytes: int) -> int:
-        return self.group.padded_nbytes(payload_nbytes)
+        return self.group.padded_nbytes(max(payload_nbytes, self.pmax_hint))
 
     def _vote(self, ok: bool, nbytes: int) -> tuple[bool, int]:
         import torch.distributed as dist
@@ -132,11 +135,15 @@ class ParityExchange:
         if not ok:
             self.last_error = "a member of the parity group has no snapshot for this version"
             return False
+        self.pmax_hint = max(self.pmax_hint, pmax)
         cs = g.chunk_size(pmax)
         pmm = None
         try:
             if g.k * cs > len(data_mm):
-                raise ExchangeError(f"data slot of {len(data_mm)} bytes is smaller than the padded payload {g.k * cs}")
+                raise ExchangeError(f"data slot of {len(data_mm)} bytes is smaller than the group's padded payload "
+                                    f"{g.k * cs} (payload sizes differ across the group; the next snapshot is sized for it)")
+            if g.k * cs > nbytes:   # deterministic padding: parity covers it
+                torch.frombuffer(data_mm, dtype=torch.uint8, count=g.k * cs - nbytes, offset=nbytes).zero_()
             _, pmm = client.acquire(rank=me, version=version, nbytes=g.m * cs, kind="parity")
             ready = True
         except Exception as e:   # budget, holder gone: vote no, the group skips together

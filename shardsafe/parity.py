@@ -231,7 +231,8 @@ class Codec(ABC):
         Args:
             available: fragment index -> array, at least k fragments of one codeword.
             out: optional k writable arrays; every data fragment is written there (present ones
-                copied), e.g. to reassemble a lost member's payload in place.
+                copied unless ``out[i]`` already is ``available[i]``'s memory), e.g. to reassemble
+                a payload in a staging buffer where the surviving chunks were received in place.
         Returns:
             k data fragments in index order (the ``out`` objects when given).
         """
@@ -241,14 +242,22 @@ class Codec(ABC):
         if out is None:
             rebuilt = iter(self.reconstruct(avail, lost)) if lost else iter(())
             return [avail[i] if i in avail else next(rebuilt) for i in range(self._k)]
-        like = next(iter(avail.values())) if avail else None
-        length = self._nbytes(like) if like is not None else 0
-        outs, flat = self._outputs("decode", out, self._k, length, like=like, inputs=list(avail.values()))
+        like = next(iter(avail.values()))
+        outs, flat = self._outputs("decode", out, self._k, self._nbytes(like), like=like, inputs=[])
+        copies = []
+        for i in range(self._k):
+            if i in avail and self._same_memory(flat[i], avail[i]):
+                continue  # already in place
+            for j, a in avail.items():
+                if self._aliases(flat[i], a):
+                    raise InvalidFragment(f"decode: out[{i}] overlaps available[{j}]; an output may only be "
+                                          "exactly its own fragment's memory (in place) or separate memory.")
+            if i in avail:
+                copies.append(i)
         if lost:
             self.reconstruct(avail, lost, out=[flat[i] for i in lost])
-        for i in range(self._k):
-            if i in avail:
-                self._copy(flat[i], avail[i])
+        for i in copies:
+            self._copy(flat[i], avail[i])
         return outs
 
     def fragments_needed(self, missing: Sequence[int], *, unavailable: Sequence[int] = ()) -> list[int]:
@@ -328,6 +337,9 @@ class Codec(ABC):
 
     def _aliases(self, a: Any, b: Any) -> bool:
         return bool(np.may_share_memory(a, b))
+
+    def _same_memory(self, a: Any, b: Any) -> bool:
+        return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.nbytes == b.nbytes
 
     # --- guards ---------------------------------------------------------------------------------
     def _fragments(self, op: str, what: str, frags: Sequence[Any], count: int) -> list[Any]:
@@ -525,6 +537,9 @@ class CudaCodec(Codec):
                                   "put one codeword's fragments on one GPU.")
         a0, b0 = a.data_ptr(), b.data_ptr()
         return a0 < b0 + b.numel() and b0 < a0 + a.numel()
+
+    def _same_memory(self, a: Any, b: Any) -> bool:
+        return a.device == b.device and a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
 
     def _same_length(self, op: str, what: str, flat: Sequence[Any], names: Sequence[int]) -> None:
         super()._same_length(op, what, flat, names)

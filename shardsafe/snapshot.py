@@ -259,8 +259,6 @@ class SnapshotPipeline:
             self._copy_cpu(job, dst_all)
         job.stats.copy_s = time.perf_counter() - t0
         job.copied.set()
-        if want > job.nbytes:   # parity covers the padded payload: padding must be deterministic
-            torch.frombuffer(mm, dtype=torch.uint8, count=want - job.nbytes, offset=job.nbytes).zero_()
         t1 = time.perf_counter()
         buf = memoryview(mm)
         try:
