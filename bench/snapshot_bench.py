@@ -105,7 +105,7 @@ def worker(a: argparse.Namespace) -> None:
     res["copy_s"], res["memcpy_s"] = copy_s, memcpy_s
     # -- disk checkpoints -------------------------------------------------------------------------------
     base = os.path.join(a.ckpt_dir, "ckpt")
-    save_pc, save_durable, load_warm, load_cold, restore = [], [], [], [], []
+    save_pc, save_durable, load_warm, load_cold, restore, phases = [], [], [], [], [], []
     for i in range(a.repeats):
         for durable in (False, True):
             tag = f"r{i}{'d' if durable else 'p'}"
@@ -131,13 +131,14 @@ def worker(a: argparse.Namespace) -> None:
         r = restore_from_holder(hook.adapter, hook.runtime.client, rank=rank, coll=hook.runtime.coll)
         restore.append(mx(time.perf_counter() - t0))
         assert r.version >= 0, r.message
+        phases.append(r.phases)
         dist.barrier()
         if rank == 0:
             for t in (f"r{i}p", f"r{i}d"):
                 shutil.rmtree(os.path.join(base, t), ignore_errors=True)
         dist.barrier()
     res.update(save_pagecache_s=save_pc, save_durable_s=save_durable, load_warm_s=load_warm, load_cold_s=load_cold,
-               restore_s=restore)
+               restore_s=restore, restore_phases=phases)
     if rank == 0:
         with open(os.path.join(a.out, "bench_result.json"), "w") as f:
             json.dump(res, f)
@@ -164,6 +165,7 @@ def report(res: dict, a: argparse.Namespace) -> dict:
         "ratio_save_durable_vs_stall": round(med(res["save_durable_s"]) / stall_floor, 1),
         "ratio_save_pagecache_vs_stall": round(med(res["save_pagecache_s"]) / stall_floor, 1),
         "restore_s": round(med(res["restore_s"]), 4),
+        "restore_phases_s_rank0": {k: round(med([p[k] for p in res["restore_phases"]]), 4) for k in res["restore_phases"][0]},
         "load_warm_s": round(med(res["load_warm_s"]), 4), "load_cold_s": round(med(res["load_cold_s"]), 4),
         "ratio_load_warm_vs_restore": round(med(res["load_warm_s"]) / med(res["restore_s"]), 2),
         "ratio_load_cold_vs_restore": round(med(res["load_cold_s"]) / med(res["restore_s"]), 2),
@@ -214,7 +216,8 @@ def main() -> int:
           f"allocating: {out['stall_ms_first_snapshots']} ms)")
     print(f"save_checkpoint+fsync {out['save_durable_s']:8.3f} s    -> stall is {out['ratio_save_durable_vs_stall']}x smaller")
     print(f"save_checkpoint (page cache) {out['save_pagecache_s']:.3f} s -> stall is {out['ratio_save_pagecache_vs_stall']}x smaller")
-    print(f"restore from holder   {out['restore_s']:8.3f} s    (checksums verified)")
+    print(f"restore from holder   {out['restore_s']:8.3f} s    (checksums verified; rank 0 phases "
+          f"{out['restore_phases_s_rank0']})")
     print(f"load_checkpoint warm  {out['load_warm_s']:8.3f} s    -> restore is {out['ratio_load_warm_vs_restore']}x faster")
     print(f"load_checkpoint cold  {out['load_cold_s']:8.3f} s    -> restore is {out['ratio_load_cold_vs_restore']}x faster")
     return 0

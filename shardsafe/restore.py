@@ -34,6 +34,7 @@ class RestoreResult:
     rebuilt_bytes: int = 0     # bytes this rank rebuilt from parity
     rebuild_seconds: float = 0.0
     lost_ranks: list = None    # type: ignore[assignment]
+    phases: dict = None        # type: ignore[assignment]  # seconds: agree, rebuild, verify, apply
 
 
 class RestoreError(RuntimeError):
@@ -131,6 +132,7 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     res = RestoreResult(message="no snapshot in memory for this job: starting fresh")
     live = adapter.capture().tensors
     rebuilt_bytes, rebuild_s, tried = 0, 0.0, []
+    phases = {"agree": time.perf_counter() - t0, "rebuild": 0.0, "verify": 0.0, "apply": 0.0}
     for version in candidates:
         how = _plan_version(version, data, parity, exchange)
         if how is None:
@@ -145,6 +147,8 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
                     log.error("[rank %d] rebuild of version %d from parity failed: %s", rank, version, why)
                 continue
             rebuilt_bytes, rebuild_s = nb, time.perf_counter() - t1
+            phases["rebuild"] += rebuild_s
+        t1 = time.perf_counter()
         manifest, mm, bad = None, None, ["not opened"]
         try:
             manifest, mm = client.open(rank=rank, version=version)
@@ -163,14 +167,18 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
                 mm.close()
             log.warning("[rank %d] version %d is not restorable on every rank; trying an older one", rank, version)
             continue
+        t2 = time.perf_counter()
+        phases["verify"] += t2 - t1
         views = mf.views(manifest, mm)
         adapter.apply(views, mf.from_jsonable(manifest["meta"]))
         del views
         mm.close()
+        phases["apply"] = time.perf_counter() - t2
         res = RestoreResult(version=version, tier=tier, nbytes=manifest["payload_nbytes"],
                             message=f"restored version {version} from holder memory"
                                     + (f" after rebuilding ranks {lost} from parity" if lost else ""))
         res.rebuilt_bytes, res.rebuild_seconds, res.lost_ranks = rebuilt_bytes, rebuild_s, lost
+        res.phases = {k: round(v, 6) for k, v in phases.items()}
         break
     else:
         if candidates:
@@ -182,5 +190,5 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
                                "or set shardsafe.restore=false to start from scratch.")
     res.seconds = time.perf_counter() - t0
     emit("restore_end", tier=res.tier, version=res.version, seconds=res.seconds, bytes=res.nbytes,
-         rebuilt_bytes=res.rebuilt_bytes, rebuild_seconds=res.rebuild_seconds)
+         rebuilt_bytes=res.rebuilt_bytes, rebuild_seconds=res.rebuild_seconds, phases=res.phases)
     return res

@@ -27,7 +27,10 @@ def test_node_loss_rebuilt_from_parity(tmp_path, reference, stage, m, nodes, los
     res = run_job(tmp_path, stage=stage, dtype="bf16", steps=STEPS, nodes=nodes, nproc=1,
                   inject=f"kill-node:{lose}@6", extra=["--shardsafe-json", json.dumps({"parity_shards": m})])
     assert res.ok and res.attempts == 2 and res.failures[0]["cause"] == "node_loss", res
-    assert restores(tmp_path)[1] in (4, 5) and tiers(tmp_path)[1] == "parity"
+    # The launcher kills the node once it sees iteration 6 finish; a step or two may complete meanwhile.
+    done = max(e["iteration"] for e in read_jsonl(f"{tmp_path}/events.jsonl")
+               if e.get("kind") == "iteration" and not e.get("attempt"))
+    assert 4 <= restores(tmp_path)[1] <= done and tiers(tmp_path)[1] == "parity"
     cmp = compare_runs(str(tmp_path), str(ref), nodes, STEPS)
     assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)
 
