@@ -17,6 +17,8 @@
 #   6. snapshot pipeline checks (added by the snapshot owner)
 # Exit status: 0 if every phase passed, else 1 (see the summary at the end).
 set -uo pipefail
+# The GPU machine reaches no package index: never let pip wait on the network there.
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=${PIP_NO_INDEX:-1}
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO" || exit 2
@@ -73,7 +75,6 @@ phase_deps() {
     "$py" -m venv --system-site-packages "$VENV" || return 1
   fi
   local vpy="$VENV/bin/python"
-  "$vpy" -m pip install -q --upgrade pip 2>&1 | tail -1
   if "$vpy" -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available()); sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "CUDA torch present: not reinstalling"
   else
@@ -161,8 +162,12 @@ run_phase "4 tests (gpu + codec)" phase_tests
 run_phase "5 gpu throughput" phase_bench
 
 # --- snapshot pipeline checks (added by the snapshot owner) ---
-# Add phases here: define a function, `export -f` it, then `run_phase "6 <name>" <function>`.
-# (the venv is $VENV, the repo root is the cwd, results go to "$OUT_DIR" when set)
+# D2H on a side stream into cudaHostRegister'ed holder memory: ordering, round trip, bandwidth, stall.
+phase_snapshot() {
+  PYTHONPATH="$REPO" OUT="$OUT_DIR" "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider -s tests/gpu/test_snapshot_cuda.py
+}
+export -f phase_snapshot
+run_phase "6 snapshot pipeline (GPU path)" phase_snapshot
 
 # --- summary --------------------------------------------------------------------------------------
 banner "summary"

@@ -289,8 +289,9 @@ class SnapshotPipeline:
         if slot not in self._registered:
             cudart = torch.cuda.cudart()
             rc = cudart.cudaHostRegister(dst_all.data_ptr(), len(mm), 0)
-            if int(rc) != 0:
-                raise RuntimeError(f"cudaHostRegister of the {len(mm)}-byte holder slot failed (error {int(rc)})")
+            code = int(getattr(rc, "value", rc))
+            if code != 0:
+                raise RuntimeError(f"cudaHostRegister of the {len(mm)}-byte holder slot failed (cudaError {code})")
             self._registered.add(slot)
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream()
