@@ -29,3 +29,15 @@ def test_kill_rank_then_kill_during_copy(tmp_path, reference, stage, dtype):
     assert got[2] == 10                              # the torn v11 is never restored: the previous committed one is
     cmp = compare_runs(str(tmp_path), str(ref), 2, STEPS)
     assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches, cmp.replayed_losses_equal)
+
+
+def test_fp16_with_dynamic_loss_scaler(tmp_path, reference, monkeypatch):
+    """fp16 + ZeRO-2: the loss scaler's state (scale, overflow counters) is part of the snapshot.
+    DeepSpeed refuses fp16 on this CPU; the example's test-only switch lifts that refusal."""
+    monkeypatch.setenv("SHARDSAFE_TEST_FORCE_FP16", "1")
+    ref = reference(2, "fp16", STEPS)
+    res = run_job(tmp_path, stage=2, dtype="fp16", steps=STEPS, inject="kill-rank:1@6;kill-copy:0@11")
+    assert res.ok and res.attempts == 3, res
+    assert restores(tmp_path)[2] == 10
+    cmp = compare_runs(str(tmp_path), str(ref), 2, STEPS)
+    assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)
