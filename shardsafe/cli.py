@@ -21,7 +21,8 @@ def cmd_holder(a: argparse.Namespace) -> int:
                           holder_dir=a.holder_dir or ShardsafeConfig().holder_dir, memory_budget_gb=a.memory_budget_gb)
     paths = HolderPaths(cfg.holder_dir, cfg.job_id, cfg.node)
     paths.ensure_dir()
-    holder = Holder(paths, budget_bytes=cfg.memory_budget_bytes, idle_exit_s=a.idle_exit_s, run_dir=a.run_dir)
+    holder = Holder(paths, budget_bytes=cfg.memory_budget_bytes, idle_exit_s=a.idle_exit_s, run_dir=a.run_dir,
+                    scrub_interval_s=a.scrub_interval_s)
     if not a.daemonize:
         _setup_logging(f"[holder {cfg.node}]")
         holder.serve(ready=lambda: print(f"holder ready: {paths.socket}", flush=True))
@@ -78,7 +79,9 @@ def cmd_status(a: argparse.Namespace) -> int:
             print(f"node {h['node']}: {h['error']}")
             continue
         print(f"node {h['node']} job {h['job_id']} pid {h['pid']}: {h['used'] / 2**20:.1f} MiB used "
-              f"of {h['budget'] / 2**20:.1f} MiB budget, {h['clients']} client(s)")
+              f"of {h['budget'] / 2**20:.1f} MiB budget, {h['clients']} client(s), health {h.get('health', '?')}"
+              f" (scrubs {h.get('scrub', {}).get('runs', 0)}, flushes {h.get('flush', {}).get('done', 0)} ok / "
+              f"{h.get('flush', {}).get('failed', 0)} failed)")
         for rank, kinds in h["ranks"].items():
             for kind, slots in kinds.items():
                 desc = ", ".join(f"v{s['version']} {s['state']}{' committed' if s['committed'] else ''} "
@@ -98,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--memory-budget-gb", type=float, default=0.0, help="0 = half the node's RAM")
     h.add_argument("--idle-exit-s", type=float, default=0.0, help="exit after this long without clients (0 = never)")
     h.add_argument("--run-dir", default=os.environ.get("SHARDSAFE_RUN_DIR", ""), help="append TOR events here")
+    h.add_argument("--scrub-interval-s", type=float, default=300.0,
+                   help="re-verify every held version this often (0 = never); bad ones are marked unusable")
     h.add_argument("--daemonize", action="store_true", help="detach (double fork + setsid) once serving")
     h.set_defaults(func=cmd_holder)
 
@@ -118,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
         tor.register_cli(sub)
     except (ImportError, AttributeError):
         pass
+    from shardsafe import elastic
+    elastic.register_cli(sub)
     return p
 
 

@@ -63,6 +63,14 @@ class ShardsafeConfig:
     """How long a holder request or the background agreement may take before the snapshot is skipped."""
     run_dir: str = ""
     """Where trainers append TOR events (events.jsonl); empty = SHARDSAFE_RUN_DIR or no event log."""
+    persist_dir: str = ""
+    """Persistent tier: holders write committed versions under PERSIST_DIR/JOB_ID/ (empty = off)."""
+    persist_every: int = 10
+    """Flush every K-th snapshot (in snapshots, not steps) when persist_dir is set."""
+    persist_keep: int = 2
+    """Keep the newest N flushed versions on disk."""
+    persist_mbps: float = 0.0
+    """Cap a holder's flush bandwidth in MB/s (0 = uncapped)."""
 
     def __post_init__(self) -> None:
         _check_type(self)
@@ -75,6 +83,11 @@ class ShardsafeConfig:
             raise ConfigError(f"shardsafe.parity_shards (m) must be >= 1; got {self.parity_shards}.")
         if self.parity_group_size < 0:
             raise ConfigError(f"shardsafe.parity_group_size (n) must be >= 0; got {self.parity_group_size}.")
+        if self.persist_every < 1 or self.persist_keep < 1:
+            raise ConfigError(f"shardsafe.persist_every and persist_keep must be >= 1; got {self.persist_every} and "
+                              f"{self.persist_keep}.")
+        if self.persist_mbps < 0:
+            raise ConfigError(f"shardsafe.persist_mbps must be >= 0 MB/s (0 = uncapped); got {self.persist_mbps}.")
         if self.timeout_s <= 0:
             raise ConfigError(f"shardsafe.timeout_s must be > 0 seconds; got {self.timeout_s}.")
         for key in ("job_id", "node"):

@@ -81,6 +81,17 @@ def verify(manifest: Mapping[str, Any], buf: memoryview) -> list[str]:
     return bad
 
 
+def verify_any(manifest: Mapping[str, Any], buf: memoryview) -> list[str]:
+    """Verify a data manifest (per-entry segments) or a parity manifest (one xxh3 per parity slot)."""
+    if manifest.get("kind") == "parity":
+        cs, bad = manifest["chunk_size"], []
+        for j, want in enumerate(manifest["xxh3"]):
+            if (j + 1) * cs > len(buf) or hash_bytes(buf[j * cs:(j + 1) * cs]) != want:
+                bad.append(f"parity slot {j} (bytes {j * cs}-{(j + 1) * cs})")
+        return bad
+    return verify(manifest, buf)
+
+
 def check_matches(manifest: Mapping[str, Any], live: Mapping[str, torch.Tensor],
                   optional_prefixes: tuple[str, ...] = ()) -> None:
     """The snapshot must describe the live tensors (names, dtypes, shapes). Names under

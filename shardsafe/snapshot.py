@@ -91,7 +91,7 @@ class SnapshotPipeline:
     def __init__(self, client: Optional[HolderClient], *, rank: int, world_size: int, node: str,
                  agreement: Agreement, on_progress: Callable[[int, float], None] | None = None,
                  on_event: Callable[..., None] | None = None, reconnect: Callable[[], HolderClient] | None = None,
-                 parity: Any = None):
+                 parity: Any = None, flush: Callable[[int], None] | None = None):
         self.client = client
         self.rank, self.world_size, self.node = rank, world_size, node
         self.agreement = agreement
@@ -99,6 +99,7 @@ class SnapshotPipeline:
         self.on_event = on_event or (lambda kind, **f: None)
         self.reconnect = reconnect
         self.parity = parity   # exchange.ParityExchange or None
+        self.flush_to_disk = flush   # called with each committed version (the runtime decides which go to disk)
         self.history: list[SnapshotStats] = []
         self.last_committed = -1
         self._q: "queue.Queue[_Job | None]" = queue.Queue()
@@ -234,6 +235,12 @@ class SnapshotPipeline:
         except (HolderError, HolderUnavailable) as e:
             job.stats.error = f"commit failed: {e}"
             self._warn_once("commit", f"commit of snapshot {job.version} failed: {e}")
+            return
+        if self.flush_to_disk is not None:
+            try:
+                self.flush_to_disk(job.version)
+            except (HolderError, HolderUnavailable) as e:
+                self._warn_once("flush", f"flush of snapshot {job.version} to disk not queued: {e}")
 
     def _ensure_client(self) -> HolderClient:
         if self.client is not None and self.client._sock is not None:

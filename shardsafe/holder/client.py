@@ -134,6 +134,14 @@ class HolderClient:
             kw["version"] = version
         return self.request("drop", **kw)[0]["freed"]
 
+    def flush(self, *, rank: int, version: int, dir: str, job_id: str, keep: int, mbps: float = 0.0) -> None:
+        """Ask the holder to write a committed version to the persistent directory (asynchronous)."""
+        self.request("flush", rank=rank, version=version, dir=dir, job_id=job_id, keep=keep, mbps=mbps)
+
+    def scrub(self) -> dict:
+        """Re-verify every held version now; returns what was found corrupt."""
+        return self.request("scrub")[0]
+
     def status(self) -> dict:
         return self.request("status")[0]
 
@@ -142,13 +150,15 @@ class HolderClient:
 
 
 def holder_command(paths: HolderPaths, *, budget_gb: float, idle_exit_s: float = 0.0, run_dir: str = "",
-                   daemonize: bool = False) -> list[str]:
+                   daemonize: bool = False, scrub_interval_s: float | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "shardsafe.cli", "holder", "--job-id", paths.job_id, "--node", paths.node,
            "--holder-dir", paths.root, "--memory-budget-gb", repr(float(budget_gb))]
     if idle_exit_s:
         cmd += ["--idle-exit-s", repr(float(idle_exit_s))]
     if run_dir:
         cmd += ["--run-dir", run_dir]
+    if scrub_interval_s is not None:
+        cmd += ["--scrub-interval-s", repr(float(scrub_interval_s))]
     if daemonize:
         cmd.append("--daemonize")
     return cmd

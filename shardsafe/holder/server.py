@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import socket
 import threading
@@ -37,10 +38,12 @@ class Slot:
     manifest: dict | None = None
     nbytes: int = 0            # bytes the writer asked for (payload size)
     sealed_at: float = 0.0
+    pins: int = 0              # a flush or scrub is reading it: not handed out for writing
+    scrubbed_at: float = 0.0
 
     def info(self) -> dict[str, Any]:
         return {"slot": self.slot_id, "version": self.version, "state": self.state, "committed": self.committed,
-                "nbytes": self.nbytes, "capacity": self.seg.size}
+                "nbytes": self.nbytes, "capacity": self.seg.size, "scrubbed_at": self.scrubbed_at}
 
 
 @dataclass
@@ -51,7 +54,7 @@ class RankEntry:
 
 class Holder:
     def __init__(self, paths: HolderPaths, *, budget_bytes: int, idle_exit_s: float = 0.0,
-                 run_dir: str = ""):
+                 run_dir: str = "", scrub_interval_s: float = 0.0):
         self.paths = paths
         self.budget = int(budget_bytes)
         self.idle_exit_s = idle_exit_s
@@ -62,6 +65,10 @@ class Holder:
         self._clients = 0
         self._last_activity = time.monotonic()
         self.started = time.time()
+        self.scrub_interval_s = scrub_interval_s
+        self.scrub_stats = {"runs": 0, "slots": 0, "corrupt": 0, "last": 0.0}
+        self.flush_stats = {"done": 0, "failed": 0, "bytes": 0, "last_error": ""}
+        self._flush_q: "queue.Queue[dict | None]" = queue.Queue()
         self._events = None
         if run_dir:
             try:
@@ -101,15 +108,18 @@ class Holder:
             protected = ent.last_committed[kind]
             # Candidates: never the slot of the newest committed version; prefer the oldest other one.
             # Rewriting a version (a restarted job replays it) invalidates the old copy of it, committed or not.
-            same = [s for s in slots if s.version == version]
-            cands = [s for s in slots if not (s.committed and s.version == protected)]
+            # Slots pinned by a flush or scrub are never handed out: their bytes are being read.
+            same = [s for s in slots if s.version == version and s.pins == 0]
+            cands = [s for s in slots if not (s.committed and s.version == protected) and s.pins == 0]
             slot = same[0] if same else (min(cands, key=lambda s: (s.state != "free", s.version)) if cands else None)
             if same and same[0].committed:
                 same[0].committed = False
                 ent.last_committed[kind] = max([s.version for s in slots if s.committed], default=-1)
             need = round_size(nbytes)
             if slot is None and len(slots) >= MAX_SLOTS:
-                raise HolderError("state", f"rank {rank} already has {MAX_SLOTS} {kind} slots and none may be overwritten")
+                busy = [s.version for s in slots if s.pins]
+                raise HolderError("state", f"rank {rank} already has {MAX_SLOTS} {kind} slots and none may be overwritten"
+                                           + (f" (version(s) {busy} still being flushed to disk or scrubbed)" if busy else ""))
             if slot is not None and slot.seg.size < need:
                 self._check_budget(need - slot.seg.size, rank, nbytes)
                 slots.remove(slot)
@@ -206,13 +216,109 @@ class Holder:
         with self.lock:
             return {"job_id": self.paths.job_id, "node": self.paths.node, "pid": os.getpid(),
                     "budget": self.budget, "used": self.used_bytes(), "started": self.started,
-                    "clients": self._clients, **self.list({})}
+                    "clients": self._clients, "health": "ok" if not self._corrupt() else "corrupt",
+                    "corrupt": self._corrupt(), "scrub": dict(self.scrub_stats), "flush": dict(self.flush_stats),
+                    **self.list({})}
+
+    def _corrupt(self) -> list[dict]:
+        return [{"rank": r, "kind": k, "version": s.version} for r, e in self.ranks.items()
+                for k, lst in e.slots.items() for s in lst if s.state == "corrupt"]
+
+    # ---- persistent tier --------------------------------------------------------------------------
+    def flush(self, req: dict) -> dict:
+        """Queue a committed version for the disk (returns at once; the flush thread writes it)."""
+        rank, version = req["rank"], int(req["version"])
+        for key in ("dir", "job_id"):
+            if not isinstance(req.get(key), str) or not req[key]:
+                raise HolderError("bad_request", f"flush needs a non-empty {key!r}")
+        with self.lock:
+            s = self._find(rank, "data", version, ("sealed",))
+            if not s.committed:
+                raise HolderError("state", f"version {version} of rank {rank} is not committed: only committed "
+                                           "versions are flushed")
+            s.pins += 1
+        self._flush_q.put({**req, "rank": rank, "version": version, "_slot": s})
+        return {"queued": True}
+
+    def _flush_loop(self) -> None:
+        from shardsafe.persist import PersistentStore, PersistError
+        while True:
+            job = self._flush_q.get()
+            if job is None:
+                return
+            s: Slot = job["_slot"]
+            store = PersistentStore(job["dir"], job["job_id"])
+            try:
+                mv = memoryview(s.seg.map)[: s.nbytes]
+                try:
+                    secs = store.write(version=job["version"], rank=job["rank"], payload=mv, manifest=s.manifest,
+                                       mbps=float(job.get("mbps") or 0))
+                finally:
+                    mv.release()
+                store.prune(job["rank"], int(job.get("keep") or 0))
+                self.flush_stats["done"] += 1
+                self.flush_stats["bytes"] += s.nbytes
+                self._emit("flush", version=job["version"], seconds=secs, bytes=s.nbytes, rank=job["rank"], ok=True)
+            except (PersistError, OSError) as e:
+                self.flush_stats["failed"] += 1
+                self.flush_stats["last_error"] = str(e)
+                log.error("%s", e)
+                self._emit("flush", version=job["version"], seconds=0.0, bytes=0, rank=job["rank"], ok=False,
+                           error=str(e)[:500])
+            finally:
+                with self.lock:
+                    s.pins -= 1
+
+    # ---- scrubbing --------------------------------------------------------------------------------
+    def scrub(self, req: dict | None = None) -> dict:
+        """Re-verify every sealed slot's checksums; a bad one becomes ``corrupt`` (never listed or
+        opened again, so restore rebuilds that rank from parity or falls back a tier)."""
+        from shardsafe import manifest as mf
+        with self.lock:
+            todo = [(r, k, s) for r, e in self.ranks.items() for k, lst in e.slots.items() for s in lst
+                    if s.state == "sealed" and s.manifest is not None]
+            for _, _, s in todo:
+                s.pins += 1
+        bad = []
+        try:
+            for rank, kind, s in todo:
+                mv = memoryview(s.seg.map)
+                try:
+                    problems = mf.verify_any(s.manifest, mv)
+                finally:
+                    mv.release()
+                with self.lock:
+                    s.scrubbed_at = time.time()
+                    if problems and s.state == "sealed":
+                        s.state, s.committed = "corrupt", False
+                        ent = self.ranks[rank]
+                        ent.last_committed[kind] = max([x.version for x in ent.slots[kind] if x.committed], default=-1)
+                        bad.append({"rank": rank, "kind": kind, "version": s.version, "problems": problems[:5]})
+                        log.error("scrub: rank %d %s version %d is corrupt (%s): marked unusable; restore will rebuild "
+                                  "it from parity or use another tier", rank, kind, s.version, "; ".join(problems[:3]))
+                        self._emit("scrub_failed", rank=rank, slot_kind=kind, version=s.version, problems=problems[:5])
+        finally:
+            with self.lock:
+                for _, _, s in todo:
+                    s.pins -= 1
+            self.scrub_stats["runs"] += 1
+            self.scrub_stats["slots"] += len(todo)
+            self.scrub_stats["corrupt"] += len(bad)
+            self.scrub_stats["last"] = time.time()
+        return {"checked": len(todo), "corrupt": bad}
+
+    def _scrub_loop(self) -> None:
+        while not self._stop.wait(self.scrub_interval_s):
+            try:
+                self.scrub()
+            except Exception:   # a scrub problem must never take the holder down
+                log.exception("scrub failed")
 
     def handle(self, req: dict) -> tuple[dict, list[int]]:
         op = req.get("op")
         if op in ("acquire", "open"):
             return getattr(self, op)(req)
-        if op in ("seal", "commit", "list", "drop", "status"):
+        if op in ("seal", "commit", "list", "drop", "status", "flush", "scrub"):
             return getattr(self, op)(req), []
         if op == "hello":
             if req.get("job_id") != self.paths.job_id:
@@ -281,6 +387,10 @@ class Holder:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._stop.set())
         self._emit("holder_start", budget=self.budget, pid=os.getpid())
+        flusher = threading.Thread(target=self._flush_loop, name="shardsafe-flush", daemon=True)
+        flusher.start()
+        if self.scrub_interval_s > 0:
+            threading.Thread(target=self._scrub_loop, name="shardsafe-scrub", daemon=True).start()
         log.info("holder for job %s node %s serving on %s (budget %d bytes)", self.paths.job_id, self.paths.node,
                  self.paths.socket, self.budget)
         if ready:
@@ -303,6 +413,9 @@ class Holder:
                 os.unlink(self.paths.socket)
             except FileNotFoundError:
                 pass
+            self._stop.set()
+            self._flush_q.put(None)      # finish queued flushes (bounded) before the memory goes
+            flusher.join(timeout=120)
             with self.lock:
                 for ent in self.ranks.values():
                     for lst in ent.slots.values():

@@ -42,3 +42,19 @@ def test_more_node_losses_than_parity_fail_clearly(tmp_path):
     logs = trainer_logs(str(tmp_path))
     assert "RestoreError: cannot restore from memory" in logs
     assert "nodes ['node0', 'node1']" in logs and "parity_shards >= 2" in logs and "disk checkpoint" in logs
+
+
+def test_more_node_losses_than_parity_fall_back_to_disk(tmp_path, reference):
+    """m+1 lost nodes: memory cannot serve, the holders' background flushes can; bit-exact from there."""
+    ref = reference(2, "fp32", 10, world=3)
+    disk = tmp_path / "persist"
+    res = run_job(tmp_path, stage=2, dtype="fp32", steps=10, nodes=3, nproc=1, inject="kill-node:node0+node1@7",
+                  extra=["--shardsafe-json", json.dumps({"persist_dir": str(disk), "persist_every": 2})])
+    assert res.ok and res.attempts == 2, res
+    restored = restores(tmp_path)[1]
+    assert tiers(tmp_path)[1] == "persistent" and restored % 2 == 0 and 2 <= restored <= 7
+    assert "from the persistent tier" in trainer_logs(str(tmp_path))
+    flushes = [e for e in read_jsonl(f"{tmp_path}/events.jsonl") if e.get("kind") == "flush" and e.get("ok")]
+    assert flushes and all(e["version"] % 2 == 0 for e in flushes)
+    cmp = compare_runs(str(tmp_path), str(ref), 3, 10)
+    assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)

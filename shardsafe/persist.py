@@ -1,0 +1,120 @@
+"""The persistent tier: committed snapshot versions on disk, written by holders off the training path.
+
+Layout (one directory per job; a version is complete when every rank's manifest is there)::
+
+    PERSIST_DIR/JOB_ID/v000000000120/rank000003.bin    payload bytes (as in holder memory)
+    PERSIST_DIR/JOB_ID/v000000000120/rank000003.json   the rank's manifest (checksums, layout, meta)
+
+Each file is written under a temporary name, fsynced and renamed, the manifest last, then the
+directory is fsynced: a rank's files are either complete or absent. Restore verifies every xxh3
+segment again before anything is loaded.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+log = logging.getLogger("shardsafe.persist")
+CHUNK = 8 << 20
+
+
+class PersistError(OSError):
+    """A flush or a read of the persistent tier failed; the message names the path and what to do."""
+
+
+@dataclass(frozen=True)
+class PersistentStore:
+    root: str
+    job_id: str
+
+    @property
+    def dir(self) -> str:
+        return os.path.join(self.root, self.job_id)
+
+    def version_dir(self, version: int) -> str:
+        return os.path.join(self.dir, f"v{version:012d}")
+
+    def paths(self, version: int, rank: int) -> tuple[str, str]:
+        base = os.path.join(self.version_dir(version), f"rank{rank:06d}")
+        return base + ".bin", base + ".json"
+
+    def versions(self) -> list[int]:
+        try:
+            names = os.listdir(self.dir)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(int(n[1:]) for n in names if n.startswith("v") and n[1:].isdigit())
+
+    def rank_versions(self, rank: int) -> list[int]:
+        """Versions whose files for ``rank`` are complete (the manifest lands last)."""
+        return [v for v in self.versions() if all(os.path.exists(p) for p in self.paths(v, rank))]
+
+    # ---- write (holder side) ------------------------------------------------------------------------
+    def write(self, *, version: int, rank: int, payload: memoryview, manifest: dict, mbps: float = 0.0) -> float:
+        """Write one rank's payload and manifest durably; return the seconds it took."""
+        t0 = time.perf_counter()
+        vdir = self.version_dir(version)
+        try:
+            os.makedirs(vdir, mode=0o700, exist_ok=True)
+            bin_path, json_path = self.paths(version, rank)
+            _write_file(bin_path, payload, mbps)
+            _write_file(json_path, memoryview(json.dumps(manifest).encode()), 0.0)
+            fd = os.open(vdir, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise PersistError(e.errno, f"flush of version {version} rank {rank} to {vdir} failed: {e.strerror or e}. "
+                                        "Check that shardsafe.persist_dir exists, is writable and has space; "
+                                        "training and the memory tiers are unaffected") from None
+        return time.perf_counter() - t0
+
+    def prune(self, rank: int, keep: int) -> list[int]:
+        """Remove this rank's files of all but the newest ``keep`` versions it has; drop empty dirs."""
+        mine = self.rank_versions(rank)
+        gone = mine[:-keep] if keep > 0 else []
+        for v in gone:
+            for p in self.paths(v, rank):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+            try:
+                os.rmdir(self.version_dir(v))
+            except OSError:
+                pass   # other ranks' files are still there
+        return gone
+
+    # ---- read (restore side) ------------------------------------------------------------------------
+    def open(self, version: int, rank: int) -> tuple[dict, mmap.mmap]:
+        bin_path, json_path = self.paths(version, rank)
+        with open(json_path) as f:
+            manifest = json.load(f)
+        with open(bin_path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mm = mmap.mmap(f.fileno(), max(size, 1), mmap.MAP_PRIVATE, mmap.PROT_READ) if size else mmap.mmap(-1, 1)
+        return manifest, mm
+
+
+def _write_file(path: str, data: memoryview, mbps: float) -> None:
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        t0, done = time.perf_counter(), 0
+        while done < len(data):
+            done += os.write(fd, data[done: done + CHUNK])
+            if mbps > 0:   # bandwidth cap: never let a flush starve the job's own I/O
+                ahead = done / (mbps * 1e6) - (time.perf_counter() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)

@@ -1,0 +1,125 @@
+"""Persistent tier (flush, retention, fallback, unwritable dir) and background scrubbing, one rank."""
+import json
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+
+from shardsafe.holder.client import HolderClient, holder_command
+from shardsafe.holder.paths import HolderPaths
+from shardsafe.persist import PersistentStore
+from shardsafe.restore import Collectives, RestoreError, restore_from_holder
+from shardsafe.snapshot import LocalAgreement, SnapshotPipeline
+
+from .test_snapshot_restore import ToyAdapter
+
+
+@pytest.fixture
+def holder(tmp_path):
+    procs = []
+
+    def start(node="n0"):
+        p = HolderPaths(str(tmp_path / "h"), "job", node)
+        proc = subprocess.Popen(holder_command(p, budget_gb=0.2, run_dir=str(tmp_path)), stdout=subprocess.PIPE)
+        assert proc.stdout.readline().startswith(b"holder ready")
+        procs.append(proc)
+        return HolderClient(p, timeout_s=10).connect()
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def snapshots(client, versions, flush_dir=None, keep=2, seeds=None):
+    def flush(v):
+        client.flush(rank=0, version=v, dir=flush_dir, job_id="job", keep=keep)
+    pipe = SnapshotPipeline(client, rank=0, world_size=1, node="n0", agreement=LocalAgreement(),
+                            flush=flush if flush_dir else None)
+    states = {}
+    for v in versions:
+        states[v] = ToyAdapter((seeds or {}).get(v, v))
+        pipe.submit(v, states[v].capture())
+        assert pipe.flush(timeout=30), pipe.history[-1].error
+    pipe.close()
+    return states
+
+
+def wait_flushes(client, n, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        st = client.status()["flush"]
+        if st["done"] + st["failed"] >= n:
+            return st
+        time.sleep(0.05)
+    raise AssertionError(f"flushes not done: {client.status()['flush']}")
+
+
+def test_flush_keep_and_restore_from_disk(holder, tmp_path):
+    c = holder()
+    disk = str(tmp_path / "persist")
+    states = snapshots(c, [1, 2, 3], flush_dir=disk, keep=2)
+    assert wait_flushes(c, 3)["done"] == 3
+    store = PersistentStore(disk, "job")
+    assert store.rank_versions(0) == [2, 3]                      # retention: newest 2
+    assert oct(os.stat(store.paths(3, 0)[0]).st_mode & 0o777) == "0o600"
+    assert not [f for f in os.listdir(store.version_dir(3)) if f.endswith(".tmp")]
+    # A new node: empty holder, nothing in memory -> the persistent tier, bit-exact.
+    fresh = holder("n1")
+    live = ToyAdapter(99)
+    res = restore_from_holder(live, fresh, rank=0, coll=Collectives(), persist=store)
+    assert (res.version, res.tier) == (3, "persistent")
+    assert all(torch.equal(live.t[k], states[3].t[k]) for k in live.t)
+    # A flipped byte on disk: never loaded, the older version is used.
+    with open(store.paths(3, 0)[0], "r+b") as f:
+        f.seek(4_000_001)
+        b = f.read(1)
+        f.seek(4_000_001)
+        f.write(bytes([b[0] ^ 1]))
+    live = ToyAdapter(98)
+    res = restore_from_holder(live, fresh, rank=0, coll=Collectives(), persist=store)
+    assert (res.version, res.tier) == (2, "persistent")
+    assert all(torch.equal(live.t[k], states[2].t[k]) for k in live.t)
+    events = [json.loads(x) for x in open(tmp_path / "events.jsonl")]
+    assert sum(1 for e in events if e["kind"] == "flush" and e.get("ok")) == 3
+
+
+def test_unwritable_persist_dir_keeps_memory_tiers(holder, tmp_path):
+    c = holder()
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a directory")
+    states = snapshots(c, [1, 2], flush_dir=str(blocker / "sub"))   # ENOTDIR: even root cannot write there
+    st = wait_flushes(c, 2)
+    assert st["failed"] == 2 and "persist_dir" in st["last_error"] and str(blocker) in st["last_error"]
+    assert c.sealed_versions(0) == [1, 2]                           # memory tier unaffected
+    live = ToyAdapter(50)
+    assert restore_from_holder(live, c, rank=0, coll=Collectives()).version == 2
+    assert all(torch.equal(live.t[k], states[2].t[k]) for k in live.t)
+
+
+def test_scrub_marks_corrupt_and_restore_skips_it(holder):
+    c = holder()
+    states = snapshots(c, [1, 2])
+    assert c.scrub() == {"ok": True, "checked": 2, "corrupt": []}
+    slot = next(s["slot"] for s in c.list(0)["0"]["data"] if s["version"] == 2)
+    c._maps[slot][123] ^= 0xFF                  # bit rot behind everyone's back
+    found = c.scrub()
+    assert [(b["rank"], b["version"]) for b in found["corrupt"]] == [(0, 2)]
+    st = c.status()
+    assert st["health"] == "corrupt" and st["corrupt"] == [{"rank": 0, "kind": "data", "version": 2}]
+    assert c.sealed_versions(0) == [1]
+    live = ToyAdapter(7)
+    assert restore_from_holder(live, c, rank=0, coll=Collectives()).version == 1
+    assert all(torch.equal(live.t[k], states[1].t[k]) for k in live.t)
+
+
+def test_nothing_verifies_names_the_directories(holder, tmp_path):
+    c = holder()
+    snapshots(c, [1])
+    other = ToyAdapter(1)
+    other.t["master"] = torch.zeros(3)          # a different model: memory version refused
+    with pytest.raises(RestoreError) as e:
+        restore_from_holder(other, c, rank=0, coll=Collectives(), persist=PersistentStore(str(tmp_path / "p"), "job"))
+    assert "nothing was loaded" in str(e.value) and str(tmp_path / "p") in str(e.value)
