@@ -63,6 +63,12 @@ class DeepSpeedStateAdapter:
         self.kind = type(o).__name__
         self.z3 = self.kind == "DeepSpeedZeroOptimizer_Stage3"
 
+    def _buffers(self) -> list[tuple[str, torch.Tensor]]:
+        m = self.engine.module
+        skip = {f"{mod_name}.{b}" if mod_name else b for mod_name, mod in m.named_modules()
+                for b in getattr(mod, "_non_persistent_buffers_set", ())}
+        return [(n, b) for n, b in m.named_buffers() if n not in skip]
+
     def masters(self) -> list[torch.Tensor]:
         o = self.engine.optimizer
         if self.kind == "DeepSpeedZeroOptimizer":
@@ -83,6 +89,10 @@ class DeepSpeedStateAdapter:
                     st.tensors[f"opt/state/{i}/{k}"] = v
                 else:
                     scalars.setdefault(str(i), {})[k] = v
+        # Module buffers (BatchNorm running stats, ...) are replicated, not partitioned, and not in the
+        # optimizer: they are rank state too. Non-persistent buffers are recomputed by the model.
+        for name, buf in self._buffers():
+            st.tensors[f"module/buffer/{name}"] = buf
         rng = capture_rng()
         st.tensors.update(rng.tensors)
         scaler = {}
@@ -142,6 +152,11 @@ class DeepSpeedStateAdapter:
             for name, v in tensors.items():
                 if name.startswith("loss_scaler/"):
                     getattr(o.loss_scaler, name.split("/", 1)[1]).copy_(v)
+        with torch.no_grad():
+            for name, buf in self._buffers():
+                key = f"module/buffer/{name}"
+                if key in tensors:
+                    buf.copy_(tensors[key])
         apply_rng(tensors, meta)
         self.extra.clear()
         self.extra.update(meta.get("extra", {}))

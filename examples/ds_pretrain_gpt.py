@@ -1,7 +1,8 @@
 """A tiny GPT pretrained with DeepSpeed on CPU (gloo), deterministic; used by the demo, tests and benches.
 
     torchrun --nproc-per-node 2 examples/ds_pretrain_gpt.py --steps 50 --zero-stage 2 --dtype bf16
-    (or any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
+    shardsafe launch --nodes 2 --nproc-per-node 2 examples/ds_pretrain_gpt.py --steps 50
+    (also plain `srun` tasks or `mpirun` with mpi4py: shardsafe.discovery fills in RANK, WORLD_SIZE, ...)
 
 Data is a pure function of (seed, global micro-batch index, data-parallel rank), so the stream
 continues exactly from the engine's restored counters. Per optimizer step each rank appends
@@ -52,13 +53,18 @@ class TinyGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
         self.drop = nn.Dropout(dropout)
+        # Module state outside the optimizer (like BatchNorm's running stats): a restore must bring it back.
+        self.register_buffer("loss_ema", torch.zeros(()))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device)))
         for blk in self.blocks:
             x = blk(x)
         logits = self.head(self.ln(x)).float()
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        with torch.no_grad():
+            self.loss_ema.mul_(0.9).add_(0.1 * loss.detach().to(self.loss_ema.dtype))
+        return loss
 
 
 def batch(seed: int, micro_index: int, dp_rank: int, mb: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--step-sleep", type=float, default=0.0, help="sleep per step (simulate a slower model)")
     p.add_argument("--out", default=os.environ.get("SHARDSAFE_RUN_DIR", ""), help="where losses and final state go")
+    p.add_argument("--running-tor-every", type=int, default=10,
+                   help="rank 0 logs a running TOR every N iterations (0 = off)")
     a = p.parse_args(argv)
+    from shardsafe.discovery import discover
+    discover()   # torchrun, plain srun tasks or mpirun + mpi4py -> RANK, WORLD_SIZE, MASTER_* for env://
     if os.environ.get("SHARDSAFE_RUN_DIR"):
         from shardsafe.tor import EventLog   # process start, before the slow framework imports
         EventLog(os.environ["SHARDSAFE_RUN_DIR"], source="trainer", rank=int(os.environ.get("RANK", 0)),
@@ -188,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     events = engine.shardsafe.runtime.events if engine.shardsafe else None
     if events is not None:
         events.emit("train_ready", iteration=engine.global_steps + 1)
+    running = None
+    if events is not None and rank == 0 and a.running_tor_every > 0 and hasattr(events, "path"):
+        from shardsafe.tor import RunningTor
+        running = RunningTor(events, every=a.running_tor_every)
     while engine.global_steps < a.steps:
         t0 = time.perf_counter()
         total = 0.0
@@ -203,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             losses.write(json.dumps({"step": engine.global_steps, "loss": float(total).hex(), "attempt": attempt}) + "\n")
             losses.flush()
         if events is not None:
-            events.emit("iteration", iteration=engine.global_steps, seconds=time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            events.emit("iteration", iteration=engine.global_steps, seconds=dt)
+            if running is not None:
+                running.update(engine.global_steps, dt)
     if engine.shardsafe:
         engine.shardsafe.flush()
     if a.out:
@@ -212,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         engine.shardsafe.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    from shardsafe.elastic import mark_rank_done
+    mark_rank_done(rank=rank)   # RUN_DIR/markers/rank{R}.done: launchers check every rank finished
     return 0
 
 
