@@ -90,9 +90,10 @@ class DeepSpeedStateAdapter:
                 else:
                     scalars.setdefault(str(i), {})[k] = v
         # Module buffers (BatchNorm running stats, ...) are replicated, not partitioned, and not in the
-        # optimizer: they are rank state too. Non-persistent buffers are recomputed by the model.
+        # optimizer: they are rank state too. Unlike optimizer state they change in the *next forward*,
+        # while the asynchronous copy may still run: clone them now (they are small).
         for name, buf in self._buffers():
-            st.tensors[f"module/buffer/{name}"] = buf
+            st.tensors[f"module/buffer/{name}"] = buf.detach().clone()
         rng = capture_rng()
         st.tensors.update(rng.tensors)
         scaler = {}

@@ -21,8 +21,11 @@ import torch
 @dataclass
 class RankState:
     """Args:
-        tensors: name -> live tensor (any device, any dtype). Copied asynchronously: the adapter
-            guarantees none of them is mutated before :meth:`SnapshotPipeline.wait` returns.
+        tensors: name -> tensor (any device, any dtype). Copied asynchronously, overlapping the next
+            forward/backward, until ``wait_copied`` returns before the next optimizer step: a live
+            tensor may be handed over only if nothing but the optimizer step mutates it. State the
+            forward pass changes (module buffers such as running statistics, FP8 amax histories)
+            must be cloned in ``capture``.
         meta: JSON-serialisable scalars/lists/dicts, captured synchronously (cheap).
     """
 

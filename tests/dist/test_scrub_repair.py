@@ -1,37 +1,19 @@
 """A flipped byte in one member's held payload: found by the holder's scrub, never loaded, and the
 member's payload rebuilt from its parity group (3 ranks on 3 'nodes', real holders, gloo)."""
-import subprocess
-
-import pytest
-import torch
 
 from shardsafe.exchange import ParityExchange, gather_places, plan_parity
-from shardsafe.holder.client import HolderClient, holder_command
+from shardsafe.holder.client import HolderClient
 from shardsafe.holder.paths import HolderPaths
 from shardsafe.restore import Collectives, restore_from_holder
 from shardsafe.snapshot import GlooAgreement, SnapshotPipeline
 
 from ._fork_ranks import run_ranks
-from .test_parity_exchange import WORLD, Shard
-
-
-@pytest.fixture
-def holders(tmp_path):
-    procs = []
-    for r in range(WORLD):
-        p = HolderPaths(str(tmp_path), "sjob", f"n{r}")
-        proc = subprocess.Popen(holder_command(p, budget_gb=0.1), stdout=subprocess.PIPE)
-        assert proc.stdout.readline().startswith(b"holder ready")
-        procs.append(proc)
-    yield str(tmp_path)
-    for proc in procs:
-        proc.kill()
-        proc.wait()
+from .test_parity_exchange import WORLD, Shard, holders  # noqa: F401  (the fixture)
 
 
 def _scrub_then_restore(rank, world, root):
     import torch.distributed as dist
-    client = HolderClient(HolderPaths(root, "sjob", f"n{rank}"), timeout_s=10).connect()
+    client = HolderClient(HolderPaths(root, "pjob", f"n{rank}"), timeout_s=10).connect()
     places = gather_places(rank, world, f"n{rank}", rank)
     ex = ParityExchange(plan_parity(places, group_size=0, parity_shards=1), rank, timeout_s=10)
     pipe = SnapshotPipeline(client, rank=rank, world_size=world, node=f"n{rank}", agreement=GlooAgreement(), parity=ex)
