@@ -62,6 +62,7 @@ class SnapshotStats:
     copy_s: float = 0.0
     hash_s: float = 0.0
     parity_s: float = 0.0
+    parity_phases: dict = field(default_factory=dict)
     committed: bool = False
     error: str = ""
 
@@ -166,7 +167,7 @@ class SnapshotPipeline:
     def _report(self, job: _Job) -> None:
         st = job.stats
         self.on_event("snapshot", version=st.version, stall_s=st.stall_s, copy_s=st.copy_s, hash_s=st.hash_s,
-                      parity_s=st.parity_s, bytes=st.nbytes, committed=st.committed)
+                      parity_s=st.parity_s, parity_phases=st.parity_phases, bytes=st.nbytes, committed=st.committed)
 
     # ---- worker side ------------------------------------------------------------------------------
     def _warn_once(self, key: str, msg: str) -> None:
@@ -211,6 +212,7 @@ class SnapshotPipeline:
                 t0 = time.perf_counter()
                 pok = self.parity.encode(version=job.version, client=self.client, data_mm=mm, data_manifest=man, ok=ok)
                 job.stats.parity_s = time.perf_counter() - t0
+                job.stats.parity_phases = dict(getattr(self.parity, "timings", {}) or {})
                 if ok and not pok:
                     job.stats.error = f"parity not stored: {self.parity.last_error}"
                     self._warn_once("parity", f"snapshot {job.version} not protected by parity, not committed: "
