@@ -24,6 +24,12 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO" || exit 2
 OUT_DIR="${OUT:-}"
 VENV="$REPO/.venv-gpu"
+# GPU images ship a python with a CUDA torch (and no package index): use it as is when it has one.
+if python3 -c "import torch, numpy, pytest; assert torch.cuda.is_available()" 2>/dev/null; then
+  PY="$(python3 -c 'import sys; print(sys.executable)')"; USE_SYSTEM_PY=1
+else
+  PY="$VENV/bin/python"; USE_SYSTEM_PY=0
+fi
 PHASE_TIMEOUT="${PHASE_TIMEOUT:-420}"
 MIB="${GPU_CHECK_MIB:-256}"
 declare -a SUMMARY=()
@@ -68,13 +74,20 @@ find_nvcc() {
 
 # --- 2. python deps -------------------------------------------------------------------------------
 phase_deps() {
+  if [ "$USE_SYSTEM_PY" = 1 ]; then
+    echo "using $PY (CUDA torch preinstalled); no venv, no installs"
+    [ -e "$REPO/shardsafe/kernels" ] || ln -s ../kernels "$REPO/shardsafe/kernels"
+    [ -e "$REPO/shardsafe/adapters" ] || ln -s ../adapters "$REPO/shardsafe/adapters"
+    (cd /tmp && PYTHONPATH="$REPO" "$PY" -c "import shardsafe.kernels.reference, shardsafe.topology, xxhash, torch; print('shardsafe importable; torch', torch.__version__, 'cuda', torch.cuda.is_available())")
+    return $?
+  fi
   local py
   py="$(command -v python3.11 || command -v python3.12 || command -v python3.10 || command -v python3)"
   [ -z "$py" ] && { echo "no python3 found"; return 1; }
-  if [ ! -x "$VENV/bin/python" ]; then
+  if [ ! -x "$PY" ]; then
     "$py" -m venv --system-site-packages "$VENV" || return 1
   fi
-  local vpy="$VENV/bin/python"
+  local vpy="$PY"
   if "$vpy" -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available()); sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "CUDA torch present: not reinstalling"
   else
@@ -123,7 +136,7 @@ phase_build() {
   export CUDA_HOME="${CUDA_HOME:-$(dirname "$(dirname "$nvcc")")}"
   unset SHARDSAFE_SKIP_CUDA_BUILD
   rm -f kernels/libshardsafe_ec.so
-  PYTHONPATH="$REPO" "$VENV/bin/python" - <<'EOF' || return 1
+  PYTHONPATH="$REPO" "$PY" - <<'EOF' || return 1
 import importlib.util, pathlib
 spec = importlib.util.spec_from_file_location("shardsafe_setup", "setup.py")
 mod = importlib.util.module_from_spec(spec)
@@ -133,7 +146,7 @@ EOF
   ls -l kernels/libshardsafe_ec.so || return 1
   command -v nm >/dev/null && nm -D --defined-only kernels/libshardsafe_ec.so | grep ' T shardsafe_ec_'
   # a CUDA runtime newer than the driver fails here with "driver version is insufficient"
-  PYTHONPATH="$REPO" "$VENV/bin/python" -c "
+  PYTHONPATH="$REPO" "$PY" -c "
 from shardsafe.kernels import cuda
 lib = cuda.load()
 print('libshardsafe_ec loaded, devices:', lib.shardsafe_ec_device_count())"
@@ -141,7 +154,7 @@ print('libshardsafe_ec loaded, devices:', lib.shardsafe_ec_device_count())"
 
 # --- 4. tests -------------------------------------------------------------------------------------
 phase_tests() {
-  PYTHONPATH="$REPO" "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider tests/gpu \
+  PYTHONPATH="$REPO" "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu \
     tests/unit/test_codec.py tests/unit/test_topology.py -s
 }
 
@@ -149,10 +162,10 @@ phase_tests() {
 phase_bench() {
   local args=(--gpu --mib "$MIB" --reps 5 --configs 3,1 6,2 12,4 --json)
   [ -n "$OUT_DIR" ] && { mkdir -p "$OUT_DIR"; args+=(--json-out "$OUT_DIR/gpu_results.json"); }
-  PYTHONPATH="$REPO" "$VENV/bin/python" bench/parity_bench.py "${args[@]}"
+  PYTHONPATH="$REPO" "$PY" bench/parity_bench.py "${args[@]}"
 }
 
-export REPO VENV OUT_DIR MIB
+export REPO VENV OUT_DIR MIB PY USE_SYSTEM_PY
 export -f banner find_nvcc phase_env phase_deps phase_build phase_tests phase_bench
 
 run_phase "1 environment" phase_env
@@ -164,7 +177,7 @@ run_phase "5 gpu throughput" phase_bench
 # --- snapshot pipeline checks (added by the snapshot owner) ---
 # D2H on a side stream into cudaHostRegister'ed holder memory: ordering, round trip, bandwidth, stall.
 phase_snapshot() {
-  PYTHONPATH="$REPO" OUT="$OUT_DIR" "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider -s tests/gpu/test_snapshot_cuda.py
+  PYTHONPATH="$REPO" OUT="$OUT_DIR" "$PY" -m pytest -q -rs -p no:cacheprovider -s tests/gpu/test_snapshot_cuda.py
 }
 export -f phase_snapshot
 run_phase "6 snapshot pipeline (GPU path)" phase_snapshot
