@@ -6,7 +6,7 @@ export DS_ACCELERATOR := cpu
 export DS_BUILD_OPS := 0
 export OMP_NUM_THREADS := 1
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv demo test test-slurm clean
 
 $(BIN)/.ready: setup.py Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,9 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest -q tests
+
+test-slurm: venv
+	$(BIN)/python -m pytest -q tests/slurm
 
 clean:
 	rm -rf $(VENV) build *.egg-info

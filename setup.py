@@ -74,6 +74,7 @@ if __name__ == "__main__":
             "parity": ["pyeclib>=1.6,<2"],
             "plot": ["matplotlib>=3.6,<4"],
             "test": ["pytest>=7,<10", "pytest-timeout>=2.1"],
+            "mpi": ["mpi4py>=3.1,<5"],
         },
         entry_points={"console_scripts": ["shardsafe=shardsafe.cli:main"]},
         cmdclass={"build_py": BuildPyWithKernels},

@@ -1,4 +1,4 @@
-"""`shardsafe holder|status|demo|tor ...` — the command-line entry point."""
+"""`shardsafe holder|status|demo|tor|launch|agent|control ...` — the command-line entry point."""
 from __future__ import annotations
 
 import argparse

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from .launch import LaunchConfig, LocalLauncher
-from .runcheck import compare_runs, losses_by_attempt, read_jsonl
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def summarize(run_dir: str, world: int) -> dict[str, Any]:
     """Restores, tiers, lost iterations and stalls, from the run's event log and loss files."""
+    from .runcheck import losses_by_attempt, read_jsonl   # torch: imported only when a demo runs
     ev = read_jsonl(os.path.join(run_dir, "events.jsonl"))
     by_attempt = [losses_by_attempt(run_dir, r) for r in range(world)]
     restores = [e for e in ev if e.get("kind") == "restore_end"]
@@ -61,7 +61,18 @@ def summarize(run_dir: str, world: int) -> dict[str, Any]:
     }
 
 
+def tor_accounting_check(rep, wall_s: float) -> dict[str, Any]:
+    """Does the TOR report account for the run? T_obs within 2 % of the wall time the launcher measured,
+    and the breakdown summing to T_obs - T_opt."""
+    gap = rep.t_obs - rep.t_opt - sum(rep.breakdown.values())
+    off = abs(rep.t_obs - wall_s) / wall_s if wall_s > 0 else float("inf")
+    return {"tor_t_obs": round(rep.t_obs, 3), "tor_t_opt": round(rep.t_opt, 3),
+            "tor_t_obs_vs_wall": round(off, 5), "tor_breakdown_gap_s": round(gap, 9),
+            "tor_accounted": bool(off <= 0.02 and abs(gap) <= 1e-6)}
+
+
 def run_demo(a: argparse.Namespace) -> dict[str, Any]:
+    from .runcheck import compare_runs
     keep = bool(a.run_dir)
     base = a.run_dir or tempfile.mkdtemp(prefix="shardsafe-demo-")
     ref_dir, run_dir = os.path.join(base, "reference"), os.path.join(base, "run")
@@ -87,7 +98,9 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
         f"injected faults: {inject} (a SIGKILLed trainer, then a whole node: its trainers and holder)")
     run = LocalLauncher(LaunchConfig(nodes=a.nodes, nproc_per_node=a.nproc_per_node, job_id=job, run_dir=run_dir,
                                      inject=inject, max_restarts=3, memory_budget_gb=a.memory_budget_gb))
+    t_run = time.time()
     r1 = run.run([sys.executable, script, *common, "--out", run_dir])
+    measured = time.time() - t_run   # the wall time TOR must account for, measured outside the launcher
     say(f"      done in {r1.wall_s:.1f} s after {r1.attempts} attempt(s); failures: "
         + ", ".join(f"{f['cause']} of " + (f"rank {f['rank']}" if f.get("rank") is not None else f"node {f.get('node')}")
                     for f in r1.failures))
@@ -107,6 +120,8 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
         out["tor"] = d.get("tor")
         out["tor_breakdown"] = d.get("breakdown")
         out["tor_report"] = report_text(rep)
+        out.update(tor_accounting_check(rep, measured))
+        out["measured_wall_s"] = round(measured, 3)
     except Exception as e:  # the demo's verdict does not depend on accounting
         out["tor_report"] = f"TOR report unavailable: {e}"
     if not keep:
@@ -136,11 +151,15 @@ def cmd_demo(a: argparse.Namespace) -> int:
         print(f"  bit-identical     : {out['bit_identical']}" + ("" if out["bit_identical"] else f"  {out['mismatches']}"))
         print(f"  wall time         : {time.time() - t0:.1f} s (reference {out['reference_wall_s']} s, "
               f"protected {out['wall_s']} s)")
+        if "tor_t_obs" in out:
+            print(f"  TOR accounting    : T_obs {out['tor_t_obs']:.3f} s vs {out['measured_wall_s']:.3f} s measured "
+                  f"({100 * out['tor_t_obs_vs_wall']:.2f}% apart, limit 2%); breakdown sums to T_obs - T_opt "
+                  f"(gap {out['tor_breakdown_gap_s']:.1e} s): {'ok' if out['tor_accounted'] else 'MISMATCH'}")
         if out["run_dir"]:
             print(f"  run directory     : {out['run_dir']}  (shardsafe tor report {out['run_dir']})")
         print()
         print(report)
-    return 0 if out["bit_identical"] else 1
+    return 0 if out["bit_identical"] and out.get("tor_accounted", True) else 1
 
 
 def register_cli(sub) -> None:

@@ -93,6 +93,7 @@ class ParityExchange:
         # Largest payload seen in the group: members with smaller payloads (Megatron's DistOpt
         # shards differ by up to a bucket) size their data slot for the group's padded layout.
         self.pmax_hint = 0
+        self.timings: dict[str, float] = {}
 
     # ---- sizes ------------------------------------------------------------------------------------
     def padded_nbytes(self, payload_nbytes: int) -> int:
@@ -130,6 +131,7 @@ class ParityExchange:
         import torch.distributed as dist
         g, me = self.group, self.rank
         self.last_error = ""
+        t0 = time.perf_counter()
         nbytes = data_manifest["payload_nbytes"] if ok and data_manifest else 0
         ok, pmax = self._vote(ok, nbytes)
         if not ok:
@@ -139,11 +141,11 @@ class ParityExchange:
         cs = g.chunk_size(pmax)
         pmm = None
         try:
-            if g.k * cs > len(data_mm):
-                raise ExchangeError(f"data slot of {len(data_mm)} bytes is smaller than the group's padded payload "
-                                    f"{g.k * cs} (payload sizes differ across the group; the next snapshot is sized for it)")
-            if g.k * cs > nbytes:   # deterministic padding: parity covers it
-                torch.frombuffer(data_mm, dtype=torch.uint8, count=g.k * cs - nbytes, offset=nbytes).zero_()
+            # Deterministic padding: parity covers payload + zeros up to k * cs. Where the slot is shorter
+            # than that (a smaller member's first snapshot), _data_chunks supplies the zeros.
+            end = min(g.k * cs, len(data_mm))
+            if end > nbytes:
+                torch.frombuffer(data_mm, dtype=torch.uint8, count=end - nbytes, offset=nbytes).zero_()
             _, pmm = client.acquire(rank=me, version=version, nbytes=g.m * cs, kind="parity")
             ready = True
         except Exception as e:   # budget, holder gone: vote no, the group skips together
@@ -154,17 +156,19 @@ class ParityExchange:
         if not ready:
             self.last_error = self.last_error or "a member of the parity group could not store parity"
             return False
-        data = torch.frombuffer(data_mm, dtype=torch.uint8, count=g.k * cs)
+        data = _data_chunks(data_mm, g.k, cs)
         stage = self._staging_for(g.m * g.k * cs).view(g.m, g.k, cs)
         reqs = []
         for c, stripe in enumerate(g.data_stripes(me)):
             for pref in stripe.parity:
-                reqs.append(dist.isend(data[c * cs:(c + 1) * cs], dst=pref.rank, group=self.pg, tag=stripe.codeword))
+                reqs.append(dist.isend(data[c], dst=pref.rank, group=self.pg, tag=stripe.codeword))
         for j, stripe in enumerate(g.parity_stripes(me)):
             for p, dref in enumerate(stripe.data):
                 reqs.append(dist.irecv(stage[j, p], src=dref.rank, group=self.pg, tag=stripe.codeword))
+        t_sent = time.perf_counter()
         for r in reqs:
             r.wait()
+        t_xfer = time.perf_counter()
         sums, codewords = [], []
         for j, stripe in enumerate(g.parity_stripes(me)):
             out = np.frombuffer(pmm, dtype=np.uint8, count=cs, offset=j * cs)
@@ -176,6 +180,9 @@ class ParityExchange:
                "code": self.codec.spec(), "chunk_size": cs, "payload_max": pmax, "codewords": codewords, "xxh3": sums,
                "group_manifests": {str(r): json.loads(b) for r, b in zip(g.members, blobs)}}
         client.seal(rank=me, version=version, manifest=man, kind="parity")
+        t_end = time.perf_counter()
+        # Where parity time goes: votes + manifests + slot, chunk transfer, encode + checksums + seal.
+        self.timings = {"prepare_s": t_sent - t0, "transfer_s": t_xfer - t_sent, "encode_s": t_end - t_xfer}
         return True
 
     # ---- rebuild at restore -------------------------------------------------------------------------
@@ -240,13 +247,13 @@ class ParityExchange:
         plan = g.recovery_plan(lost)
         reqs, recv_bufs = [], {}
         if me in survivors:
-            dv = torch.frombuffer(handles[1], dtype=torch.uint8, count=g.k * cs)
+            dv = _data_chunks(handles[1], g.k, cs)
             pv_t = torch.frombuffer(handles[0], dtype=torch.uint8, count=g.m * cs)
         for cw in plan:
             takers = sorted({t.rank for t in cw.targets if not t.is_parity})
             for f in cw.sources:
                 if f.rank == me:
-                    src = (pv_t if f.is_parity else dv)[f.slot * cs:(f.slot + 1) * cs]
+                    src = pv_t[f.slot * cs:(f.slot + 1) * cs] if f.is_parity else dv[f.slot]
                     for t in takers:
                         reqs.append(dist.isend(src, dst=t, group=self.pg, tag=cw.codeword))
             if me in takers:
@@ -280,3 +287,25 @@ class ParityExchange:
                               f"({'; '.join(bad[:3])}): a peer's data or parity share is corrupt; not loaded")
         client.seal(rank=me, version=version, manifest=my_man)
         return True, my_man["payload_nbytes"], ""
+
+
+def _data_chunks(mm: Any, k: int, cs: int) -> list[torch.Tensor]:
+    """The k data chunks of a member's padded payload in its data slot ``mm``.
+
+    Chunks inside the slot are views. The group pads every payload to ``k * cs`` of its *largest*
+    member, which can exceed a smaller member's slot (slots are sized from the member's own payload
+    until the group's size is known, in 2 MiB steps); bytes beyond the slot then count as zeros, in a
+    copy. Encode and rebuild read the same sealed slot through this one rule, so they see the same bytes.
+    """
+    n = len(mm)
+    out = []
+    for c in range(k):
+        a, b = c * cs, (c + 1) * cs
+        if b <= n:
+            out.append(torch.frombuffer(mm, dtype=torch.uint8, count=cs, offset=a))
+            continue
+        t = torch.zeros(cs, dtype=torch.uint8)
+        if a < n:
+            t[: n - a] = torch.frombuffer(mm, dtype=torch.uint8, count=n - a, offset=a)
+        out.append(t)
+    return out

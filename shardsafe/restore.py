@@ -109,7 +109,7 @@ def _unrecoverable_message(data: list[list[int]], nodes: list[str] | None, excha
 
 def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *, rank: int, coll: Collectives,
                         on_event: Callable[..., None] | None = None, exchange=None,
-                        nodes: list[str] | None = None) -> RestoreResult:
+                        nodes: list[str] | None = None, persist=None) -> RestoreResult:
     """Run on every rank at start. Returns what was restored (version -1: nothing, fresh start).
 
     Raises RestoreError when snapshots exist but none is restorable (e.g. more lost nodes than
@@ -132,6 +132,7 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     res = RestoreResult(message="no snapshot in memory for this job: starting fresh")
     live = adapter.capture().tensors
     rebuilt_bytes, rebuild_s, tried = 0, 0.0, []
+    why = ""   # this rank's reason for refusing the last candidate
     phases = {"agree": time.perf_counter() - t0, "rebuild": 0.0, "verify": 0.0, "apply": 0.0}
     for version in candidates:
         how = _plan_version(version, data, parity, exchange)
@@ -158,10 +159,13 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
                 bad = mf.verify(manifest, buf)
             finally:
                 buf.release()
+            if not bad and hasattr(adapter, "validate"):
+                bad = _adapter_problems(adapter, manifest, mm)
         except (HolderError, HolderUnavailable, mf.ManifestError, OSError, KeyError, AttributeError) as e:
             bad = [str(e)]
         if bad:
             log.error("[rank %d] snapshot version %d failed verification, not loaded: %s", rank, version, "; ".join(bad[:5]))
+            why = f"rank {rank}: " + "; ".join(bad[:3])
         if not coll.all_true(not bad):
             if mm is not None:
                 mm.close()
@@ -181,14 +185,74 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
         res.phases = {k: round(v, 6) for k, v in phases.items()}
         break
     else:
-        if candidates:
+        # Memory could not serve (nothing held, or more losses than parity covers): the persistent tier.
+        pres = _restore_persistent(adapter, persist, rank=rank, coll=coll, live=live) if persist is not None else None
+        if pres is not None:
+            res = pres
+        elif candidates:
             res.seconds = time.perf_counter() - t0
             emit("restore_end", tier="none", version=-1, seconds=res.seconds, bytes=0)
-            raise RestoreError(_unrecoverable_message(data, nodes, exchange) if not tried else
-                               f"none of the in-memory versions {tried} verified on every rank (corrupt snapshot?); "
-                               "nothing was loaded. Resume from your last disk checkpoint with a new shardsafe job_id, "
-                               "or set shardsafe.restore=false to start from scratch.")
+            tried_disk = (f" The persistent tier {persist.dir} had no version complete and verified on every rank."
+                          if persist is not None else " No persistent tier is configured (shardsafe.persist_dir).")
+            msg = (_unrecoverable_message(data, nodes, exchange) if not tried else
+                   f"none of the in-memory versions {tried} verified on every rank (corrupt snapshot, or "
+                   f"one that does not fit this job{': ' + why if why else ''}); "
+                   "nothing was loaded. Resume from your last disk checkpoint with a new shardsafe job_id, "
+                   "or set shardsafe.restore=false to start from scratch.")
+            raise RestoreError(msg + tried_disk)
     res.seconds = time.perf_counter() - t0
     emit("restore_end", tier=res.tier, version=res.version, seconds=res.seconds, bytes=res.nbytes,
          rebuilt_bytes=res.rebuilt_bytes, rebuild_seconds=res.rebuild_seconds, phases=res.phases)
     return res
+
+
+def _adapter_problems(adapter: StateAdapter, manifest: dict, mm) -> list[str]:
+    """The adapter's own checks of a verified payload (layout, optimizer config, LR schedule...), without
+    touching live state. They join the vote because ``apply`` may be collective (Megatron's param
+    all-gather): a snapshot that one rank would refuse must be refused by every rank before any applies."""
+    views = mf.views(manifest, mm)
+    try:
+        return [str(p) for p in adapter.validate(views, mf.from_jsonable(manifest["meta"]))]
+    except Exception as e:  # a validator bug must not leave the other ranks waiting in the vote
+        return [f"{type(adapter).__name__}.validate failed: {type(e).__name__}: {e}"]
+    finally:
+        del views
+
+
+def _restore_persistent(adapter: StateAdapter, persist, *, rank: int, coll: Collectives, live) -> Optional[RestoreResult]:
+    """Newest version every rank has complete on disk and that verifies everywhere, applied in place."""
+    t0 = time.perf_counter()
+    mine = persist.rank_versions(rank)
+    common = sorted(set.intersection(*[set(e[0]) for e in coll.all_gather_versions(mine)]), reverse=True)
+    for version in common:
+        manifest, mm, bad = None, None, []
+        try:
+            manifest, mm = persist.open(version, rank)
+            mf.check_matches(manifest, live, getattr(adapter, "optional_prefixes", ()))
+            buf = memoryview(mm)
+            try:
+                bad = mf.verify(manifest, buf)
+            finally:
+                buf.release()
+            if not bad and hasattr(adapter, "validate"):
+                bad = _adapter_problems(adapter, manifest, mm)
+        except (OSError, ValueError, KeyError) as e:
+            bad = [str(e)]
+        if bad:
+            log.error("[rank %d] persistent version %d in %s failed verification, not loaded: %s", rank, version,
+                      persist.dir, "; ".join(bad[:3]))
+        if not coll.all_true(not bad):
+            if mm is not None:
+                mm.close()
+            continue
+        views = mf.views(manifest, mm)
+        adapter.apply(views, mf.from_jsonable(manifest["meta"]))
+        del views
+        mm.close()
+        return RestoreResult(version=version, tier="persistent", seconds=time.perf_counter() - t0,
+                             nbytes=manifest["payload_nbytes"],
+                             message=f"restored version {version} from the persistent tier {persist.dir}")
+    if common or mine:
+        log.warning("[rank %d] no persistent version in %s is complete and verified on every rank (this rank has %s)",
+                    rank, persist.dir, mine)
+    return None

@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from .config import ConfigError, ShardsafeConfig
+from .persist import PersistentStore
 from .exchange import ParityExchange, gather_places, plan_parity
 from .topology import TopologyError
 from .faults import Injector, current_attempt
@@ -87,8 +88,16 @@ class Runtime:
             self.client, rank=rank, world_size=world_size, node=cfg.node,
             agreement=GlooAgreement(group) if world_size > 1 else LocalAgreement(),
             on_progress=self.injector.copy_progress, on_event=self.events.emit, reconnect=self._reconnect,
-            parity=self.exchange)
+            parity=self.exchange, flush=self._flush_to_disk if cfg.persist_dir else None)
+        self.persist = PersistentStore(cfg.persist_dir, cfg.job_id) if cfg.persist_dir else None
         self.restored: RestoreResult | None = None
+
+    def _flush_to_disk(self, version: int) -> None:
+        """Every persist_every-th snapshot: the holder writes it to disk in the background."""
+        if (version // self.cfg.interval) % self.cfg.persist_every != 0 or self.pipeline.client is None:
+            return
+        self.pipeline.client.flush(rank=self.rank, version=version, dir=self.cfg.persist_dir, job_id=self.cfg.job_id,
+                                   keep=self.cfg.persist_keep, mbps=self.cfg.persist_mbps)
 
     def _reconnect(self) -> HolderClient:
         return HolderClient(self.paths, timeout_s=self.cfg.timeout_s).connect()
@@ -98,8 +107,21 @@ class Runtime:
         if not self.cfg.restore:
             self.restored = RestoreResult(message="restore disabled by config")
             return self.restored
+        emit = self.events.emit
+        if self.world_size > 1:
+            # Torch elastic may have put this rank on another node than its snapshot: move it first.
+            from .placement import migrate
+            mig = migrate(self.client, rank=self.rank, world_size=self.world_size, node=self.cfg.node,
+                          rank_nodes=self.nodes, group=self.coll.group)
+            if mig.moves:
+                def emit(kind: str, **f: Any) -> None:   # the migration is part of the restore's time
+                    if kind == "restore_end":
+                        f["seconds"] = f.get("seconds", 0.0) + mig.seconds
+                        f.update(migrated_slots=len(mig.moves), migrated_bytes=mig.nbytes)
+                    self.events.emit(kind, **f)
         self.restored = restore_from_holder(adapter, self.client, rank=self.rank, coll=self.coll,
-                                            on_event=self.events.emit, exchange=self.exchange, nodes=self.nodes)
+                                            on_event=emit, exchange=self.exchange, nodes=self.nodes,
+                                            persist=self.persist)
         if self.rank == 0:
             log.info("[rank 0] %s (%.3f s)", self.restored.message, self.restored.seconds)
         return self.restored

@@ -178,12 +178,14 @@ class EventLog:
             self._warned.add(key)
             logger.warning("%s %s", self._prefix(), msg)
 
-    def emit(self, kind: str, **fields: Any) -> bool:
+    def emit(self, kind: str, *, at: float | None = None, **fields: Any) -> bool:
         """Append one event ``{t, kind, source, rank, node, attempt, **fields}``; ``fields`` may override
-        ``rank``/``node``/``attempt`` (e.g. the failed rank of ``failure_detected``). Returns whether it was
-        written; never raises."""
+        ``rank``/``node``/``attempt`` (e.g. the failed rank of ``failure_detected``). ``at`` sets ``t`` to an
+        earlier ``time.time()`` instead of now: a launcher that reports an incident after collecting evidence
+        from several nodes dates it when the first evidence arrived. Returns whether it was written; never
+        raises."""
         try:
-            data = self._encode(kind, fields)
+            data = self._encode(kind, fields, at)
             self._write(data)
             return True
         except Exception as e:  # noqa: BLE001 - an accounting line must never take training down
@@ -191,11 +193,17 @@ class EventLog:
                                   "dropped until it works again. Check that the run directory is writable.")
             return False
 
-    def _encode(self, kind: str, fields: dict[str, Any]) -> bytes:
+    def _encode(self, kind: str, fields: dict[str, Any], at: float | None = None) -> bytes:
         if kind not in EVENT_KINDS:
             self._warn_once(f"kind:{kind}", f"unknown event kind {kind!r}: expected one of "
                                             f"{', '.join(EVENT_KINDS)}; it is written but TOR accounting ignores it")
-        rec: dict[str, Any] = {"t": time.time(), "kind": kind, "source": self.source,
+        t = time.time()
+        if at is not None:
+            if _is_num(at):
+                t = float(at)
+            else:
+                self._warn_once("at", f"emit(at={at!r}) is not a time.time() float; the event is dated now")
+        rec: dict[str, Any] = {"t": t, "kind": kind, "source": self.source,
                                "rank": self.rank, "node": self.node, "attempt": self.attempt}
         for k, v in fields.items():
             if k in _RESERVED:

@@ -1,0 +1,330 @@
+"""Rank placement across restarts: bring every rank's snapshots to the node the rank runs on now.
+
+A rank's snapshot lives in the holder of the node it ran on. Torch elastic does not keep ranks on
+nodes: its c10d rendezvous numbers the nodes of every round afresh (sorted by address, then agent
+pid), so after a node is replaced or a spare joins, rank r may run on a node whose holder holds
+rank r' (or nothing). shardsafe does not fight the rendezvous; before restoring, ranks *migrate*:
+
+1. every rank all-gathers what its holder holds (sealed data and parity slots of any rank, as JSON
+   over a uint8 tensor: no pickle);
+2. every rank computes the same plan (:func:`plan_migration`): for each rank r, the node that holds
+   r's newest version is the source; if r's own node lacks it, all of the source's sealed versions
+   of r move (point-to-point over the restore gloo group, from the lowest rank on the source node);
+3. after every rank stored what it received (sealed, and committed so a later snapshot cannot
+   overwrite it), each node drops the slots of ranks that no longer run on it.
+
+The normal restore then finds each rank's payload in its own holder; what was lost with a node is
+still rebuilt from parity. Nothing moves when placement did not change (the common case: one
+collective of a few hundred bytes). A failed migration leaves every holder as it was and says why.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional
+
+log = logging.getLogger("shardsafe.placement")
+
+KINDS = ("data", "parity")
+_TAG = 1 << 22
+
+
+@dataclass(frozen=True, order=True)
+class Move:
+    """Versions of one (rank, kind) that travel from ``src`` (sent by rank ``sender``) to ``dst``."""
+
+    rank: int
+    kind: str
+    version: int
+    src: str
+    dst: str
+    sender: int
+    nbytes: int
+
+
+@dataclass
+class MigrationPlan:
+    moves: list[Move] = field(default_factory=list)
+    clear_first: list[tuple[int, str]] = field(default_factory=list)
+    """(rank, kind) whose slots at the rank's own node are dropped before receiving: older versions
+    there would otherwise be reused as write slots for the incoming ones."""
+    drop_after: dict[str, list[int]] = field(default_factory=dict)
+    """node -> ranks whose slots are stale there (they run elsewhere now), dropped after success."""
+
+    @property
+    def moved_ranks(self) -> list[int]:
+        return sorted({m.rank for m in self.moves})
+
+
+@dataclass
+class MigrationResult:
+    ok: bool = True
+    moves: list[Move] = field(default_factory=list)
+    nbytes: int = 0
+    seconds: float = 0.0
+    dropped: int = 0
+    deferred: int = 0
+    """Slots this rank received into process memory (no room in its holder until stale copies were dropped)."""
+    message: str = ""
+
+
+Inventory = Mapping[tuple[int, str], Mapping[int, Mapping[str, Any]]]
+"""(rank, kind) -> version -> {"nbytes", "capacity", "committed"} of one holder's sealed slots."""
+
+
+def inventory_of(listing: Mapping[str, Any]) -> dict[tuple[int, str], dict[int, dict[str, Any]]]:
+    """A holder's ``list`` answer -> :data:`Inventory` (sealed data and parity slots only)."""
+    inv: dict[tuple[int, str], dict[int, dict[str, Any]]] = {}
+    for rank, kinds in listing.items():
+        for kind in KINDS:
+            for s in kinds.get(kind, []):
+                if s.get("state") == "sealed":
+                    inv.setdefault((int(rank), kind), {})[int(s["version"])] = {
+                        "nbytes": int(s["nbytes"]), "capacity": int(s.get("capacity", s["nbytes"])),
+                        "committed": bool(s.get("committed"))}
+    return inv
+
+
+def plan_migration(rank_nodes: list[str], inventories: Mapping[str, Inventory]) -> MigrationPlan:
+    """The moves that bring every rank's newest snapshots to its current node (pure, deterministic).
+
+    Args:
+        rank_nodes: the node every rank of the job runs on now, by rank.
+        inventories: node -> what that node's holder holds (nodes without a rank now are absent:
+            nobody can read their holders).
+    """
+    world = len(rank_nodes)
+    leader: dict[str, int] = {}
+    for r, n in enumerate(rank_nodes):
+        leader.setdefault(n, r)
+    plan = MigrationPlan()
+    for r in range(world):
+        dst = rank_nodes[r]
+        for kind in KINDS:
+            here = inventories.get(dst, {}).get((r, kind), {})
+            best = None
+            for node in sorted(inventories):
+                if node == dst or node not in leader:
+                    continue
+                vs = inventories[node].get((r, kind))
+                if vs and (best is None or max(vs) > max(inventories[best][(r, kind)])):
+                    best = node
+            if best is None:
+                continue
+            src = inventories[best][(r, kind)]
+            if here and max(here) >= max(src):
+                continue
+            if here:
+                plan.clear_first.append((r, kind))
+            for v in sorted(src):
+                plan.moves.append(Move(r, kind, v, best, dst, leader[best], int(src[v]["nbytes"])))
+    for node in sorted(inventories):
+        if node not in leader:
+            continue
+        stale = sorted({r for (r, _k) in inventories[node] if r < world and rank_nodes[r] != node})
+        if stale:
+            plan.drop_after[node] = stale
+    return plan
+
+
+# ---- the collective ------------------------------------------------------------------------------------
+
+def _all_gather_json(obj: Any, world_size: int, group) -> list[Any]:
+    import torch
+    import torch.distributed as dist
+    blob = json.dumps(obj, separators=(",", ":")).encode()
+    n = torch.tensor([len(blob)], dtype=torch.int64)
+    lens = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(lens, n, group=group)
+    mx = max(int(x) for x in lens)
+    buf = torch.zeros(mx, dtype=torch.uint8)
+    buf[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    outs = [torch.empty(mx, dtype=torch.uint8) for _ in range(world_size)]
+    dist.all_gather(outs, buf, group=group)
+    return [json.loads(bytes(o[: int(ln)].numpy())) for o, ln in zip(outs, lens)]
+
+
+def _all_true(flag: bool, group) -> bool:
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item() == 1)
+
+
+def migrate(client, *, rank: int, world_size: int, node: str, rank_nodes: Optional[list[str]] = None,
+            group=None) -> MigrationResult:
+    """Run on every rank before restore (a collective over ``group``, every rank must call it).
+
+    Args:
+        client: this node's HolderClient, or None (this rank then has nothing to offer or receive).
+        rank, world_size, node: this rank and where it runs now.
+        rank_nodes: every rank's node (all-gathered here when not given).
+        group: the gloo process group for the exchange (None: the default group).
+    Returns:
+        What moved. Never raises for a holder problem: a rank that cannot serve or store votes no,
+        and then nothing is dropped anywhere (the restore that follows decides what is restorable).
+    """
+    import torch
+    import torch.distributed as dist
+    from .holder.client import HolderUnavailable
+    from .holder.protocol import HolderError
+
+    t0 = time.perf_counter()
+    res = MigrationResult()
+    listing: dict = {}
+    if client is not None:
+        try:
+            listing = client.list()
+        except (HolderError, HolderUnavailable) as e:
+            log.warning("[rank %d] cannot list the holder's slots for placement: %s", rank, e)
+    mine = {"node": node, "slots": [[r, k, v, i["nbytes"], i["capacity"], i["committed"]]
+                                    for (r, k), vs in inventory_of(listing).items() for v, i in vs.items()]}
+    everyone = _all_gather_json(mine, world_size, group)
+    if rank_nodes is None:
+        rank_nodes = [e["node"] for e in everyone]
+    inventories: dict[str, dict] = {}
+    for r, e in enumerate(everyone):
+        if e["node"] in inventories:   # ranks of one node share its holder: its lowest rank speaks
+            continue
+        inv: dict[tuple[int, str], dict[int, dict]] = {}
+        for sr, k, v, nb, cap, com in e["slots"]:
+            inv.setdefault((int(sr), k), {})[int(v)] = {"nbytes": nb, "capacity": cap, "committed": com}
+        inventories[e["node"]] = inv
+    plan = plan_migration(rank_nodes, inventories)
+    if not plan.moves and not plan.drop_after:
+        res.seconds = time.perf_counter() - t0
+        return res
+
+    ok, why = True, ""
+    deferred: list[tuple[Move, dict, Any]] = []
+    mine_in = [m for m in plan.moves if m.rank == rank]
+    mine_out = [m for m in plan.moves if m.sender == rank]
+    handles, reqs = [], []
+    try:
+        # 1. every sender posts all its sends first (non-blocking), so receivers never wait on a
+        #    rank that is itself blocked receiving.
+        for i, m in enumerate(plan.moves):
+            if m.sender != rank:
+                continue
+            try:
+                man, mm = client.open(rank=m.rank, version=m.version, kind=m.kind)
+                handles.append(mm)
+                blob = json.dumps(man).encode()
+            except Exception as e:   # noqa: BLE001 - the receiver still expects the frames
+                ok, why = False, f"rank {rank}: cannot read rank {m.rank}'s {m.kind} v{m.version} on {node}: {e}"
+                man, mm, blob = None, None, b""
+            head = torch.tensor([len(blob), len(mm) if mm is not None else 0], dtype=torch.int64)
+            reqs.append(dist.isend(head, dst=m.rank, group=group, tag=_TAG + 3 * i))
+            if blob:
+                reqs.append(dist.isend(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=m.rank,
+                                       group=group, tag=_TAG + 3 * i + 1))
+            if mm is not None and len(mm):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")   # a read-only mapping: only ever sent
+                    payload = torch.frombuffer(mm, dtype=torch.uint8)
+                reqs.append(dist.isend(payload, dst=m.rank, group=group, tag=_TAG + 3 * i + 2))
+        # 2. receivers: clear stale versions, then receive in version order; seal + commit each, so
+        #    the next acquire gets a fresh slot instead of reusing the one just written.
+        if mine_in and client is not None:
+            for r, kind in plan.clear_first:
+                if r == rank:
+                    try:
+                        client.drop(rank=rank, kind=kind)
+                    except (HolderError, HolderUnavailable) as e:
+                        ok, why = False, f"rank {rank}: cannot clear stale {kind} slots: {e}"
+        for i, m in enumerate(plan.moves):
+            if m.rank != rank:
+                continue
+            head = torch.zeros(2, dtype=torch.int64)
+            dist.recv(head, src=m.sender, group=group, tag=_TAG + 3 * i)
+            n_man, n_pay = int(head[0]), int(head[1])
+            man = None
+            if n_man:
+                b = torch.empty(n_man, dtype=torch.uint8)
+                dist.recv(b, src=m.sender, group=group, tag=_TAG + 3 * i + 1)
+                man = json.loads(bytes(b.numpy()))
+            if not n_pay:
+                ok, why = False, why or f"rank {rank}: rank {m.sender} could not send {m.kind} v{m.version}"
+                continue
+            dst, defer = None, False
+            if client is not None and man is not None:
+                try:
+                    _, wmm = client.acquire(rank=rank, version=m.version, nbytes=m.nbytes, kind=m.kind)
+                    if len(wmm) >= n_pay:
+                        dst = torch.frombuffer(wmm, dtype=torch.uint8, count=n_pay)
+                    else:
+                        ok, why = False, f"rank {rank}: slot of {len(wmm)} bytes < {n_pay} bytes to receive"
+                except HolderError as e:
+                    if e.code == "budget":   # room comes when the stale copies are dropped: keep it in RAM till then
+                        defer = True
+                    else:
+                        ok, why = False, f"rank {rank}: cannot store {m.kind} v{m.version} on {node}: {e}"
+                except (HolderUnavailable, OSError) as e:
+                    ok, why = False, f"rank {rank}: cannot store {m.kind} v{m.version} on {node}: {e}"
+            if dst is None:   # receive into process memory (deferred write), or just drain the frame
+                buf = torch.empty(n_pay, dtype=torch.uint8)
+                dist.recv(buf, src=m.sender, group=group, tag=_TAG + 3 * i + 2)
+                if defer:
+                    deferred.append((m, man, buf))
+                continue
+            dist.recv(dst, src=m.sender, group=group, tag=_TAG + 3 * i + 2)
+            del dst
+            try:
+                client.seal(rank=rank, version=m.version, manifest=man, kind=m.kind)
+                client.commit(ranks=[rank], version=m.version, kind=m.kind)
+                res.nbytes += n_pay
+            except (HolderError, HolderUnavailable) as e:
+                ok, why = False, f"rank {rank}: cannot seal {m.kind} v{m.version}: {e}"
+        for q in reqs:
+            q.wait()
+    finally:
+        for mm in handles:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+    if why:
+        log.error("[rank %d] placement: %s", rank, why)
+    res.ok = _all_true(ok, group)
+    res.moves = plan.moves
+    if res.ok and client is not None and rank_nodes.index(node) == rank:   # the node's lowest rank drops
+        stale = plan.drop_after.get(node, [])
+        for kind in KINDS:
+            if stale:
+                try:
+                    res.dropped += client.drop(ranks=stale, kind=kind)
+                except (HolderError, HolderUnavailable) as e:
+                    log.warning("[rank %d] placement: cannot drop stale slots of ranks %s: %s", rank, stale, e)
+    res.deferred = len(deferred)
+    if res.ok and _all_true(not deferred, group) is False:   # someone waits for room: the drops are done now
+        for m, man, buf in deferred:
+            try:
+                _, wmm = client.acquire(rank=rank, version=m.version, nbytes=m.nbytes, kind=m.kind)
+                torch.frombuffer(wmm, dtype=torch.uint8, count=buf.numel()).copy_(buf)
+                client.seal(rank=rank, version=m.version, manifest=man, kind=m.kind)
+                client.commit(ranks=[rank], version=m.version, kind=m.kind)
+                res.nbytes += buf.numel()
+            except (HolderError, HolderUnavailable, OSError, ValueError) as e:
+                log.error("[rank %d] placement: %s v%d of rank %d could not be stored even after dropping stale "
+                          "copies (%s): raise memory_budget_gb; restore falls back to parity", rank, m.kind,
+                          m.version, rank, e)
+    res.seconds = time.perf_counter() - t0
+    where = sorted({(m.rank, m.src, m.dst) for m in plan.moves})
+    res.message = (f"placement: {len(plan.moves)} slot(s) of ranks {plan.moved_ranks} moved to the nodes they run on "
+                   f"now ({', '.join(f'rank {r}: {s} -> {d}' for r, s, d in where)})"
+                   if plan.moves else "placement: no slot to move")
+    if not res.ok:
+        res.message += "; FAILED on some rank, nothing dropped (see the errors above)"
+    if rank == 0:
+        log.info("[rank 0] %s in %.3f s", res.message, res.seconds)
+    return res
+
+
+def summarize(moves: Iterable[Move]) -> dict[str, Any]:
+    """JSON-able summary for events and logs."""
+    moves = list(moves)
+    return {"moved_ranks": sorted({m.rank for m in moves}), "moved_slots": len(moves)}

@@ -1,0 +1,134 @@
+"""`shardsafe launch` end to end: torchrun agents on simulated nodes, real faults, bit-exact results,
+and a TOR report that accounts for the measured wall time.
+
+Three simulated nodes with one rank each (RS(2,1) parity across them), the tiny DeepSpeed GPT, ZeRO-2
+bf16, 10 steps; the reference is the same job without shardsafe (shared with test_node_loss).
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shardsafe.elastic import ElasticConfig, ElasticLauncher
+from shardsafe.runcheck import compare_runs, read_jsonl
+from shardsafe.tor import compute_tor, read_events
+
+from .helpers import SCRIPT
+
+STEPS = 10
+NODES = 3
+pytestmark = pytest.mark.slow
+
+
+def launch(run_dir, inject, **kw):
+    cfg = ElasticConfig(nodes=NODES, nproc_per_node=1, run_dir=str(run_dir), inject=inject, memory_budget_gb=0.5,
+                        max_restarts=3, keep_alive_s=2, keep_alive_misses=3, timeout_s=420, **kw)
+    cmd = [SCRIPT, "--steps", str(STEPS), "--zero-stage", "2", "--dtype", "bf16", "--running-tor-every", "2"]
+    t0 = time.time()
+    res = ElasticLauncher(cfg).run(cmd)
+    wall = time.time() - t0
+    assert not leftovers(cfg.job_id), leftovers(cfg.job_id)
+    return res, wall
+
+
+def leftovers(job_id):
+    """Processes of this job still alive (agents, workers, holders carry the job id)."""
+    import psutil
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if job_id in " ".join(p.info["cmdline"] or []) or p.environ().get("SHARDSAFE_JOB_ID") == job_id:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    out.append((p.pid, (p.info["cmdline"] or [])[:4]))
+        except (psutil.Error, OSError):
+            pass
+    return out
+
+
+def agent_logs(run_dir):
+    d = os.path.join(str(run_dir), "logs")
+    return "".join(open(os.path.join(d, f), errors="replace").read() for f in sorted(os.listdir(d)) if f.startswith("agent_"))
+
+
+def by_attempt(events, kind):
+    out = {}
+    for e in events:
+        if e.get("kind") == kind:
+            out.setdefault(e.get("attempt"), []).append(e)
+    return out
+
+
+def check_tor(run_dir, wall, n_failures):
+    """The report accounts for the run: T_obs within 2 % of the measured wall time, the breakdown sums to
+    T_obs - T_opt, one failure per injected fault, and `shardsafe tor report` works on the directory."""
+    evs = read_events(str(run_dir))
+    rep = compute_tor(evs)
+    assert abs(rep.t_obs - wall) <= 0.02 * wall, (rep.t_obs, wall)
+    assert math.isclose(sum(rep.breakdown.values()), rep.t_obs - rep.t_opt, abs_tol=1e-6)
+    assert len(rep.failures) == n_failures, rep.failures
+    assert rep.iterations == STEPS and rep.ok is True
+    out = subprocess.run([sys.executable, "-m", "shardsafe.tor", "report", str(run_dir), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["t_obs"] == pytest.approx(rep.t_obs, abs=1e-3)
+    # launcher events: one attempt_start per attempt, in order; a running TOR from the trainers
+    starts = [e["attempt"] for e in evs if e["kind"] == "attempt_start"]
+    assert starts == list(range(n_failures + 1)), starts
+    assert any(e["kind"] == "running_tor" and 0 < e["tor"] <= 1 for e in evs)
+    return rep, evs
+
+
+def test_kill_rank_then_node_loss_with_ranks_moved_to_other_nodes(tmp_path, reference):
+    """Attempt 0: rank 2 SIGKILLed at step 4 (torch elastic restarts the group; every holder keeps its
+    memory). Attempt 1: node1 lost at step 7 (its agent, rank and holder SIGKILLed); a fresh node3 joins.
+    Torch elastic's next round orders the nodes by address (node0, node2, node3: the launcher gives node K
+    the address 127.0.1{K:02}.1), so rank 1 runs on node2 (which holds
+    rank 2's snapshots) and rank 2 on the empty node3: restore moves rank 2's snapshots to node3 and
+    rebuilds rank 1 from parity on node2."""
+    ref = reference(2, "bf16", STEPS, world=NODES)
+    res, wall = launch(tmp_path, "kill-rank:2@4;kill-node:node1@7")
+    assert res.ok and res.attempts == 3, (res, agent_logs(tmp_path)[-3000:])
+    assert [(f["cause"], f.get("rank"), f.get("node")) for f in res.failures] == \
+        [("rank_exit", 2, "node2"), ("node_loss", None, "node1")], res.failures
+    assert res.failures[0]["rc"] == -9 and res.nodes == ["node0", "node1", "node2", "node3"]
+    evs = read_jsonl(os.path.join(str(tmp_path), "events.jsonl"))
+    restore = {a: es for a, es in by_attempt(evs, "restore_end").items()}
+    # the newest version every rank sealed before the kill at the start of step 4 (3, or 2 if rank 2's copy
+    # of 3 was still running when it died), the same on every rank
+    assert {e["tier"] for e in restore[1]} == {"memory"} and len({e["version"] for e in restore[1]}) == 1
+    assert {e["version"] for e in restore[1]} <= {2, 3}
+    assert {e["tier"] for e in restore[2]} == {"parity"} and {e["version"] for e in restore[2]} <= {6, 7}
+    placed = {e["rank"]: e["node"] for e in by_attempt(evs, "trainer_start")[2]}
+    assert placed == {0: "node0", 1: "node2", 2: "node3"}, placed
+    moved = {e["rank"]: e.get("migrated_slots", 0) for e in restore[2]}
+    assert moved[2] > 0, restore[2]          # data + parity of rank 2: node2 -> node3
+    assert max(e.get("rebuilt_bytes", 0) for e in restore[2] if e["rank"] == 1) > 0
+    cmp = compare_runs(str(tmp_path), str(ref), NODES, STEPS)
+    assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)
+    rep, _ = check_tor(tmp_path, wall, 2)
+    assert rep.breakdown["restore_parity"] > 0 and rep.breakdown["restore_memory"] > 0
+
+
+def test_hang_detected_by_the_progress_watchdog(tmp_path, reference):
+    """Rank 1 SIGSTOPs itself at step 5: no iteration event for 8 s is a hang; the agents SIGKILL the
+    workers (the stopped one named), torch elastic restarts them, and the run resumes from memory."""
+    ref = reference(2, "bf16", STEPS, world=NODES)
+    res, wall = launch(tmp_path, "hang-rank:1@5", hang_timeout_s=8.0)
+    assert res.ok and res.attempts == 2, (res, agent_logs(tmp_path)[-3000:])
+    f = res.failures[0]
+    assert (f["cause"], f["rank"]) == ("hang", 1), f
+    evs = read_jsonl(os.path.join(str(tmp_path), "events.jsonl"))
+    last_progress = max(e["t"] for e in evs if e["kind"] == "iteration" and e["attempt"] == 0)
+    assert f["t_fault"] == pytest.approx(last_progress, abs=0.01)
+    assert 8.0 <= f["t"] - f["t_fault"] < 20.0
+    restore = by_attempt(evs, "restore_end")
+    assert {e["tier"] for e in restore[1]} == {"memory"} and len({e["version"] for e in restore[1]}) == 1
+    assert {e["version"] for e in restore[1]} <= {3, 4}
+    cmp = compare_runs(str(tmp_path), str(ref), NODES, STEPS)
+    assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)
+    rep, _ = check_tor(tmp_path, wall, 1)
+    assert rep.breakdown["detection"] >= 8.0

@@ -1,0 +1,209 @@
+"""The sbatch scripts on a real SLURM cluster: 4 slurmd "nodes" on this host (scripts/slurm/local_cluster.sh).
+
+One job of 3 nodes (2 active + 1 spare) trains the tiny DeepSpeed GPT under torch elastic:
+  attempt 0: rank 1 SIGKILLed at step 4 -> torch elastic restarts the group inside the allocation;
+             the holders keep their memory (restore from memory, no holder restarted);
+  attempt 1: node2 set DOWN with scontrol at step 8 -> the job keeps running (--no-kill), node2 leaves
+             the allocation, the spare node3 joins torch elastic's next round, rank 1 is rebuilt there
+             from parity;
+  attempt 2: finishes; every rank leaves a completion marker; the TOR report is produced.
+The final losses and rank states must equal an uninterrupted run's, bit for bit. The cluster is
+torn down afterwards, also when the test fails, and nothing of it may keep running.
+"""
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from shardsafe.runcheck import compare_runs, read_jsonl
+
+from ..fault.helpers import run_job
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLUSTER = os.path.join(ROOT, "scripts", "slurm", "local_cluster.sh")
+SBATCH = os.path.join(ROOT, "scripts", "slurm", "pretrain_deepspeed.sbatch")
+STEPS = 12
+pytestmark = pytest.mark.slow
+
+
+def _free_port_block(n: int) -> int:
+    """A base port with base..base+n free on loopback (slurmctld + one slurmd per node)."""
+    for base in range(17100 + (os.getpid() % 200) * 10, 30000, 10):
+        try:
+            socks = []
+            for p in range(base, base + n + 1):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port block for the local SLURM cluster")
+
+
+def _ours(env_marker: str, conf: str) -> list[int]:
+    """PIDs of processes of this cluster (daemons carry SLURM_CI_TAG, job processes its SLURM_CONF)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{d}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+        except OSError:
+            continue
+        if env_marker.encode() in env or (f"SLURM_CONF={conf}".encode() in env
+                                          and any(e.startswith(b"SLURM_JOB_ID=") for e in env)):
+            out.append(int(d))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if os.geteuid() != 0:
+        pytest.skip("the local SLURM cluster runs its daemons as root (SlurmUser=root); run as root or in CI")
+    tools = ("slurmctld", "slurmd", "srun", "sbatch", "scontrol", "munged")
+    if not all(shutil.which(t) for t in tools) and shutil.which("apt-get") is None:
+        pytest.skip("SLURM is not installed and apt-get is not available to install it "
+                    "(slurmctld slurmd slurm-client munge)")
+    # munged wants every parent of its socket world-executable: not pytest's private tmp dirs
+    base = tempfile.mkdtemp(prefix="shardsafe-slurm-", dir="/tmp")
+    os.chmod(base, 0o755)
+    d = os.path.join(base, "c")
+    env = {**os.environ, "SLURM_CI_DIR": d, "SLURM_CI_NODES": "4", "SLURM_CI_PORT": str(_free_port_block(4))}
+    up = subprocess.run(["bash", CLUSTER, "up"], env=env, capture_output=True, text=True, timeout=900)
+    env["SLURM_CONF"] = f"{d}/etc/slurm.conf"
+    try:
+        assert up.returncode == 0, f"local cluster did not come up:\n{up.stderr[-3000:]}"
+        yield env
+    finally:
+        down = subprocess.run(["bash", CLUSTER, "down"], env=env, capture_output=True, text=True, timeout=180)
+        left = _ours(f"SLURM_CI_TAG={d}", env["SLURM_CONF"])
+        shutil.rmtree(base, ignore_errors=True)
+        assert down.returncode == 0 and not left and not os.path.exists(d), \
+            f"teardown left processes {left} / dir {os.path.exists(d)}:\n{down.stderr[-2000:]}"
+
+
+def scontrol_job(env, jid) -> dict:
+    out = subprocess.run(["scontrol", "show", "job", "-o", jid], env=env, capture_output=True, text=True,
+                         timeout=30).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def _ts(s: str) -> float:
+    return time.mktime(time.strptime(s, "%Y-%m-%dT%H:%M:%S"))
+
+
+def test_sbatch_rank_kill_and_node_loss_continue_in_the_allocation(cluster, tmp_path):
+    run_dir, holders = tmp_path / "run", tmp_path / "holders"
+    env = {**cluster, "SS_PYTHON": sys.executable, "SS_RUN_DIR": str(run_dir), "SS_HOLDER_DIR": str(holders),
+           "SS_MEMORY_BUDGET_GB": "0.5", "SS_KEEP_ALIVE_S": "2", "SS_HANG_TIMEOUT": "120", "SS_GRACE": "2",
+           "SS_SCRIPT_ARGS": f"--steps {STEPS} --zero-stage 2 --dtype bf16 --running-tor-every 2",
+           "SS_INJECT": "kill-rank:1@4", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    out_file = tmp_path / "job.out"
+    sub = subprocess.run(["sbatch", "--parsable", "-N3", f"--output={out_file}", SBATCH], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    jid = sub.stdout.strip().split(";")[0]
+
+    def diag() -> str:
+        logs = ""
+        for f in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").exists() else []:
+            logs += f"\n==== {f.name}\n" + f.read_text(errors="replace")[-1500:]
+        return (out_file.read_text(errors="replace") if out_file.exists() else "(no job output)") + logs
+
+    events = run_dir / "events.jsonl"
+    downed, deadline, info = False, time.time() + 600, {}
+    while time.time() < deadline:
+        info = scontrol_job(env, jid)
+        if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            break
+        if not downed and any(e.get("kind") == "iteration" and e.get("attempt") == 1 and e.get("iteration", 0) >= 8
+                              for e in read_jsonl(str(events))):
+            r = subprocess.run(["scontrol", "update", "nodename=node2", "state=down", "reason=shardsafe-test"],
+                               env=env, capture_output=True, text=True, timeout=30)
+            assert r.returncode == 0, r.stderr
+            downed = True
+        time.sleep(0.3)
+    else:
+        subprocess.run(["scancel", jid], env=env, timeout=30)
+        pytest.fail(f"job {jid} did not finish in 600 s:\n{diag()}")
+    assert downed, f"attempt 1 never reached step 8:\n{diag()}"
+    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", f"{info}\n{diag()}"
+
+    # every rank finished, and the job recorded its allocation (requeue-safe)
+    assert sorted(os.listdir(run_dir / "markers")) == ["rank0.done", "rank1.done"]
+    assert "restart_count=0" in (run_dir / "slurm_allocations.log").read_text()
+    evs = read_jsonl(str(events))
+    kinds = [e["kind"] for e in evs]
+    assert kinds.count("job_start") == 1 and kinds.count("job_end") == 1
+    assert next(e for e in evs if e["kind"] == "job_start")["slurm_restart_count"] == 0
+    fails = [(e["cause"], e.get("rank"), e.get("node")) for e in evs if e["kind"] == "failure_detected"]
+    assert fails == [("rank_exit", 1, "node2"), ("node_loss", None, "node2")], f"{fails}\n{diag()}"
+    # the rank kill restarted inside the allocation with every holder intact: one holder per node for the
+    # whole job, and attempt 1 restored from holder memory
+    assert sorted(e["node"] for e in evs if e["kind"] == "holder_start") == ["node1", "node2", "node3"]
+    tiers = {}
+    for e in evs:
+        if e["kind"] == "restore_end":
+            tiers.setdefault(e["attempt"], set()).add((e["tier"], e["version"]))
+    assert tiers[1] in ({("memory", 3)}, {("memory", 2)}), tiers   # newest version sealed before step 4
+    assert {t for t, _ in tiers[2]} == {"parity"}, tiers
+    # after the node loss, rank 1 ran on the spare
+    placed = {e["rank"]: e["node"] for e in evs if e["kind"] == "trainer_start" and e["attempt"] == 2}
+    assert placed == {0: "node1", 1: "node3"}, placed
+
+    # TOR: the report works on the run and accounts for the job's wall time
+    rep = subprocess.run([sys.executable, "-m", "shardsafe.tor", "report", str(run_dir), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert rep.returncode == 0, rep.stderr
+    r = json.loads(rep.stdout)
+    assert math.isclose(sum(r["breakdown"].values()), r["t_obs"] - r["t_opt"], abs_tol=1e-5)
+    assert len(r["failures"]) == 2 and r["tor"] > 0
+    wall = _ts(info["EndTime"]) - _ts(info["StartTime"])   # SLURM's own record, 1 s resolution
+    assert abs(r["t_obs"] - wall) <= 3.0 + 0.02 * wall, (r["t_obs"], wall)
+    assert (run_dir / "tor_report.txt").read_text().startswith("TOR report:")
+
+    # bit for bit the same as an uninterrupted run of the same job (local launcher, no shardsafe)
+    ref = tmp_path / "reference"
+    res = run_job(ref, stage=2, dtype="bf16", steps=STEPS, shardsafe=False, max_restarts=0, nodes=2, nproc=1)
+    assert res.ok
+    cmp = compare_runs(str(run_dir), str(ref), 2, STEPS)
+    assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)
+
+
+def test_megatron_sbatch_dry_run_shows_the_steps(cluster, tmp_path):
+    """pretrain_megatron.sbatch shares common.sh; SS_DRY_RUN=1 prints what it would start, per node."""
+    out_file = tmp_path / "job.out"
+    env = {**cluster, "SS_PYTHON": sys.executable, "SS_RUN_DIR": str(tmp_path / "run"), "SS_DRY_RUN": "1",
+           "SS_SPARES": "1"}
+    sub = subprocess.run(["sbatch", "--parsable", "-N3", f"--output={out_file}",
+                          os.path.join(ROOT, "scripts", "slurm", "pretrain_megatron.sbatch")],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    jid, deadline = sub.stdout.strip().split(";")[0], time.time() + 120
+    while time.time() < deadline and scontrol_job(env, jid).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED"):
+        time.sleep(0.3)
+    out = out_file.read_text()
+    assert scontrol_job(env, jid).get("JobState") == "COMPLETED", out
+    holders = re.findall(r"DRY-RUN: srun --overlap --no-kill -N1 -n1 -w (node\d) .*shardsafe.cli holder", out)
+    agents = re.findall(r"DRY-RUN: srun --overlap --no-kill -N1 -n1 -w (node\d) .*shardsafe.elastic agent .*"
+                        r"--nnodes 2:2 --nproc-per-node 2 .*megatron_lm_pretrain_gpt.py @\S+megatron_lm_tiny_gpt.args "
+                        r"--shardsafe", out)
+    assert sorted(holders) == ["node1", "node2", "node3"] and sorted(agents) == ["node1", "node2"], out
+    ctl = (tmp_path / "run" / "logs" / "controller.log").read_text()
+    assert "DRY-RUN:" in ctl and "shardsafe.elastic control serve" in ctl and "--world-size 4" in ctl, ctl

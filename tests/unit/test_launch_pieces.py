@@ -1,0 +1,315 @@
+"""The pure pieces of `shardsafe launch`: incident book, progress tail, placement plan, discovery,
+markers/notifications, torchrun arguments, and the hook into torch elastic's agent."""
+import json
+
+import pytest
+
+from shardsafe import discovery, elastic
+from shardsafe.elastic import Evidence, IncidentBook, exit_evidence
+from shardsafe.placement import Move, inventory_of, plan_migration
+
+
+# ---- incident book ---------------------------------------------------------------------------------------
+
+def kinds(emits):
+    return [k for k, _, _ in emits]
+
+
+def test_one_incident_reported_once_with_the_most_specific_cause_dated_at_first_evidence():
+    b = IncidentBook(world_size=3, max_restarts=3, grace_s=1.0)
+    assert kinds(b.started(0, node="n0", ranks=[0], t=10.0, now=10.0)) == ["attempt_start"]
+    assert b.started(0, node="n1", ranks=[1], t=10.1, now=10.1) == []
+    # peers fail first with plain errors; the killed rank's signal exit arrives later
+    for ev in exit_evidence({"0": 1}, node="n0", t=20.0):
+        b.evidence(ev, 0, now=20.05)
+    for ev in exit_evidence({"2": -9}, node="n2", t=20.2):
+        b.evidence(ev, 0, now=20.3)
+    assert b.tick(20.9) == []                       # still inside the grace period
+    out = b.tick(21.1)
+    assert kinds(out) == ["failure_detected", "attempt_end", "restart"]
+    kind, at, f = out[0]
+    assert at == 20.0 and f["cause"] == "rank_exit" and f["rank"] == 2 and f["rc"] == -9 and f["attempt"] == 0
+    assert out[2][2] == {"attempt": 1}
+    # later evidence of the same attempt is ignored; the next attempt starts normally
+    for ev in exit_evidence({"1": 1}, node="n1", t=21.5):
+        assert b.evidence(ev, 0, now=21.5) == []
+    assert b.tick(30.0) == []
+    assert kinds(b.started(1, node="n0", ranks=[0], t=25.0, now=25.0)) == ["attempt_start"]
+    assert len(b.failures) == 1
+
+
+def test_node_loss_beats_rank_exits_and_keeps_its_fault_time():
+    b = IncidentBook(world_size=2, max_restarts=3, grace_s=2.0)
+    b.started(0, node="n0", ranks=[0], t=0.0, now=0.0)
+    for ev in exit_evidence({"0": 1}, node="n0", t=5.0):
+        b.evidence(ev, 0, now=5.0)
+    b.evidence(Evidence(t=6.0, cause="node_loss", node="n1", t_fault=4.5), 0, now=6.5)
+    out = b.tick(7.1)
+    f = out[0][2]
+    assert out[0][1] == 5.0 and f["cause"] == "node_loss" and f["node"] == "n1" and f["t_fault"] == 4.5
+
+
+def test_hang_names_the_stopped_rank_and_last_progress():
+    b = IncidentBook(world_size=2, max_restarts=3, grace_s=1.0)
+    b.started(3, node="n0", ranks=[0, 1], t=0.0, now=0.0)
+    b.evidence(Evidence(t=50.0, cause="hang", t_fault=40.0), 3, now=50.0)
+    b.hung(3, [1])
+    for ev in exit_evidence({"0": -9, "1": -9}, node="n0", t=50.5):   # the watchdog's own SIGKILLs
+        b.evidence(ev, 3, now=50.5)
+    f = b.tick(51.0)[0][2]
+    assert f["cause"] == "hang" and f["rank"] == 1 and f["t_fault"] == 40.0 and f["attempt"] == 3
+
+
+def test_success_needs_every_rank_and_no_restart_after_max_restarts():
+    b = IncidentBook(world_size=2, max_restarts=0, grace_s=0.0)
+    b.started(0, node="n0", ranks=[0], t=0.0, now=0.0)
+    assert b.done(0, ranks=[0], t=5.0) == []
+    assert b.done(0, ranks=[1], t=5.1) == [("attempt_end", 5.1, {"attempt": 0, "rc": 0, "cause": "finished"})]
+    b2 = IncidentBook(world_size=1, max_restarts=0, grace_s=0.0)
+    b2.started(0, node="n0", ranks=[0], t=0.0, now=0.0)
+    b2.evidence(Evidence(t=1.0, cause="rank_exit", rank=0, rc=1), 0, now=1.0)
+    assert kinds(b2.tick(1.0)) == ["failure_detected", "attempt_end"]   # no restart announced
+
+
+def test_unexplained_new_round_reports_the_previous_attempt():
+    b = IncidentBook(world_size=1, max_restarts=3, grace_s=5.0)
+    b.started(0, node="n0", ranks=[0], t=0.0, now=0.0)
+    out = b.started(1, node="n0", ranks=[0], t=9.0, now=9.0)
+    assert kinds(out) == ["failure_detected", "attempt_end", "restart", "attempt_start"]
+    assert out[0][2]["cause"] == "membership_change"
+    # pending evidence is reported as soon as the next round starts, without waiting for the grace
+    b.evidence(Evidence(t=10.0, cause="rank_exit", rank=0, rc=1), 1, now=10.0)
+    out = b.started(2, node="n0", ranks=[0], t=10.5, now=10.5)
+    assert kinds(out)[0] == "failure_detected" and out[0][2]["rank"] == 0
+
+
+# ---- progress tail ----------------------------------------------------------------------------------------
+
+def test_progress_tail_per_attempt_and_torn_tail(tmp_path):
+    p = tmp_path / "events.jsonl"
+    p.write_text(json.dumps({"t": 1.0, "kind": "iteration", "attempt": 0, "iteration": 5, "seconds": 0.1}) + "\n"
+                 + json.dumps({"t": 2.0, "kind": "iteration", "attempt": 1, "iteration": 3, "seconds": 0.1}) + "\n"
+                 + '{"t": 3.0, "kind": "iteration", "att')
+    tail = elastic.ProgressTail(str(tmp_path))
+    tail.poll()
+    assert tail.max_iter == {0: 5, 1: 3} and tail.last_t == {0: 1.0, 1: 2.0}
+    with open(p, "a") as f:
+        f.write('empt": 1, "iteration": 4, "seconds": 0.1}\n')
+    tail.poll()
+    assert tail.max_iter[1] == 4 and tail.last_t[1] == 3.0
+
+
+# ---- markers, notifications, attempt numbering across requeues ----------------------------------------------
+
+def test_markers_and_notifications(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDSAFE_NODE", "n7")
+    elastic.mark_rank_done(str(tmp_path), 3)
+    elastic.mark_rank_done(str(tmp_path), 0)
+    assert elastic.done_ranks(str(tmp_path)) == {0, 3}
+    assert json.loads((tmp_path / "markers" / "rank3.done").read_text())["node"] == "n7"
+    path = elastic.notify(str(tmp_path), "node_lost", node="node2")
+    assert json.loads(open(path).read())["node"] == "node2"
+    with pytest.raises(ValueError):
+        elastic.notify(str(tmp_path), "reboot")
+
+
+def test_attempt_base_continues_after_requeue(tmp_path):
+    assert elastic.attempt_base_from_log(str(tmp_path)) == 0
+    (tmp_path / "events.jsonl").write_text(
+        "\n".join(json.dumps({"t": float(i), "kind": "iteration", "attempt": a, "iteration": 1, "seconds": 1})
+                  for i, a in enumerate([0, 0, 2, 1])) + "\n")
+    assert elastic.attempt_base_from_log(str(tmp_path)) == 3
+
+
+def test_torchrun_arguments_and_worker_env():
+    o = elastic.AgentOptions(node="node2", control="10.0.0.1:29400", nnodes="4:4", nproc_per_node=8, job_id="j1",
+                             run_dir="/runs/j1", inject="kill-rank:1@3", local_addr="10.0.0.3", keep_alive_s=5,
+                             job_start_t=12.5, torchrun_args=["--log-dir", "/tmp/l"])
+    argv = o.torchrun_argv(["train.py", "--x", "1"])
+    assert argv[:4] == ["--nnodes", "4:4", "--nproc-per-node", "8"]
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "10.0.0.1:29400" and argv[argv.index("--rdzv-id") + 1] == "j1"
+    conf = argv[argv.index("--rdzv-conf") + 1]
+    assert "is_host=false" in conf and "keep_alive_interval=5" in conf
+    assert argv[-5:] == ["--log-dir", "/tmp/l", "train.py", "--x", "1"] and "--local-addr" in argv
+    env = o.worker_env()
+    assert env["SHARDSAFE_NODE"] == "node2" and env["SHARDSAFE_INJECT"] == "kill-rank:1@3"
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and float(env["SHARDSAFE_JOB_START_T"]) == 12.5
+
+
+def test_launch_config_rejects_bad_settings(tmp_path):
+    with pytest.raises(elastic.LaunchError):
+        elastic.ElasticConfig(nodes=0, run_dir=str(tmp_path))
+    with pytest.raises(elastic.LaunchError, match="node0..node1"):
+        elastic.ElasticConfig(nodes=2, run_dir=str(tmp_path), inject="kill-node:gpu3@4")
+    with pytest.raises(ValueError):
+        elastic.ElasticConfig(nodes=2, run_dir=str(tmp_path), inject="explode:1@2")
+    assert elastic.ElasticConfig(nodes=2, run_dir=str(tmp_path)).job_id.startswith("launch-")
+
+
+def test_agent_hook_points_exist_in_this_torch():
+    """ShardsafeAgent overrides these and torchrun's launch_agent instantiates this symbol: a torch
+    upgrade that renames them must fail here, not silently lose the job-wide attempt numbers."""
+    import inspect
+
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerGroup
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    assert launcher_api.LocalElasticAgent is LocalElasticAgent
+    assert "LocalElasticAgent(" in inspect.getsource(launcher_api.launch_agent)
+    for name in ("_rendezvous", "_monitor_workers"):
+        assert callable(getattr(SimpleElasticAgent, name, None)) or callable(getattr(LocalElasticAgent, name, None))
+    src = inspect.getsource(SimpleElasticAgent._rendezvous)
+    assert "worker_group.store = store" in src and "worker_group.group_rank" in src
+    wg = WorkerGroup(_spec())
+    assert all(hasattr(wg, a) for a in ("store", "group_rank", "workers"))
+
+
+def _spec():
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+
+    class _Rdzv:
+        def get_backend(self):
+            return "static"
+    return WorkerSpec(role="r", local_world_size=1, rdzv_handler=_Rdzv(), entrypoint="x")
+
+
+# ---- placement plan ---------------------------------------------------------------------------------------
+
+def inv(*slots):
+    out = {}
+    for rank, kind, version in slots:
+        out.setdefault((rank, kind), {})[version] = {"nbytes": 100 + version, "capacity": 2 << 20, "committed": True}
+    return out
+
+
+def test_plan_moves_newest_versions_to_the_ranks_node_and_drops_stale_copies():
+    # before: r0@a, r1@b, r2@c; after a loss of b: r0@a, r1@c, r2@d (d empty)
+    inventories = {"a": inv((0, "data", 4), (0, "data", 5), (0, "parity", 5)),
+                   "c": inv((2, "data", 4), (2, "data", 5), (2, "parity", 4), (2, "parity", 5)),
+                   "d": {}}
+    plan = plan_migration(["a", "c", "d"], inventories)
+    assert plan.moved_ranks == [2]
+    # sent by rank 1, the rank that runs on c now and so can read c's holder
+    assert plan.moves == [Move(2, "data", 4, "c", "d", 1, 104), Move(2, "data", 5, "c", "d", 1, 105),
+                          Move(2, "parity", 4, "c", "d", 1, 104), Move(2, "parity", 5, "c", "d", 1, 105)]
+    assert plan.drop_after == {"c": [2]} and plan.clear_first == []
+
+
+def test_plan_swaps_and_clears_older_versions_at_the_destination():
+    inventories = {"a": inv((0, "data", 5), (1, "data", 2)), "b": inv((1, "data", 5), (0, "data", 3))}
+    plan = plan_migration(["b", "a"], inventories)   # ranks swapped nodes
+    assert sorted((m.rank, m.version, m.src, m.dst) for m in plan.moves) == [(0, 5, "a", "b"), (1, 5, "b", "a")]
+    assert sorted(plan.clear_first) == [(0, "data"), (1, "data")]
+    assert plan.drop_after == {"a": [0], "b": [1]}
+
+
+def test_plan_is_empty_when_placement_is_unchanged_and_ignores_absent_nodes():
+    inventories = {"a": inv((0, "data", 5), (1, "data", 5)), "b": inv((2, "data", 5))}
+    assert not plan_migration(["a", "a", "b"], inventories).moves
+    # a node without a rank now cannot serve (nobody can read its holder): no move from it
+    plan = plan_migration(["a", "a"], {"a": inv((0, "data", 5)), "z": inv((1, "data", 9))})
+    assert not plan.moves and plan.drop_after == {}
+
+
+def test_inventory_of_keeps_sealed_slots_only():
+    listing = {"3": {"data": [{"version": 7, "state": "sealed", "committed": True, "nbytes": 10, "capacity": 20},
+                              {"version": 8, "state": "writing", "committed": False, "nbytes": 10, "capacity": 20}],
+                     "parity": [], "manifest": [{"version": 7, "state": "sealed", "nbytes": 1}]}}
+    assert inventory_of(listing) == {(3, "data"): {7: {"nbytes": 10, "capacity": 20, "committed": True}}}
+
+
+# ---- discovery --------------------------------------------------------------------------------------------
+
+def test_hostlist_expansion():
+    assert discovery.expand_hostlist("node[1-3,7],gpu[01-02]x,login") == \
+        ["node1", "node2", "node3", "node7", "gpu01x", "gpu02x", "login"]
+    assert discovery.expand_hostlist("r[1-2]n[08-09]") == ["r1n08", "r1n09", "r2n08", "r2n09"]
+    with pytest.raises(discovery.DiscoveryError):
+        discovery.expand_hostlist("node[3-1]")
+
+
+def test_torchrun_env_wins():
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h0",
+           "MASTER_PORT": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0",
+           "SHARDSAFE_NODE": "n1"}
+    d = discovery.discover(env)
+    assert (d.source, d.rank, d.world_size, d.local_rank, d.node) == ("torchrun", 3, 4, 1, "n1")
+
+
+def test_plain_srun_tasks():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+           "SLURM_STEP_TASKS_PER_NODE": "2(x3)", "SLURM_STEP_NODELIST": "node[3-5]", "SLURMD_NODENAME": "node5",
+           "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "4"}
+    d = discovery.discover(env, node_addr=lambda n: {"node3": "127.0.1.3"}[n])
+    assert (d.source, d.rank, d.world_size, d.local_rank, d.local_world_size) == ("slurm", 5, 6, 1, 2)
+    assert (d.node, d.master_addr, d.master_port) == ("node5", "127.0.1.3", discovery.slurm_master_port(env))
+    assert env["RANK"] == "5" and env["WORLD_SIZE"] == "6" and env["LOCAL_RANK"] == "1"
+    assert env["MASTER_ADDR"] == "127.0.1.3" and env["SHARDSAFE_NODE"] == "node5"
+
+
+def test_batch_script_is_not_a_rank_and_single_process_fallback():
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "9"}   # no SLURM_STEP_ID: the batch step
+    d = discovery.discover(env, set_env=False)
+    assert d.source == "single" and d.world_size == 1 and "RANK" not in env
+
+
+class FakeComm:
+    def __init__(self, rank, names):
+        self.rank, self.names = rank, names
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return len(self.names)
+
+    def allgather(self, x):
+        return list(self.names)
+
+    def bcast(self, x, root=0):
+        return "10.1.1.1"
+
+
+def test_mpi_discovery_like_deepspeed(monkeypatch):
+    monkeypatch.setattr(discovery.socket, "gethostname", lambda: "hB")
+    env = {}
+    d = discovery.discover(env, comm=FakeComm(3, ["hA", "hA", "hB", "hB"]))
+    assert (d.source, d.rank, d.world_size, d.local_rank, d.local_world_size) == ("mpi", 3, 4, 1, 2)
+    assert env["MASTER_ADDR"] == "10.1.1.1" and env["MASTER_PORT"] == str(discovery.DEFAULT_PORT)
+    env = {"OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "MASTER_ADDR": "m"}
+    d = discovery.discover(env, comm=FakeComm(4, ["x"] * 8))
+    assert (d.local_rank, d.local_world_size, d.master_addr) == (0, 4, "m")
+
+
+def test_mpi_variables_without_mpi4py_say_what_to_install(monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def no_mpi(name, *a, **k):
+        if name.startswith("mpi4py"):
+            raise ImportError(name)
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_mpi)
+    with pytest.raises(discovery.DiscoveryError, match="pip install mpi4py"):
+        discovery.discover({"OMPI_COMM_WORLD_RANK": "0"})
+
+
+def test_cli_registers_launch_agent_control():
+    from shardsafe.cli import build_parser
+    p = build_parser()
+    a = p.parse_args(["launch", "--nodes", "3", "--inject", "kill-node:node1@5", "train.py", "--steps", "4"])
+    assert a.nodes == 3 and a.script == ["train.py", "--steps", "4"]
+    a = p.parse_args(["agent", "--control", "h:1", "--nnodes", "2:2", "--", "t.py"])
+    assert elastic._script(a) == ["t.py"]
+    a = p.parse_args(["control", "notify", "node-lost", "--run-dir", "/r", "--node", "n2"])
+    assert a.action == "notify" and a.what == "node-lost"
+
+
+def test_event_log_dates_a_backdated_event(tmp_path):
+    from shardsafe.tor import EventLog, read_events
+    log = EventLog(str(tmp_path), source="launcher")
+    assert log.emit("failure_detected", at=123.5, cause="hang", attempt=2)
+    assert log.emit("restart", at="soon", attempt=3)   # not a time: dated now, never raises
+    evs = read_events(str(tmp_path))
+    assert evs[0]["t"] == 123.5 and evs[0]["attempt"] == 2 and "at" not in evs[0]
+    assert evs[1]["t"] > 1e9
