@@ -13,7 +13,11 @@ $(BIN)/.ready: setup.py Makefile
 	$(BIN)/pip install -q -U pip wheel setuptools
 	# torch first: the CPU wheel on this machine; GPU clusters bring their own torch.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[deepspeed,parity,plot,test]'
+	$(BIN)/pip install -q -e '.[deepspeed,megatron,parity,plot,test]'
+	# Megatron-LM's training loop ships from megatron-core 0.17.1, which declares Python >= 3.12 but runs
+	# on 3.11: a side folder that the Megatron-LM tests and examples put first on PYTHONPATH.
+	test -d $(VENV)/mcore-0.17.1/megatron || $(BIN)/pip install -q --no-deps --ignore-requires-python \
+		--target $(VENV)/mcore-0.17.1 megatron-core==0.17.1 pyyaml==6.0.4
 	touch $@
 
 venv: $(BIN)/.ready

@@ -9,8 +9,9 @@ What one rank owns (megatron-core's torch-Adam, TE and Apex paths alike):
       - ``param_groups`` hyper-parameters (lr, weight_decay, ``step`` on TE/Apex FusedAdam, ...);
       - the grad scaler (fp16);
   * the LR/WD scheduler, the RNGs (torch CPU/CUDA, python, numpy, Megatron's CUDA RNG tracker),
-    TE FP8 scaling state (scale, amax history) of layers that have it, the iteration, counters
-    (consumed samples, FLOPs, ...) and a user ``extra`` dict.
+    TE FP8 scaling state (scale, amax history) of layers that have it, persistent module buffers (e.g.
+    the MoE router's expert bias), the iteration, counters (consumed samples, FLOPs, ...) and a user
+    ``extra`` dict.
 Low-precision model params are *not* saved: apply writes the main params back and re-derives them
 exactly as ``optimizer.step()`` does (main -> model copy, then the DistOpt param all-gather).
 
@@ -19,14 +20,18 @@ have step-counter bugs on the torch-Adam path (shared ``step`` tensor, ``KeyErro
 not restored; see shared/reference/megatron-core.md §3.4): every value is copied into the existing
 tensors, and a fresh optimizer's missing per-param state is allocated one tensor per param.
 
-The Megatron-LM integration (``install_hooks`` / ``pretrain``) wraps module globals of
-``megatron.training.training`` (no fork of Megatron-LM) and drives a :class:`Runtime`.
+Runtime wiring: :class:`HolderRuntime` puts :class:`shardsafe.runtime.Runtime` (node holder, async
+snapshot pipeline, Reed-Solomon parity across DP peers on distinct nodes, restore) behind the
+adapter; :func:`wrap_optimizer_step` makes every optimizer step wait for the pending snapshot copy.
+Two ways in, both fork-free: :func:`protect` for a megatron-core loop of your own, and
+``pretrain`` / ``install_hooks`` for Megatron-LM's loop (wraps module globals of
+``megatron.training.training``).
 """
 from __future__ import annotations
 
 import inspect
 import logging
-import math
+import time
 from typing import Any, Callable, Iterable, Mapping, MutableMapping, Optional, Protocol, Sequence
 
 import torch
@@ -37,8 +42,9 @@ from shardsafe.state import RankState, apply_rng, capture_rng
 from .megatron_args import add_arguments, compose_extra_args_provider, config_from_args
 
 __all__ = [
-    "MegatronStateAdapter", "SnapshotMismatch", "Runtime", "snapshot_state", "apply_state", "rank_coordinates",
-    "check_supported", "install_hooks", "pretrain", "add_arguments", "config_from_args", "FORMAT",
+    "MegatronStateAdapter", "SnapshotMismatch", "Runtime", "HolderRuntime", "Protection", "protect",
+    "snapshot_state", "apply_state", "rank_coordinates", "parity_coordinates", "check_supported",
+    "wrap_optimizer_step", "install_hooks", "pretrain", "add_arguments", "config_from_args", "FORMAT",
 ]
 
 log = logging.getLogger("shardsafe.megatron")
@@ -58,7 +64,12 @@ class SnapshotMismatch(ValueError):
 
 
 class Runtime(Protocol):
-    """What the Megatron-LM hooks drive (the holder runtime implements it; tests use doubles)."""
+    """What the Megatron-LM hooks and :func:`protect` drive: :class:`HolderRuntime` implements it.
+
+    Optional members, used when present: ``before_step(iteration)`` (run right before every optimizer
+    step; it finishes the pending snapshot copy), ``flush(timeout)``, ``close()``, ``events`` (TOR event
+    log), ``last_stall_s`` and ``restored`` (a ``RestoreResult``). Test doubles may omit them.
+    """
 
     def after_step(self, iteration: int, adapter: "MegatronStateAdapter") -> None:
         """Called after every optimizer step (scheduler stepped, ``iteration`` incremented).
@@ -262,6 +273,7 @@ class MegatronStateAdapter:
         self._kinds = [_kind(leaf) for leaf in self.leaves]
         self._param_names = {id(p): f"c{ci}.{n}" for ci, chunk in enumerate(self.model_chunks)
                              for n, p in chunk.named_parameters()}
+        self._coords: Optional[dict[str, Any]] = None
 
     # ---------------------------------------------------------------- enumeration (one place, used both ways)
     def _groups(self, li: int) -> list[dict]:
@@ -301,12 +313,46 @@ class MegatronStateAdapter:
                     out[id(p)] = (p, None)
         return out
 
+    def _persistent_buffers(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """(name, tensor) of the model's persistent module buffers (those a ``state_dict`` holds), e.g. the MoE
+        router's ``expert_bias`` of aux-loss-free load balancing, which training updates."""
+        for ci, chunk in enumerate(self.model_chunks):
+            for mname, m in chunk.named_modules():
+                skip = getattr(m, "_non_persistent_buffers_set", ())
+                for bname, b in getattr(m, "_buffers", {}).items():
+                    if isinstance(b, torch.Tensor) and bname not in skip:
+                        yield f"c{ci}.{mname + '.' if mname else ''}{bname}", b
+
     def _fp8_modules(self) -> Iterable[tuple[str, Any]]:
         """(name, module) of TE modules carrying FP8 scaling state (duck-typed: ``fp8_meta`` dict)."""
         for ci, chunk in enumerate(self.model_chunks):
             for name, m in chunk.named_modules():
                 if isinstance(getattr(m, "fp8_meta", None), dict):
                     yield f"c{ci}.{name}", m
+
+    def _coordinates(self) -> Optional[dict[str, Any]]:
+        """``rank_coordinates()``, computed once: the layout does not change under a live optimizer, and
+        every snapshot's metadata carries it (a few ms per call on large groups)."""
+        if self._coords is None:
+            try:
+                self._coords = rank_coordinates()
+            except RuntimeError:
+                return None
+        return self._coords
+
+    @property
+    def optional_prefixes(self) -> tuple[str, ...]:
+        """Snapshot tensor names a fresh process does not have yet (``manifest.check_matches``): the
+        inner optimizer's per-param state (torch Adam creates it in the first step) and TE FP8 scaling
+        state (allocated in the first FP8 forward). ``apply`` creates them; ``validate`` checks the rest."""
+        out = ["fp8/"]
+        for li in range(len(self.leaves)):
+            inner = getattr(self.leaves[li], "optimizer", None)
+            if inner is None:
+                continue
+            for gi, group in enumerate(self._groups(li)):
+                out.extend(f"opt{li}/g{gi}/p{pi}/" for pi, p in enumerate(group["params"]) if not inner.state.get(p))
+        return tuple(out)
 
     # ---------------------------------------------------------------- capture
     def capture(self) -> RankState:
@@ -318,10 +364,7 @@ class MegatronStateAdapter:
         st = RankState()
         meta: dict[str, Any] = {"format": FORMAT, "megatron_core": megatron_core_version(),
                                 "iteration": int(self.get_iteration())}
-        try:
-            meta["coords"] = rank_coordinates()
-        except RuntimeError:
-            meta["coords"] = None  # no parallel_state: single-process use
+        meta["coords"] = self._coordinates()  # None without parallel_state: single-process use
         opts = []
         for li, leaf in enumerate(self.leaves):
             inner = getattr(leaf, "optimizer", None)
@@ -362,6 +405,12 @@ class MegatronStateAdapter:
         meta["counters"] = _jsonable(dict(self.get_counters()), "counters") if self.get_counters else {}
         meta["extra"] = self._capture_extra(st)
         meta["fp8"] = self._capture_fp8(st)
+        # Copies: buffers such as the MoE router's expert bias are updated before the next optimizer step
+        # (in finalize_model_grads), i.e. while the asynchronous copy of this snapshot may still run.
+        meta["buffers"] = []
+        for name, b in self._persistent_buffers():
+            st.tensors[f"buf/{name}"] = b.detach().clone()
+            meta["buffers"].append(name)
         meta["rng"] = self._capture_rng(st) if self.include_rng else None
         st.meta = meta
         return st
@@ -399,6 +448,17 @@ class MegatronStateAdapter:
                         found.append([name, key, attr])
         return found
 
+    def capture_rng_state(self) -> RankState:
+        """Copies of every RNG state (torch, CUDA, python, numpy, Megatron tracker) right now."""
+        st = RankState()
+        st.meta = {"rng": self._capture_rng(st)}
+        st.tensors = {k: v.clone() for k, v in st.tensors.items()}
+        return st
+
+    def apply_rng_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """Set every RNG from ``capture_rng_state()``'s result (or a full snapshot's)."""
+        self._apply_rng(meta["rng"], tensors)
+
     def _capture_rng(self, st: RankState) -> dict:
         r = capture_rng("rng")
         st.tensors.update(r.tensors)
@@ -416,11 +476,7 @@ class MegatronStateAdapter:
         p: list[str] = []
         if meta.get("format") != FORMAT:
             return [f"snapshot format {meta.get('format')!r} is not {FORMAT!r} (written by another shardsafe version)"]
-        cur = None
-        try:
-            cur = rank_coordinates()
-        except RuntimeError:
-            pass
+        cur = self._coordinates()
         old = meta.get("coords")
         if cur is not None and old is not None:
             diff = [f"{k}: snapshot {old.get(k)} vs now {cur.get(k)}" for k in _COORD_KEYS if old.get(k) != cur.get(k)]
@@ -478,6 +534,8 @@ class MegatronStateAdapter:
         if (meta.get("scheduler") is None) != (self.scheduler is None):
             p.append("scheduler state is " + ("missing from the snapshot" if meta.get("scheduler") is None else
                                               "in the snapshot but no scheduler was given to the adapter"))
+        elif self.scheduler is not None:
+            p.extend(self._scheduler_problems(meta["scheduler"]))
         for k, v in (meta.get("extra") or {}).items():
             if self.extra is None:
                 p.append(f"extra[{k!r}] is in the snapshot but the adapter has no extra mapping")
@@ -485,9 +543,33 @@ class MegatronStateAdapter:
         for k in _names_with_prefix(tensors, "extra/"):
             live = (self.extra or {}).get(k[len("extra/"):])
             self._check_tensor(p, tensors, k, live)
+        if "buffers" in meta:
+            live_bufs = dict(self._persistent_buffers())
+            if sorted(meta["buffers"]) != sorted(live_bufs):
+                p.append(f"persistent module buffers differ: snapshot {sorted(meta['buffers'])[:5]} vs live "
+                         f"{sorted(live_bufs)[:5]} (another model config)")
+            else:
+                for name in meta["buffers"]:
+                    self._check_tensor(p, tensors, f"buf/{name}", live_bufs[name])
         if self.include_rng and meta.get("rng") is None:
             p.append("the snapshot has no RNG state (taken with include_rng=False)")
         return p
+
+    def _scheduler_problems(self, sd: Mapping[str, Any]) -> list[str]:
+        """OptimizerParamScheduler.load_state_dict asserts the schedule is unchanged unless told otherwise;
+        find that here, before anything is mutated, and say which flag changed."""
+        sch = self.scheduler
+        if not hasattr(sch, "use_checkpoint_opt_param_scheduler"):
+            return []
+        if sch.use_checkpoint_opt_param_scheduler or getattr(sch, "override_opt_param_scheduler", False):
+            return []
+        diff = [f"{k}: snapshot {v} vs now {getattr(sch, k)}" for k, v in sd.items()
+                if k != "num_steps" and hasattr(sch, k) and getattr(sch, k) != v]
+        if not diff:
+            return []
+        return ["the LR/WD schedule differs from the snapshot's (" + "; ".join(diff) + "); keep --lr, --min-lr, "
+                "--lr-warmup-*, --lr-decay-* (which default to --train-iters), --start/--end-weight-decay unchanged, or "
+                "pass --use-checkpoint-opt_param-scheduler / --override-opt_param-scheduler"]
 
     @staticmethod
     def _check_tensor(p: list[str], tensors: Mapping[str, torch.Tensor], name: str, live: Any) -> None:
@@ -518,6 +600,10 @@ class MegatronStateAdapter:
             self._apply_hparams(li, om, tensors)
             self._apply_grad_scaler(li, om, tensors)
         self._apply_fp8(meta.get("fp8") or [], tensors)
+        if meta.get("buffers"):
+            live_bufs = dict(self._persistent_buffers())
+            for name in meta["buffers"]:
+                live_bufs[name].copy_(tensors[f"buf/{name}"])
         self._apply_extra(meta.get("extra") or {}, tensors)
         if self.set_counters is not None:
             self.set_counters(dict(meta.get("counters") or {}))
@@ -714,6 +800,271 @@ def apply_state(model_chunks: Any, optimizer: Any, scheduler: Any, tensors: Mapp
 
 
 # --------------------------------------------------------------------------------------------------
+# The holder runtime, and the before-step wait
+# --------------------------------------------------------------------------------------------------
+
+def parity_coordinates(coords: Optional[Mapping[str, Any]] = None) -> Optional[dict[str, int]]:
+    """``{"dp", "tp", "pp"}`` for the parity plan, from ``rank_coordinates()`` (None without parallel_state).
+
+    ``dp`` is the rank in the group the DistributedOptimizer shards over (data-parallel with
+    context-parallel): ranks with equal ``tp``/``pp`` and different ``dp`` hold different shards of
+    the same model partition, and parity groups are formed from them on distinct nodes.
+    """
+    if coords is None:
+        try:
+            coords = rank_coordinates()
+        except RuntimeError:
+            return None
+    return {"dp": int(coords["dp"]), "tp": int(coords["tp"]), "pp": int(coords["pp"])}
+
+
+class HolderRuntime:
+    """shardsafe's holder runtime (:class:`shardsafe.runtime.Runtime`) behind the Megatron ``Runtime`` protocol.
+
+    Connects to (or starts) the node's holder, builds the parity plan from Megatron's layout (DP peers
+    with equal TP/PP coordinates, on distinct nodes), restores, and snapshots after optimizer steps.
+    ``before_step`` must run right before every optimizer step that follows a snapshot (it waits for the
+    asynchronous copy; :func:`wrap_optimizer_step` arranges that). Collective: every rank creates one.
+
+    Args:
+        cfg: the checked config (``config_from_args(args)``).
+        rank, world_size: default ``torch.distributed``'s.
+        coords: ``rank_coordinates()``-style dict (default: read from ``megatron.core.parallel_state``).
+
+    Raises:
+        ConfigError: the parity settings cannot be placed on this layout (e.g. a ``--shardsafe-parity-group-size``
+            larger than the number of DP peers on distinct nodes); raised on every rank, before training.
+    """
+
+    def __init__(self, cfg: ShardsafeConfig, *, rank: Optional[int] = None, world_size: Optional[int] = None,
+                 coords: Optional[Mapping[str, Any]] = None) -> None:
+        import torch.distributed as dist
+        from shardsafe.runtime import Runtime as CoreRuntime
+
+        initialized = dist.is_available() and dist.is_initialized()
+        self.rank = int(rank if rank is not None else (dist.get_rank() if initialized else 0))
+        self.world_size = int(world_size if world_size is not None else (dist.get_world_size() if initialized else 1))
+        self.cfg = cfg
+        try:
+            self.core = CoreRuntime(cfg, rank=self.rank, world_size=self.world_size, coords=parity_coordinates(coords))
+        except ConfigError as e:
+            if "parity" not in str(e):
+                raise
+            raise ConfigError(f"{e} Set --shardsafe-parity-group-size (0 = the largest feasible, 1 = no parity) and "
+                              "--shardsafe-parity-shards to fit this layout: parity groups are data-parallel "
+                              "peers (equal tensor/pipeline ranks) on distinct nodes.") from None
+        self.restored = None          # shardsafe.restore.RestoreResult after try_restore
+        self.last_stall_s = 0.0       # seconds the last optimizer step waited for a snapshot copy
+        self._closed = False
+
+    @property
+    def events(self) -> Any:
+        """The TOR event log (``emit(kind, **fields)``; a no-op without a run directory)."""
+        return self.core.events
+
+    @property
+    def pipeline(self) -> Any:
+        return self.core.pipeline
+
+    def try_restore(self, adapter: "MegatronStateAdapter") -> Optional[int]:
+        """Collective. The restored iteration, or None on a fresh start.
+
+        Raises:
+            shardsafe.restore.RestoreError: snapshots exist but none is restorable (more lost nodes than
+                parity covers, every version corrupt or not fitting this job); the message says what to do.
+        """
+        self.restored = self.core.try_restore(adapter)
+        return self.restored.version if self.restored.version >= 0 else None
+
+    def before_step(self, iteration: int) -> float:
+        """Right before the optimizer step of ``iteration``: fault injection, then wait for the pending copy."""
+        self.last_stall_s = self.core.before_step(iteration)
+        return self.last_stall_s
+
+    def after_step(self, iteration: int, adapter: "MegatronStateAdapter") -> None:
+        self.core.after_step(iteration, adapter)
+
+    def on_exit(self, iteration: int, adapter: "MegatronStateAdapter") -> None:
+        self.flush()
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the last submitted snapshot is sealed and voted on; True if it committed."""
+        return self.core.pipeline.flush(timeout)
+
+    def close(self) -> None:
+        """Flush, stop the snapshot worker, disconnect from the holder (which keeps its memory). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.core.close()
+
+
+def default_runtime_factory(cfg: ShardsafeConfig) -> HolderRuntime:
+    """The holder runtime, for this process's rank and Megatron layout (see :class:`HolderRuntime`)."""
+    return HolderRuntime(cfg)
+
+
+def wrap_optimizer_step(optimizer: Any, before_step: Callable[[int], Any],
+                        get_iteration: Callable[[], int]) -> Callable[[], None]:
+    """Run ``before_step(get_iteration() + 1)`` right before every ``optimizer.step()``; return an undo.
+
+    The wrapper is set on the instance (no subclass, no change to Megatron): Megatron-LM's ``train_step``
+    and an own loop both call ``optimizer.step()`` on this object once per iteration, and the step
+    (inner Adam, main -> model params, the scheduler after it) is the first thing that mutates the
+    state a snapshot references. ``get_iteration`` returns the iteration of the last completed step.
+    """
+    d = vars(optimizer)
+    had, previous = "step" in d, d.get("step")
+    orig = optimizer.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        before_step(int(get_iteration()) + 1)
+        return orig(*args, **kwargs)
+
+    step.__wrapped__ = orig  # type: ignore[attr-defined]
+    optimizer.step = step
+
+    def undo() -> None:
+        if vars(optimizer).get("step") is step:
+            if had:
+                optimizer.step = previous
+            else:
+                del optimizer.step
+
+    return undo
+
+
+# --------------------------------------------------------------------------------------------------
+# Core API: protect a megatron-core training loop of your own
+# --------------------------------------------------------------------------------------------------
+
+class Protection:
+    """What :func:`protect` returns.
+
+    Attributes:
+        restored: ``shardsafe.restore.RestoreResult`` (``version`` -1: fresh start; ``tier``, ``seconds``,
+            ``message``). The loop's iteration and counters are already set to the restored values.
+        adapter: the :class:`MegatronStateAdapter`.
+        runtime: the runtime (None when shardsafe is disabled).
+    """
+
+    def __init__(self, adapter: "MegatronStateAdapter", runtime: Any, restored: Any, undo_step: Callable[[], None]):
+        self.adapter, self.runtime, self.restored = adapter, runtime, restored
+        self._undo_step = undo_step
+
+    @property
+    def enabled(self) -> bool:
+        return self.runtime is not None
+
+    @property
+    def events(self) -> Any:
+        """TOR event log of the runtime (``emit(kind, **fields)``); a no-op when disabled or without a run dir."""
+        ev = getattr(self.runtime, "events", None)
+        return ev if ev is not None else _NO_EVENTS
+
+    @property
+    def last_stall_s(self) -> float:
+        """Seconds the last optimizer step waited for the snapshot copy."""
+        return float(getattr(self.runtime, "last_stall_s", 0.0) or 0.0)
+
+    def after_step(self, iteration: Optional[int] = None) -> None:
+        """Call after every optimizer step (and scheduler step / counter updates) with the iteration just
+        completed (default: ``get_iteration()``); snapshots every ``interval`` iterations, asynchronously."""
+        if self.runtime is not None:
+            self.runtime.after_step(int(self.adapter.get_iteration() if iteration is None else iteration), self.adapter)
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait for the last snapshot to be sealed and committed (e.g. before a planned exit)."""
+        return bool(self.runtime.flush(timeout)) if self.runtime is not None and hasattr(self.runtime, "flush") else True
+
+    def close(self) -> None:
+        """Flush the last snapshot, remove the optimizer-step wrapper, disconnect. Idempotent."""
+        self._undo_step()
+        self._undo_step = lambda: None
+        if self.runtime is not None and hasattr(self.runtime, "close"):
+            self.runtime.close()
+
+    def __enter__(self) -> "Protection":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _NoEvents:
+    def emit(self, kind: str, **fields: Any) -> None:
+        pass
+
+
+_NO_EVENTS = _NoEvents()
+
+
+def _as_config(cfg: Any) -> ShardsafeConfig:
+    if isinstance(cfg, ShardsafeConfig):
+        return cfg
+    if isinstance(cfg, Mapping):
+        return ShardsafeConfig.from_dict(cfg, where="shardsafe config")
+    return config_from_args(cfg)  # a parsed namespace with the --shardsafe* flags
+
+
+def protect(model_chunks: Any, optimizer: Any, scheduler: Any, cfg: Any, *,
+            get_iteration: Callable[[], int], set_iteration: Callable[[int], None],
+            get_counters: Optional[Callable[[], Mapping[str, Any]]] = None,
+            set_counters: Optional[Callable[[Mapping[str, Any]], None]] = None,
+            extra: Optional[MutableMapping[str, Any]] = None,
+            runtime_factory: Callable[[ShardsafeConfig], Any] = default_runtime_factory) -> Protection:
+    """Protect a megatron-core training loop: restore now (if a snapshot exists), snapshot after steps.
+
+    Call on every rank after ``initialize_model_parallel``, the model seed and the model, optimizer and
+    scheduler exist, and before the loop's first step (collective: it builds process groups and may
+    restore). Then call ``.after_step(iteration)`` after each optimizer step and ``.close()`` at the end::
+
+        prot = protect(model_chunks, optimizer, scheduler, config_from_args(args),
+                       get_iteration=lambda: it, set_iteration=set_it,
+                       get_counters=lambda: {"consumed_train_samples": n}, set_counters=set_counters)
+        while it < train_iters:
+            train_step()                  # optimizer.step() waits for the pending snapshot copy itself
+            it += 1; n += global_batch
+            prot.after_step(it)
+        prot.close()
+
+    ``optimizer.step`` is wrapped on the instance so the pending copy is finished right before it
+    mutates the state. Anything that draws from an RNG between ``protect`` and the first step (e.g.
+    ``iter(DataLoader)``) shifts the RNG streams: build such things before calling ``protect``.
+
+    Args:
+        cfg: ``ShardsafeConfig``, a parsed namespace with the ``--shardsafe*`` flags, or a dict of config keys.
+        get_iteration / set_iteration / get_counters / set_counters / extra: see :class:`MegatronStateAdapter`.
+        runtime_factory: builds the runtime from the config (default: the holder runtime).
+    Raises:
+        ConfigError: bad flags, an unsupported optimizer setup, or parity that cannot be placed on this
+            layout; before any snapshot or restore.
+        shardsafe.restore.RestoreError: snapshots exist but none can be restored (the message says what to do).
+    """
+    conf = _as_config(cfg)
+    adapter = MegatronStateAdapter(model_chunks, optimizer, scheduler, get_iteration=get_iteration,
+                                   set_iteration=set_iteration, get_counters=get_counters, set_counters=set_counters,
+                                   extra=extra)
+    if not conf.enabled:
+        from shardsafe.restore import RestoreResult
+        return Protection(adapter, None, RestoreResult(message="shardsafe disabled"), lambda: None)
+    runtime = runtime_factory(conf)
+    undo = wrap_optimizer_step(optimizer, runtime.before_step, get_iteration) if hasattr(runtime, "before_step") \
+        else (lambda: None)
+    try:
+        runtime.try_restore(adapter)
+    except BaseException:
+        undo()
+        if hasattr(runtime, "close"):
+            runtime.close()
+        raise
+    restored = getattr(runtime, "restored", None)
+    if restored is None:
+        from shardsafe.restore import RestoreResult
+        restored = RestoreResult()
+    return Protection(adapter, runtime, restored, undo)
+
+
+# --------------------------------------------------------------------------------------------------
 # Megatron-LM integration (fork-free: wraps module globals of megatron.training.training)
 # --------------------------------------------------------------------------------------------------
 
@@ -728,36 +1079,54 @@ class _HookState:
         self.adapter: Optional[MegatronStateAdapter] = None
         self.iteration = 0
         self.flops = 0.0
+        self.pending_rng: Optional[RankState] = None
+        self.undo_step: Callable[[], None] = lambda: None
+        self.events: Any = _NO_EVENTS
+        self.train_ready = False
+        self.t_step = 0.0
 
 
 class HookHandle:
-    """Undo ``install_hooks`` (tests; a second pretrain in one process)."""
+    """Undo ``install_hooks`` (tests; a second pretrain in one process) and close the runtime."""
 
     def __init__(self, module: Any, originals: dict[str, Any], state: _HookState):
         self._module, self._originals, self.state = module, originals, state
 
+    @property
+    def runtime(self) -> Optional[Runtime]:
+        return self.state.runtime
+
+    @property
+    def adapter(self) -> Optional[MegatronStateAdapter]:
+        return self.state.adapter
+
     def remove(self) -> None:
+        """Restore Megatron-LM's functions and the optimizer's step, flush the last snapshot, disconnect."""
         for k, v in self._originals.items():
             setattr(self._module, k, v)
         self._originals = {}
-
-
-def default_runtime_factory(cfg: ShardsafeConfig) -> Runtime:
-    """WIRING POINT: the holder runtime (shardsafe/holder, snapshot, restore) plugs in here."""
-    raise NotImplementedError("shardsafe's holder runtime is not wired into the Megatron adapter yet: pass "
-                              "runtime_factory= to shardsafe.adapters.megatron.pretrain()/install_hooks().")
+        self.state.undo_step()
+        self.state.undo_step = lambda: None
+        rt = self.state.runtime
+        if rt is not None and hasattr(rt, "close"):
+            rt.close()
 
 
 def install_hooks(runtime_factory: Callable[[ShardsafeConfig], Runtime] = default_runtime_factory, *,
                   training_module: Any = None) -> HookHandle:
-    """Wrap ``setup_model_and_optimizer`` (restore) and ``checkpoint_and_decide_exit`` (snapshot, exit).
+    """Wrap ``setup_model_and_optimizer`` (restore, runtime, before-step wait), ``checkpoint_and_decide_exit``
+    (snapshot, exit) and ``train_step`` (re-seat the restored RNGs right before the first step).
 
-    ``train()`` looks both up as module globals at call time, so replacing them before
+    ``train()`` looks these up as module globals at call time, so replacing them before
     ``pretrain()`` runs is enough; Megatron-LM is not modified. The flags must be parsed already
     (``extra_args_provider=add_arguments``); with ``--shardsafe`` absent the wrappers only pass through.
 
     Restore happens right after the model and optimizer exist (after any ``--load``) and before
-    the data iterators are built, so ``consumed_train_samples`` positions the data sampler.
+    the data iterators are built, so ``consumed_train_samples`` positions the data sampler. The
+    returned optimizer's ``step`` is wrapped on the instance so that the pending snapshot copy is
+    finished right before each optimizer step (the runtime's ``before_step``). With a run directory
+    (``--shardsafe-run-dir`` / SHARDSAFE_RUN_DIR) the TOR events ``train_ready`` and ``iteration``
+    are emitted from here, so ``shardsafe tor report`` works for Megatron-LM runs.
     """
     if training_module is None:
         import megatron.training.training as training_module
@@ -765,7 +1134,7 @@ def install_hooks(runtime_factory: Callable[[ShardsafeConfig], Runtime] = defaul
     from megatron.training.global_vars import get_args
 
     state = _HookState(runtime_factory)
-    orig_setup, orig_ckpt = T.setup_model_and_optimizer, T.checkpoint_and_decide_exit
+    orig_setup, orig_ckpt, orig_train_step = T.setup_model_and_optimizer, T.checkpoint_and_decide_exit, T.train_step
 
     def setup_model_and_optimizer(*a, **kw):
         args = get_args()
@@ -795,30 +1164,58 @@ def install_hooks(runtime_factory: Callable[[ShardsafeConfig], Runtime] = defaul
         state.adapter = MegatronStateAdapter(model, optimizer, scheduler, get_iteration=lambda: state.iteration,
                                              set_iteration=set_iteration, get_counters=get_counters,
                                              set_counters=set_counters)
-        state.runtime = state.runtime_factory(cfg)
+        state.runtime = state.runtime_factory(cfg)  # ConfigError (parity placement) here, on every rank
+        state.events = getattr(state.runtime, "events", None) or _NO_EVENTS
+        if hasattr(state.runtime, "before_step"):
+            state.undo_step = wrap_optimizer_step(optimizer, state.runtime.before_step, lambda: state.iteration)
         if cfg.restore:
             restored = state.runtime.try_restore(state.adapter)
             if restored is not None:
+                # Between here and the first step Megatron-LM builds the data iterators, and
+                # iter(DataLoader) draws a seed from the torch RNG: set the restored RNGs again
+                # right before the first train_step so they continue exactly where they stopped.
+                state.pending_rng = state.adapter.capture_rng_state()
                 from megatron.core.num_microbatches_calculator import update_num_microbatches
                 update_num_microbatches(args.consumed_train_samples, consistency_check=False, verbose=True)
                 log.info("shardsafe: restored iteration %d (consumed_train_samples=%s)", restored,
                          getattr(args, "consumed_train_samples", None))
         return model, optimizer, scheduler
 
-    def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
-                                   num_floating_point_operations_so_far, *a, **kw):
+    ckpt_sig = inspect.signature(orig_ckpt)
+
+    def checkpoint_and_decide_exit(*a, **kw):
+        # Called once per iteration after optimizer.step(), scheduler.step() and iteration += 1.
         if state.runtime is not None:
-            state.iteration, state.flops = int(iteration), float(num_floating_point_operations_so_far)
-            state.runtime.after_step(int(iteration), state.adapter)
-        should_exit = orig_ckpt(model, optimizer, opt_param_scheduler, iteration,
-                                num_floating_point_operations_so_far, *a, **kw)
+            named = ckpt_sig.bind(*a, **kw).arguments
+            state.iteration = int(named["iteration"])
+            state.flops = float(named.get("num_floating_point_operations_so_far", state.flops))
+            if state.t_step:
+                stall = float(getattr(state.runtime, "last_stall_s", 0.0) or 0.0)
+                state.events.emit("iteration", iteration=state.iteration,
+                                  seconds=max(0.0, time.perf_counter() - state.t_step - stall))
+            state.runtime.after_step(state.iteration, state.adapter)
+        should_exit = orig_ckpt(*a, **kw)
         if should_exit and state.runtime is not None:
-            state.runtime.on_exit(int(iteration), state.adapter)
+            state.runtime.on_exit(state.iteration, state.adapter)
         return should_exit
 
+    def train_step(*a, **kw):
+        if state.pending_rng is not None:
+            state.adapter.apply_rng_state(state.pending_rng.tensors, state.pending_rng.meta)
+            state.pending_rng = None
+        if state.runtime is not None:
+            if not state.train_ready:
+                state.train_ready = True
+                state.events.emit("train_ready", iteration=state.iteration + 1)
+            state.t_step = time.perf_counter()
+        return orig_train_step(*a, **kw)
+
+    originals = {"setup_model_and_optimizer": orig_setup, "checkpoint_and_decide_exit": orig_ckpt,
+                 "train_step": orig_train_step}
     T.setup_model_and_optimizer = setup_model_and_optimizer
     T.checkpoint_and_decide_exit = checkpoint_and_decide_exit
-    return HookHandle(T, {"setup_model_and_optimizer": orig_setup, "checkpoint_and_decide_exit": orig_ckpt}, state)
+    T.train_step = train_step
+    return HookHandle(T, originals, state)
 
 
 def pretrain(*args: Any, runtime_factory: Callable[[ShardsafeConfig], Runtime] = default_runtime_factory,
@@ -829,6 +1226,8 @@ def pretrain(*args: Any, runtime_factory: Callable[[ShardsafeConfig], Runtime] =
     the user's ``extra_args_provider`` (if any) is kept and shardsafe's flags are added to it.
     megatron-core >= 0.18: ``pretrain(cfg_container, ...)`` no longer parses arguments; parse them
     with ``parse_and_validate_args(extra_args_provider=add_arguments)`` before calling this.
+    When training ends (or Megatron-LM exits through ``sys.exit``) the last snapshot is flushed and
+    the runtime closed; the holder keeps the snapshots for a restart.
     """
     import megatron.training.training as T
 

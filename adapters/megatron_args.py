@@ -30,6 +30,10 @@ _FIELDS = (
     "parity_group_size",
     "timeout_s",
     "run_dir",
+    "persist_dir",
+    "persist_every",
+    "persist_keep",
+    "persist_mbps",
 )
 
 
@@ -70,9 +74,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "timeout_s": f"Seconds a holder request or agreement may take before the snapshot is skipped "
                      f"(default {d['timeout_s'].default}).",
         "run_dir": "Directory for the TOR event log events.jsonl (default SHARDSAFE_RUN_DIR, or none).",
+        "persist_dir": "Persistent tier: holders write committed versions under DIR/JOB_ID in the background "
+                       "(default off). Restore falls back to it when memory cannot serve.",
+        "persist_every": f"Write every K-th snapshot to --shardsafe-persist-dir (default {d['persist_every'].default}).",
+        "persist_keep": f"Newest versions kept on disk (default {d['persist_keep'].default}).",
+        "persist_mbps": "Cap each holder's write bandwidth to the persistent tier in MB/s (default 0 = uncapped).",
     }
     types: dict[str, Callable[[str], Any]] = {"interval": int, "memory_budget_gb": float, "parity_shards": int,
-                                              "parity_group_size": int, "timeout_s": float}
+                                              "parity_group_size": int, "timeout_s": float, "persist_every": int,
+                                              "persist_keep": int, "persist_mbps": float}
     for f in _FIELDS:
         g.add_argument(_flag(f), dest=_dest(f), type=types.get(f, str), default=None, help=helps[f])
     return parser

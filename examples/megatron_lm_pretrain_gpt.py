@@ -1,21 +1,26 @@
 """Tiny GPT through Megatron-LM's own training loop (``megatron.training.pretrain``), protected by shardsafe.
 
 The only change to a Megatron-LM entry script is the import: ``shardsafe.adapters.megatron.pretrain``
-instead of ``megatron.training.pretrain``. It adds the ``--shardsafe*`` flags to Megatron's parser and
-hooks snapshot (after every optimizer step) and restore (right after the model and optimizer exist)
-into ``megatron.training.training`` without forking it.
+instead of ``megatron.training.pretrain``. It adds the ``--shardsafe*`` flags to Megatron's parser and,
+with ``--shardsafe``, hooks the holder runtime into ``megatron.training.training`` without forking it:
+restore right after the model and optimizer exist, a snapshot after every optimizer step, and the wait
+for the pending copy right before the next one. Without ``--shardsafe`` it is plain Megatron-LM.
 
 Needs ``megatron.training``, which ships in the megatron-core wheels from 0.17 on (docs/megatron.md
-says how to install 0.17.1 on Python 3.11). On a CPU-only host the CPU shims are installed and gloo is
-used. Until the holder runtime is wired in, ``--demo-snapshot-dir DIR`` uses a file-based stand-in
-(examples/_demo_runtime.py): run once with ``--train-iters 4``, then again with ``--train-iters 6``
-and it continues from iteration 4, bit-identically.
+says how to install 0.17.1 on Python 3.11; the project keeps it in ``.venv/mcore-0.17.1``). On a
+CPU-only host the CPU shims are installed and gloo is used.
 
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/megatron_lm_pretrain_gpt.py \\
-        @configs/megatron/megatron_lm_tiny_gpt.args --shardsafe --demo-snapshot-dir /tmp/ss-demo
+    PYTHONPATH=.venv/mcore-0.17.1 OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/megatron_lm_pretrain_gpt.py \\
+        @configs/megatron/megatron_lm_tiny_gpt.args --shardsafe --out /tmp/ss-lm
+
+Kill a rank mid-run and start the same command again: it continues from the newest snapshot,
+bit-identically. ``--out DIR`` (default SHARDSAFE_RUN_DIR; taken out of argv before Megatron parses it)
+receives losses_rank{R}.jsonl (``{"step", "loss": float.hex, "grad_norm", "attempt"}`` per iteration)
+and final_rank{R}.{bin,json} (rank state + model params) for ``shardsafe.runcheck.compare_runs``.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from datetime import timedelta
@@ -87,30 +92,85 @@ def forward_step(data_iterator, model, *_: Any, **__: Any):
     return out, partial(_loss_func, b["loss_mask"])
 
 
-def _record_losses() -> None:
-    """Keep each iteration's reported loss (training_log receives the DP-averaged loss dict)."""
-    import megatron.training.training as T
-    orig = T.training_log
+RUN: dict[str, Any] = {}   # model, optimizer, scheduler and the last iteration of this process
 
-    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *a, **k):
-        if "lm loss" in loss_dict:
-            LOSSES.append((int(iteration), float(loss_dict["lm loss"])))
-        return orig(loss_dict, total_loss_dict, learning_rate, iteration, *a, **k)
+
+def _attempt() -> int:
+    return int(os.environ.get("SHARDSAFE_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def _pipeline_loss(loss: Optional[float]) -> Optional[float]:
+    """The last pipeline stage's loss on every stage (training_log runs on all ranks every iteration)."""
+    from megatron.core import parallel_state as ps
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return loss
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    t = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64, device=dev)
+    torch.distributed.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(),
+                                group=ps.get_pipeline_model_parallel_group())
+    return float(t.item())
+
+
+def _record(out_dir: str) -> None:
+    """Keep the model/optimizer (for the final state) and each iteration's loss (training_log's loss dict)."""
+    import megatron.training.training as T
+    orig_log, orig_setup = T.training_log, T.setup_model_and_optimizer
+    losses = None
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        losses = open(os.path.join(out_dir, f"losses_rank{torch.distributed.get_rank()}.jsonl"), "a")
+
+    def setup_model_and_optimizer(*a, **k):
+        RUN["model"], RUN["optimizer"], RUN["scheduler"] = out = orig_setup(*a, **k)
+        return out
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                     skipped_iter, grad_norm, *a, **k):
+        loss = float(loss_dict["lm loss"]) if "lm loss" in loss_dict else None
+        loss = _pipeline_loss(loss)
+        if loss is not None:
+            LOSSES.append((int(iteration), loss))
+        RUN["iteration"] = int(iteration)
+        if losses is not None:
+            losses.write(json.dumps({"step": int(iteration), "loss": loss.hex() if loss is not None else None,
+                                     "grad_norm": float(grad_norm).hex() if grad_norm is not None else None,
+                                     "attempt": _attempt()}) + "\n")
+            losses.flush()
+        return orig_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                        skipped_iter, grad_norm, *a, **k)
 
     T.training_log = training_log
+    T.setup_model_and_optimizer = setup_model_and_optimizer
+
+
+def _save_final(out_dir: str) -> None:
+    """Rank state (optimizer shards and state, RNGs, ...) plus every model parameter, bit for bit."""
+    from shardsafe.adapters.megatron import MegatronStateAdapter
+    from shardsafe.manifest import save_tensors
+
+    model = RUN["model"]
+    ad = MegatronStateAdapter(model, RUN["optimizer"], RUN["scheduler"], get_iteration=lambda: RUN.get("iteration", 0),
+                              set_iteration=lambda _: None)
+    out = dict(ad.capture().tensors)
+    out.update({f"model/c{i}.{n}": p.detach() for i, c in enumerate(model) for n, p in c.named_parameters()})
+    save_tensors(os.path.join(out_dir, f"final_rank{torch.distributed.get_rank()}"), out)
 
 
 def main(argv: Optional[list[str]] = None, *, runtime_factory=None) -> list[tuple[int, float]]:
-    """Parse Megatron's flags from argv (plus ``--demo-snapshot-dir``), train, return the losses seen."""
+    """Parse Megatron's flags from argv (plus ``--out``), train, return the losses this rank saw."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0].startswith("@"):  # Megatron's parser has no fromfile support: expand it here
         with open(argv[0][1:]) as f:
             argv = f.read().split() + argv[1:]
-    demo_dir = None
-    if "--demo-snapshot-dir" in argv:
-        i = argv.index("--demo-snapshot-dir")
-        demo_dir = argv[i + 1]
+    out_dir = os.environ.get("SHARDSAFE_RUN_DIR", "")
+    if "--out" in argv:
+        i = argv.index("--out")
+        out_dir = argv[i + 1]
         del argv[i:i + 2]
+    if os.environ.get("SHARDSAFE_RUN_DIR"):
+        from shardsafe.tor import EventLog   # process start, before the slow framework imports
+        EventLog(os.environ["SHARDSAFE_RUN_DIR"], source="trainer", rank=int(os.environ.get("RANK", 0)),
+                 attempt=_attempt()).emit("trainer_start")
     if not torch.distributed.is_initialized():
         if torch.cuda.is_available():
             backend = "nccl"
@@ -123,23 +183,19 @@ def main(argv: Optional[list[str]] = None, *, runtime_factory=None) -> list[tupl
         import _megatron_cpu_shims
         _megatron_cpu_shims.install_training_shims()
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    if runtime_factory is None and demo_dir is not None:
-        from _demo_runtime import DirRuntime
-
-        def runtime_factory(cfg):
-            return DirRuntime(demo_dir, interval=cfg.interval)
 
     from megatron.core.enums import ModelType
     from shardsafe.adapters import megatron as ss_megatron
 
-    _record_losses()
+    _record(out_dir)
     sys.argv = [sys.argv[0]] + argv  # Megatron-LM parses sys.argv
     kw = {"runtime_factory": runtime_factory} if runtime_factory is not None else {}
     ss_megatron.pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
                          args_defaults={"tokenizer_type": "NullTokenizer"}, **kw)
+    if out_dir and "model" in RUN:
+        _save_final(out_dir)
     return list(LOSSES)
 
 
-if __name__ == "__main__":
-    for it, loss in main():
-        pass
+if __name__ == "__main__":  # the guard matters: Megatron's async saving starts spawn-based helpers
+    main()

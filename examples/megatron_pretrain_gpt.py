@@ -7,6 +7,20 @@ sample ``s`` depend only on ``--data-seed`` and ``s``, so the data position is t
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/megatron_pretrain_gpt.py @configs/megatron/tiny_gpt_tp2_dp2.args
 
+With ``--shardsafe`` (and the other ``--shardsafe-*`` flags, docs/megatron.md) the loop is protected by
+``shardsafe.adapters.megatron.protect``: snapshots into the node's holder after every optimizer step,
+restore at start after a crash (the first rank on a node starts its holder if none runs)::
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/megatron_pretrain_gpt.py \
+        @configs/megatron/tiny_gpt_tp2_dp2.args --steps 8 --shardsafe --out /tmp/ss-run
+
+tests/fault/test_megatron_resume.py runs it under ``shardsafe.launch.LocalLauncher`` (simulated nodes,
+one holder each, real SIGKILLs of ranks and whole nodes).
+
+Per iteration every rank appends ``{"step", "loss" (float.hex; the last pipeline stage's loss),
+"grad_norm", "attempt"}`` to ``--out``/losses_rank{R}.jsonl and at the end writes its final state
+(rank state + model params) to final_rank{R}.{bin,json}, for ``shardsafe.runcheck.compare_runs``.
+
 ``--demo-rollback K`` shows the adapter without the holder runtime: snapshot after step K into CPU
 copies, train on, roll back in process, replay, and check every loss is bit-identical.
 The functions here (``TinyGPT``, ``Trainer``) are reused by tests/dist/test_megatron_state.py.
@@ -14,11 +28,11 @@ The functions here (``TinyGPT``, ``Trainer``) are reused by tests/dist/test_mega
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import random
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
@@ -109,6 +123,8 @@ class Trainer:
         model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=run.vocab_size,
                          max_sequence_length=run.seq_length, pre_process=ps.is_pipeline_first_stage(),
                          post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)
+        if torch.cuda.is_available():   # as Megatron-LM's get_model does (a no-op under the CPU shims)
+            model.cuda(torch.cuda.current_device())
         if run.bf16:
             model = Float16Module(cfg, model)
         ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=run.distributed_optimizer,
@@ -148,12 +164,14 @@ class Trainer:
         per_rank = run.micro_batch_size * run.num_microbatches
         s = run.seq_length
         mask = torch.tril(torch.ones(1, 1, s, s)) < 0.5  # True = masked (causal)
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         for m in range(run.num_microbatches):
             first = base + self.dp_rank * per_rank + m * run.micro_batch_size
             toks = torch.stack([self._sample(first + i) for i in range(run.micro_batch_size)])
-            yield {"tokens": toks[:, :-1].contiguous(), "labels": toks[:, 1:].contiguous(),
-                   "loss_mask": torch.ones(run.micro_batch_size, s), "attention_mask": mask,
-                   "position_ids": torch.arange(s).unsqueeze(0).expand(run.micro_batch_size, s).contiguous()}
+            b = {"tokens": toks[:, :-1].contiguous(), "labels": toks[:, 1:].contiguous(),
+                 "loss_mask": torch.ones(run.micro_batch_size, s), "attention_mask": mask,
+                 "position_ids": torch.arange(s).unsqueeze(0).expand(run.micro_batch_size, s).contiguous()}
+            yield {k: v.to(dev) for k, v in b.items()} if dev is not None else b
 
     @staticmethod
     def _forward_step(data_iterator, model):
@@ -214,6 +232,9 @@ def cpu_copy(state) -> tuple[dict[str, torch.Tensor], dict]:
 def init_distributed(timeout_s: float) -> None:
     """torchrun's env:// rendezvous; gloo when no GPU (with the CPU shims), NCCL otherwise."""
     if torch.cuda.is_available():
+        # Bit-exact comparisons between runs need deterministic kernels (cuBLAS reads this at its first use).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl"
     else:
@@ -234,41 +255,109 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=32)
     p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=128)
+    p.add_argument("--seq-length", type=int, default=16)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--num-microbatches", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=6, help="train until this iteration (a restored run continues)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="gloo/NCCL collective timeout")
+    p.add_argument("--out", default=os.environ.get("SHARDSAFE_RUN_DIR", ""),
+                   help="write losses_rank{R}.jsonl and final_rank{R}.{bin,json} here (default SHARDSAFE_RUN_DIR)")
     p.add_argument("--demo-rollback", type=int, default=0, metavar="K",
                    help="snapshot after step K, train on, roll back in process and replay; check bit-identity")
     return add_arguments(p)
+
+
+def _attempt() -> int:
+    return int(os.environ.get("SHARDSAFE_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def final_state(tr: Trainer, adapter) -> dict[str, torch.Tensor]:
+    """Everything that must match bit for bit at the end: the rank state (optimizer shards and state,
+    RNGs, ...) plus every model parameter this rank holds (re-derived low-precision params included)."""
+    out = dict(adapter.capture().tensors)
+    out.update({f"model/{k}": v for k, v in tr.model_params().items()})
+    return out
+
+
+def pipeline_loss(tr: Trainer, loss: Optional[float]) -> float:
+    """The last pipeline stage's loss on every stage (one scalar broadcast per step), so every rank's
+    loss log carries the iteration's loss."""
+    from megatron.core import parallel_state as ps
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return float(loss)
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    t = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64, device=dev)
+    torch.distributed.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(),
+                                group=ps.get_pipeline_model_parallel_group())
+    return float(t.item())
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from shardsafe.adapters.megatron_args import config_from_args
     ss_cfg = config_from_args(args)  # bad --shardsafe-* values fail here, before anything is built
+    rank = int(os.environ.get("RANK", 0))
+    if os.environ.get("SHARDSAFE_RUN_DIR"):
+        from shardsafe.tor import EventLog   # process start, before the slow framework imports
+        EventLog(os.environ["SHARDSAFE_RUN_DIR"], source="trainer", rank=rank, attempt=_attempt()).emit("trainer_start")
     run = TinyGPT(tp=args.tp, pp=args.pp, bf16=args.bf16, distributed_optimizer=args.distributed_optimizer,
                   num_layers=args.num_layers, hidden_size=args.hidden_size,
-                  num_attention_heads=args.num_attention_heads, micro_batch_size=args.micro_batch_size,
+                  num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
+                  seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                   num_microbatches=args.num_microbatches, lr=args.lr, seed=args.seed, timeout_s=args.timeout_s)
     init_distributed(args.timeout_s)
     rank = torch.distributed.get_rank()
     initialize_parallel(run)
     tr = Trainer(run)
-    adapter = tr.adapter()
-    if ss_cfg.enabled and rank == 0:
-        print(f"[r{rank}] shardsafe: {json.dumps(ss_cfg.to_dict())} (holder runtime not wired into this example yet)")
+    prot = None
+    if ss_cfg.enabled:
+        from shardsafe.adapters.megatron import protect
+
+        def set_iteration(i: int) -> None:
+            tr.iteration = i
+
+        # Collective: holder, parity plan, restore. A restored run continues from the snapshot's
+        # iteration; counters (the data position) and RNGs come back with it.
+        prot = protect(tr.model_chunks, tr.optimizer, tr.scheduler, ss_cfg, get_iteration=lambda: tr.iteration,
+                       set_iteration=set_iteration, get_counters=lambda: dict(tr.counters),
+                       set_counters=lambda c: tr.counters.update(c))
+        r = prot.restored
+        print(f"[r{rank}] shardsafe: {r.message} (tier {r.tier}, {r.seconds:.3f} s)", flush=True)
+    adapter = prot.adapter if prot is not None else tr.adapter()
+    losses = open(os.path.join(args.out, f"losses_rank{rank}.jsonl"), "a") if args.out else None
+    events = prot.events if prot is not None else None
+    if events is not None:
+        events.emit("train_ready", iteration=tr.iteration + 1)
     saved, replay_ref = None, []
-    for step in range(1, args.steps + 1):
-        out = tr.train_step()
+    while tr.iteration < args.steps:
+        t0 = time.perf_counter()
+        out = tr.train_step()        # optimizer.step() first waits for the pending snapshot copy
+        if prot is not None:
+            prot.after_step(tr.iteration)
+        loss = pipeline_loss(tr, out["loss"])
+        if losses is not None:
+            losses.write(json.dumps({"step": tr.iteration, "loss": loss.hex(), "grad_norm": float(out["grad_norm"]).hex(),
+                                     "attempt": _attempt()}) + "\n")
+            losses.flush()
+        if events is not None:
+            events.emit("iteration", iteration=tr.iteration,
+                        seconds=max(0.0, time.perf_counter() - t0 - prot.last_stall_s))
         if saved is not None:
             replay_ref.append(out)
         print(f"[r{rank} it{tr.iteration}] loss={out['loss']} grad_norm={out['grad_norm']:.6f} lr={out['lr']:.3e}",
               flush=True)
-        if args.demo_rollback and step == args.demo_rollback:
+        if args.demo_rollback and tr.iteration == args.demo_rollback:
             saved = cpu_copy(adapter.capture())
+    if prot is not None:
+        prot.flush()
+    if args.out:
+        from shardsafe.manifest import save_tensors
+        save_tensors(os.path.join(args.out, f"final_rank{rank}"), final_state(tr, adapter))
+    if prot is not None:
+        prot.close()
     if saved is not None:
         adapter.apply(*saved)
         replay = [tr.train_step() for _ in replay_ref]

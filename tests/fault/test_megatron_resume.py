@@ -1,0 +1,237 @@
+"""Megatron on the real holder runtime: real processes, real SIGKILLs, bit-exact resume.
+
+Every job runs under the local launcher (simulated nodes, one holder each, whole-group restarts). A
+protected run loses one rank to a SIGKILL right before the optimizer step of a seeded iteration
+(``kill-rank``, injected by the runtime's ``before_step``, i.e. through the optimizer-step wrapper),
+or a whole node (its trainers and holder, ``kill-node``); the restarted ranks restore in place and
+train on. Every loss any attempt computed, and every rank's final state (optimizer shards and
+state, RNGs, model params), must be ``torch.equal`` to an uninterrupted run without shardsafe
+(``shardsafe.runcheck.compare_runs``).
+
+Own loop (examples/megatron_pretrain_gpt.py, megatron-core of this venv): TP2xDP2, TP1xPP2xDP2,
+TP2xPP2 on 2 nodes x 2 ranks, and node loss on TP2xDP2 (DP peers on different nodes: parity).
+Megatron-LM's ``pretrain`` (examples/megatron_lm_pretrain_gpt.py) needs ``megatron.training``
+(megatron-core >= 0.17): the trainers get ``PYTHONPATH=.venv/mcore-0.17.1`` themselves. Bad
+arguments fail on every rank before the first iteration, with a message naming the flag.
+
+Fault points are drawn from SHARDSAFE_FAULT_SEED (printed; default fixed) so a failure reproduces.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from shardsafe.launch import LaunchConfig, LocalLauncher
+from shardsafe.runcheck import compare_runs, losses_by_attempt, read_jsonl
+
+from .helpers import restores, trainer_logs
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OWN_LOOP = os.path.join(ROOT, "examples", "megatron_pretrain_gpt.py")
+MEGATRON_LM = os.path.join(ROOT, "examples", "megatron_lm_pretrain_gpt.py")
+LM_ARGS = os.path.join(ROOT, "configs", "megatron", "megatron_lm_tiny_gpt.args")
+MCORE_017 = os.path.join(ROOT, ".venv", "mcore-0.17.1")
+SEED = int(os.environ.get("SHARDSAFE_FAULT_SEED", "20261129"))
+STEPS = 7
+
+LAYOUTS = {"tp2_dp2": ["--tp", "2"], "tp1_pp2_dp2": ["--pp", "2"], "tp2_pp2": ["--tp", "2", "--pp", "2", "--bf16"]}
+
+
+def _megatron_core_here() -> str | None:
+    """The megatron-core version the trainers import with this interpreter (None: not installed)."""
+    r = subprocess.run([sys.executable, "-c", "import megatron.core as m; print(m.__version__)"],
+                       capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+MCORE = _megatron_core_here()
+needs_mcore = pytest.mark.skipif(MCORE is None, reason="megatron-core is not installed in this venv "
+                                                       "(pip install megatron-core==0.16.1, docs/megatron.md)")
+needs_lm = pytest.mark.skipif(not os.path.isdir(os.path.join(MCORE_017, "megatron", "training")),
+                              reason=f"Megatron-LM's loop needs megatron-core >= 0.17 in {MCORE_017} (pip install "
+                                     "--no-deps --ignore-requires-python --target .venv/mcore-0.17.1 "
+                                     "megatron-core==0.17.1 pyyaml==6.0.4; docs/megatron.md)")
+
+
+def run_megatron(run_dir, script_args, *, script=OWN_LOOP, nodes=2, nproc=2, inject="", shardsafe=True,
+                 max_restarts=2, env=None):
+    """One job under the local launcher; trainers write losses/final state into run_dir."""
+    run_dir = str(run_dir)
+    cfg = LaunchConfig(nodes=nodes, nproc_per_node=nproc, job_id=f"mt{uuid.uuid4().hex[:8]}", run_dir=run_dir,
+                       inject=inject, max_restarts=max_restarts, memory_budget_gb=0.5, start_holders=shardsafe,
+                       attempt_timeout_s=240, env=dict(env or {}))
+    nice = ["nice", "-n", "5"] if shutil.which("nice") else []   # the host is shared
+    cmd = [*nice, sys.executable, script, *script_args, "--out", run_dir]
+    if shardsafe:
+        cmd += ["--shardsafe", "--shardsafe-timeout-s", "30"]
+    return LocalLauncher(cfg).run(cmd)
+
+
+def lm_env() -> dict[str, str]:
+    """megatron-core 0.17.1 (it ships megatron.training) ahead of the venv's own megatron-core."""
+    return {"PYTHONPATH": os.pathsep.join(p for p in (MCORE_017, os.environ.get("PYTHONPATH", "")) if p)}
+
+
+def lm_args(*extra: str) -> list[str]:
+    return [f"@{LM_ARGS}", *extra]
+
+
+@pytest.fixture(scope="session")
+def megatron_reference(tmp_path_factory):
+    """Uninterrupted runs without shardsafe (plain Megatron), cached per (script, arguments)."""
+    cache: dict = {}
+
+    def get(key: str, script_args: list[str], *, script=OWN_LOOP, env=None):
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"mref-{key}")
+            res = run_megatron(d, script_args, script=script, shardsafe=False, max_restarts=0, env=env)
+            assert res.ok, f"reference run failed; see {d}:\n{trainer_logs(str(d))[-3000:]}"
+            cache[key] = d
+        return cache[key]
+
+    return get
+
+
+def events(run_dir) -> list[dict]:
+    return read_jsonl(os.path.join(str(run_dir), "events.jsonl"))
+
+
+def restore_tiers(run_dir) -> dict[int, set]:
+    out: dict[int, set] = {}
+    for e in events(run_dir):
+        if e.get("kind") == "restore_end":
+            out.setdefault(int(e.get("attempt") or 0), set()).add(e["tier"])
+    return out
+
+
+def assert_bit_identical(run_dir, ref_dir, steps=STEPS, world=4):
+    cmp = compare_runs(str(run_dir), str(ref_dir), world, steps)
+    assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches, cmp.replayed_losses_equal,
+                               trainer_logs(str(run_dir))[-3000:])
+
+
+def assert_resumed_after(run_dir, attempt: int, version: int, world=4):
+    """The restarted attempt continued right after the restored version (it did not start over: a run
+    started from scratch would also match the reference, so this is what shows the restore took effect)."""
+    for r in range(world):
+        steps = losses_by_attempt(str(run_dir), r).get(attempt, [])
+        assert steps and min(steps) == version + 1, f"rank {r}: attempt {attempt} ran steps {steps}, restored {version}"
+
+
+def seeded_fault(layout: str, first: int, last: int) -> tuple[int, int]:
+    rng = random.Random(f"{SEED}:{layout}")
+    rank, at = rng.randrange(4), rng.randint(first, last)
+    print(f"SHARDSAFE_FAULT_SEED={SEED}: {layout}: kill-rank:{rank}@{at}")
+    return rank, at
+
+
+# ---- own loop (megatron-core API + shardsafe.adapters.megatron.protect) -----------------------------
+
+@needs_mcore
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_kill_rank_resumes_bit_exact(tmp_path, megatron_reference, layout):
+    args = [*LAYOUTS[layout], "--steps", str(STEPS)]
+    ref = megatron_reference(layout, args)
+    rank, at = seeded_fault(layout, 3, STEPS - 2)
+    res = run_megatron(tmp_path, args, inject=f"kill-rank:{rank}@{at}")
+    assert res.ok and res.attempts == 2, (res, trainer_logs(str(tmp_path))[-3000:])
+    assert res.failures[0]["rank"] == rank and res.failures[0]["rc"] == -9, res.failures
+    got = restores(tmp_path)
+    # The newest version every rank had sealed when rank `rank` died right before step `at`.
+    assert got[0] == -1 and got[1] in (at - 2, at - 1), got
+    assert restore_tiers(tmp_path)[1] == {"memory"}
+    assert_resumed_after(tmp_path, 1, got[1])
+    assert any(e.get("kind") == "snapshot" and e.get("committed") for e in events(tmp_path))
+    assert_bit_identical(tmp_path, ref)
+
+
+@needs_mcore
+def test_node_loss_rebuilt_from_parity(tmp_path, megatron_reference):
+    """TP2xDP2 on 2 nodes x 2 ranks: the DP peers of each TP rank sit on different nodes, so each parity
+    group (RS(1,1)) survives the loss of node1 (both its trainers and its holder, shared memory gone)."""
+    args = [*LAYOUTS["tp2_dp2"], "--steps", str(STEPS)]
+    ref = megatron_reference("tp2_dp2", args)
+    res = run_megatron(tmp_path, args + ["--shardsafe-parity-shards", "1"], inject="kill-node:node1@4")
+    assert res.ok and res.attempts == 2 and res.failures[0]["cause"] == "node_loss", res
+    ev = events(tmp_path)
+    # The launcher kills the node once it sees iteration 4 finish; another step may complete meanwhile.
+    done = max(e["iteration"] for e in ev if e.get("kind") == "iteration" and not e.get("attempt"))
+    version = restores(tmp_path)[1]
+    assert 2 <= version <= done
+    assert restore_tiers(tmp_path)[1] == {"parity"}
+    assert_resumed_after(tmp_path, 1, version)
+    rebuilt = {e["rank"]: e.get("rebuilt_bytes", 0) for e in ev if e.get("kind") == "restore_end" and e.get("attempt") == 1}
+    assert rebuilt[2] > 0 and rebuilt[3] > 0 and rebuilt[0] == rebuilt[1] == 0, rebuilt
+    assert all(e.get("parity_s", 0) > 0 for e in ev if e.get("kind") == "snapshot" and e.get("committed"))
+    assert_bit_identical(tmp_path, ref)
+
+
+# ---- Megatron-LM's pretrain (megatron-core 0.17.1 from the side folder) -----------------------------
+
+@needs_lm
+def test_megatron_lm_pretrain_kill_and_resume(tmp_path, megatron_reference):
+    """Megatron-LM's own loop, TP2xDP2 bf16 DistOpt: rank 2 is SIGKILLed right before the optimizer step of
+    iteration 4 (inside Megatron-LM's train_step, through shardsafe's optimizer-step wrapper); the restart
+    restores inside setup_model_and_optimizer and iterations 4-6 and the final state match exactly."""
+    steps = 6
+    ref = megatron_reference("megatron_lm", lm_args(), script=MEGATRON_LM, env=lm_env())
+    res = run_megatron(tmp_path, lm_args(), script=MEGATRON_LM, env=lm_env(), inject="kill-rank:2@4")
+    assert res.ok and res.attempts == 2, (res, trainer_logs(str(tmp_path))[-3000:])
+    assert res.failures[0]["rank"] == 2 and res.failures[0]["rc"] == -9
+    got = restores(tmp_path)
+    assert got[0] == -1 and got[1] in (2, 3), got
+    ev = events(tmp_path)
+    assert any(e.get("kind") == "train_ready" and e.get("attempt") == 1 and e["iteration"] == got[1] + 1 for e in ev)
+    assert_resumed_after(tmp_path, 1, got[1])
+    assert_bit_identical(tmp_path, ref, steps=steps)
+
+
+# ---- bad arguments: a clear error on every rank before the first iteration -------------------------
+
+def assert_failed_before_training(run_dir, res, *needles):
+    assert not res.ok and res.attempts == 1, res
+    logs = trainer_logs(str(run_dir))
+    for n in needles:
+        assert n in logs, f"{n!r} not in the trainer logs:\n{logs[-3000:]}"
+    ev = events(run_dir)
+    assert not [e for e in ev if e.get("kind") in ("iteration", "snapshot")], "training or snapshots started"
+    assert not any(os.path.getsize(os.path.join(str(run_dir), f)) for f in os.listdir(str(run_dir))
+                   if f.startswith("losses_rank")), "a loss was logged"
+
+
+@needs_mcore
+def test_bad_interval_fails_before_training(tmp_path):
+    res = run_megatron(tmp_path, [*LAYOUTS["tp2_dp2"], "--steps", "3", "--shardsafe-interval", "0"], max_restarts=0)
+    assert_failed_before_training(tmp_path, res, "ConfigError: --shardsafe-interval must be an integer >= 1")
+
+
+@needs_mcore
+def test_infeasible_parity_fails_before_training(tmp_path):
+    """TP1xPP2xDP2 on 2 nodes x 2 ranks puts both DP peers of a pipeline stage on one node: a parity
+    group of 2 on distinct nodes cannot exist. Every rank stops with the reason and the flags to change."""
+    res = run_megatron(tmp_path, [*LAYOUTS["tp1_pp2_dp2"], "--steps", "3", "--shardsafe-parity-group-size", "2"],
+                       max_restarts=0)
+    assert_failed_before_training(tmp_path, res, "ConfigError: shardsafe parity settings cannot be placed on this job",
+                                  "group_size=2", "at most 1 distinct nodes", "--shardsafe-parity-group-size")
+    assert trainer_logs(str(tmp_path)).count("ConfigError: shardsafe parity settings") == 4
+
+
+@needs_lm
+def test_megatron_lm_bad_flags_fail_before_training(tmp_path):
+    """Megatron-LM path: --shardsafe-interval 0 is refused in setup_model_and_optimizer, before the model
+    is built; a parity group larger than the DP size is refused once the layout is known."""
+    res = run_megatron(tmp_path / "interval", lm_args("--shardsafe-interval", "0"), script=MEGATRON_LM,
+                       env=lm_env(), max_restarts=0)
+    assert_failed_before_training(tmp_path / "interval", res, "--shardsafe-interval must be an integer >= 1")
+    res = run_megatron(tmp_path / "parity", lm_args("--shardsafe-parity-group-size", "3"), script=MEGATRON_LM,
+                       env=lm_env(), max_restarts=0)
+    assert_failed_before_training(tmp_path / "parity", res, "group_size=3", "only 2 ranks",
+                                  "--shardsafe-parity-group-size")
