@@ -150,19 +150,7 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
             rebuilt_bytes, rebuild_s = nb, time.perf_counter() - t1
             phases["rebuild"] += rebuild_s
         t1 = time.perf_counter()
-        manifest, mm, bad = None, None, ["not opened"]
-        try:
-            manifest, mm = client.open(rank=rank, version=version)
-            mf.check_matches(manifest, live, getattr(adapter, "optional_prefixes", ()))
-            buf = memoryview(mm)
-            try:
-                bad = mf.verify(manifest, buf)
-            finally:
-                buf.release()
-            if not bad and hasattr(adapter, "validate"):
-                bad = _adapter_problems(adapter, manifest, mm)
-        except (HolderError, HolderUnavailable, mf.ManifestError, OSError, KeyError, AttributeError) as e:
-            bad = [str(e)]
+        manifest, mm, bad = _open_verified(lambda: client.open(rank=rank, version=version), adapter, live)
         if bad:
             log.error("[rank %d] snapshot version %d failed verification, not loaded: %s", rank, version, "; ".join(bad[:5]))
             why = f"rank {rank}: " + "; ".join(bad[:3])
@@ -206,6 +194,25 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     return res
 
 
+def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live) -> tuple:
+    """Open a payload (holder slot or file) and check it: layout against the live tensors, every xxh3
+    segment, then the adapter's own checks. Returns (manifest, mapping or None, problems)."""
+    manifest, mm = None, None
+    try:
+        manifest, mm = opener()
+        mf.check_matches(manifest, live, getattr(adapter, "optional_prefixes", ()))
+        buf = memoryview(mm)
+        try:
+            bad = mf.verify(manifest, buf)
+        finally:
+            buf.release()
+        if not bad and hasattr(adapter, "validate"):
+            bad = _adapter_problems(adapter, manifest, mm)
+    except (HolderError, HolderUnavailable, OSError, ValueError, KeyError, AttributeError) as e:
+        bad = [str(e) or type(e).__name__]
+    return manifest, mm, bad
+
+
 def _adapter_problems(adapter: StateAdapter, manifest: dict, mm) -> list[str]:
     """The adapter's own checks of a verified payload (layout, optimizer config, LR schedule...), without
     touching live state. They join the vote because ``apply`` may be collective (Megatron's param
@@ -225,19 +232,7 @@ def _restore_persistent(adapter: StateAdapter, persist, *, rank: int, coll: Coll
     mine = persist.rank_versions(rank)
     common = sorted(set.intersection(*[set(e[0]) for e in coll.all_gather_versions(mine)]), reverse=True)
     for version in common:
-        manifest, mm, bad = None, None, []
-        try:
-            manifest, mm = persist.open(version, rank)
-            mf.check_matches(manifest, live, getattr(adapter, "optional_prefixes", ()))
-            buf = memoryview(mm)
-            try:
-                bad = mf.verify(manifest, buf)
-            finally:
-                buf.release()
-            if not bad and hasattr(adapter, "validate"):
-                bad = _adapter_problems(adapter, manifest, mm)
-        except (OSError, ValueError, KeyError) as e:
-            bad = [str(e)]
+        manifest, mm, bad = _open_verified(lambda: persist.open(version, rank), adapter, live)
         if bad:
             log.error("[rank %d] persistent version %d in %s failed verification, not loaded: %s", rank, version,
                       persist.dir, "; ".join(bad[:3]))
