@@ -115,6 +115,12 @@ def _write_file(path: str, data: memoryview, mbps: float) -> None:
                 if ahead > 0:
                     time.sleep(ahead)
         os.fsync(fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        try:
+            os.unlink(tmp)   # a half-written file would only hold on to the space that ran out
+        except OSError:
+            pass
+        raise
+    os.close(fd)
     os.replace(tmp, path)

@@ -123,3 +123,28 @@ def test_nothing_verifies_names_the_directories(holder, tmp_path):
     with pytest.raises(RestoreError) as e:
         restore_from_holder(other, c, rank=0, coll=Collectives(), persist=PersistentStore(str(tmp_path / "p"), "job"))
     assert "nothing was loaded" in str(e.value) and str(tmp_path / "p") in str(e.value)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs: a real 'disk full' (ENOSPC) for the flush."""
+    d = tmp_path / "tiny"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs to fill up (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
+    yield str(d)
+    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def test_disk_full_is_a_clear_error_and_memory_tiers_unaffected(holder, tiny_disk):
+    c = holder()
+    states = snapshots(c, [1, 2], flush_dir=tiny_disk)        # ~12 MB payloads into 1 MiB
+    st = wait_flushes(c, 2)
+    assert st["failed"] == 2 and "No space left on device" in st["last_error"] and tiny_disk in st["last_error"]
+    assert "training and the memory tiers are unaffected" in st["last_error"]
+    assert not [f for _, _, fs in os.walk(tiny_disk) for f in fs]   # no partial file left to look complete or eat space
+    assert c.sealed_versions(0) == [1, 2]
+    live = ToyAdapter(5)
+    assert restore_from_holder(live, c, rank=0, coll=Collectives()).version == 2
+    assert all(torch.equal(live.t[k], states[2].t[k]) for k in live.t)
