@@ -57,6 +57,7 @@ class DeepSpeedStateAdapter:
 
     def __init__(self, engine: Any, extra: dict | None = None):
         self.engine = engine
+        self._buffer_list: list[tuple[str, torch.Tensor]] | None = None
         self.extra: dict[str, Any] = extra if extra is not None else {}
         check_supported(engine)
         o = engine.optimizer
@@ -64,10 +65,13 @@ class DeepSpeedStateAdapter:
         self.z3 = self.kind == "DeepSpeedZeroOptimizer_Stage3"
 
     def _buffers(self) -> list[tuple[str, torch.Tensor]]:
-        m = self.engine.module
-        skip = {f"{mod_name}.{b}" if mod_name else b for mod_name, mod in m.named_modules()
-                for b in getattr(mod, "_non_persistent_buffers_set", ())}
-        return [(n, b) for n, b in m.named_buffers() if n not in skip]
+        # Resolved once: capture() runs after every optimizer step, the module tree does not change.
+        if self._buffer_list is None:
+            m = self.engine.module
+            skip = {f"{mod_name}.{b}" if mod_name else b for mod_name, mod in m.named_modules()
+                    for b in getattr(mod, "_non_persistent_buffers_set", ())}
+            self._buffer_list = [(n, b) for n, b in m.named_buffers() if n not in skip]
+        return self._buffer_list
 
     def masters(self) -> list[torch.Tensor]:
         o = self.engine.optimizer
