@@ -112,7 +112,9 @@ def test_sbatch_rank_kill_and_node_loss_continue_in_the_allocation(cluster, tmp_
     run_dir, holders = tmp_path / "run", tmp_path / "holders"
     env = {**cluster, "SS_PYTHON": sys.executable, "SS_RUN_DIR": str(run_dir), "SS_HOLDER_DIR": str(holders),
            "SS_MEMORY_BUDGET_GB": "0.5", "SS_KEEP_ALIVE_S": "2", "SS_HANG_TIMEOUT": "120", "SS_GRACE": "2",
-           "SS_SCRIPT_ARGS": f"--steps {STEPS} --zero-stage 2 --dtype bf16 --running-tor-every 2",
+           # --step-sleep keeps steps 9..12 running long enough for SLURM to act on the downed node:
+           # without it a quiet machine finished the job before the node failure reached it.
+           "SS_SCRIPT_ARGS": f"--steps {STEPS} --zero-stage 2 --dtype bf16 --running-tor-every 2 --step-sleep 1.5",
            "SS_INJECT": "kill-rank:1@4", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     out_file = tmp_path / "job.out"
     sub = subprocess.run(["sbatch", "--parsable", "-N3", f"--output={out_file}", SBATCH], env=env, cwd=ROOT,
