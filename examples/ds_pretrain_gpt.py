@@ -205,17 +205,21 @@ def main(argv: list[str] | None = None) -> int:
     while engine.global_steps < a.steps:
         t0 = time.perf_counter()
         total = 0.0
-        for _ in range(a.gas):
+        for i in range(a.gas):
             x, y = batch(a.seed, engine.micro_steps, dp_rank, a.micro_batch, a.seq, a.vocab)
             loss = engine(x, y) if dtype is None else engine(x, y)
             engine.backward(loss)
-            engine.step()
             total += loss.item()
+            if losses and i == a.gas - 1:
+                # Logged before the optimizer step: the step's snapshot may commit right after it, and a
+                # kill between that commit and a later write would lose this line for good. A step
+                # replayed after a restore writes its line again (the last one counts).
+                losses.write(json.dumps({"step": engine.global_steps + 1, "loss": float(total).hex(),
+                                         "attempt": attempt}) + "\n")
+                losses.flush()
+            engine.step()
         if a.step_sleep:
             time.sleep(a.step_sleep)
-        if losses:
-            losses.write(json.dumps({"step": engine.global_steps, "loss": float(total).hex(), "attempt": attempt}) + "\n")
-            losses.flush()
         if events is not None:
             dt = time.perf_counter() - t0
             events.emit("iteration", iteration=engine.global_steps, seconds=dt)
