@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--step-sleep", type=float, default=0.0, help="sleep per step (simulate a slower model)")
     p.add_argument("--out", default=os.environ.get("SHARDSAFE_RUN_DIR", ""), help="where losses and final state go")
+    p.add_argument("--save-dir", default="", help="plain engine.save_checkpoint here at --save-at (vanilla DeepSpeed)")
+    p.add_argument("--save-at", type=int, default=0, help="global step after which --save-dir is written")
+    p.add_argument("--load", default="", help="plain engine.load_checkpoint from here first (e.g. a `shardsafe export`)")
     p.add_argument("--running-tor-every", type=int, default=10,
                    help="rank 0 logs a running TOR every N iterations (0 = off)")
     a = p.parse_args(argv)
@@ -191,6 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     if engine.shardsafe:
         r = engine.shardsafe.restored
         print(f"[rank {rank}] shardsafe: {r.message} (tier {r.tier}, {r.seconds:.3f} s)", flush=True)
+    if a.load:
+        # Vanilla DeepSpeed load; an exported snapshot also carries what DeepSpeed's format has no
+        # place for (per-rank RNG, micro_steps), put back by apply_client_state.
+        from shardsafe.export import apply_client_state
+        path, client = engine.load_checkpoint(a.load)
+        if path is None:
+            raise SystemExit(f"no DeepSpeed checkpoint under {a.load}")
+        print(f"[rank {rank}] loaded {path} at step {engine.global_steps}; shardsafe client state: "
+              f"{apply_client_state(engine, client)}", flush=True)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.dtype)
     dp_rank = engine.mpu.get_data_parallel_rank() if engine.mpu else rank
     attempt = int(os.environ.get("SHARDSAFE_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
@@ -218,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                                          "attempt": attempt}) + "\n")
                 losses.flush()
             engine.step()
+        if a.save_dir and engine.global_steps == a.save_at:
+            engine.save_checkpoint(a.save_dir)
         if a.step_sleep:
             time.sleep(a.step_sleep)
         if events is not None:

@@ -123,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
         tor.register_cli(sub)
     except (ImportError, AttributeError):
         pass
-    from shardsafe import elastic
+    from shardsafe import elastic, export
     elastic.register_cli(sub)
+    export.register_cli(sub)
     return p
 
 
