@@ -1179,6 +1179,11 @@ def install_hooks(runtime_factory: Callable[[ShardsafeConfig], Runtime] = defaul
                 update_num_microbatches(args.consumed_train_samples, consistency_check=False, verbose=True)
                 log.info("shardsafe: restored iteration %d (consumed_train_samples=%s)", restored,
                          getattr(args, "consumed_train_samples", None))
+        export_dir = getattr(args, "shardsafe_export_dir", None)
+        if export_dir:
+            how = getattr(getattr(state.runtime, "restored", None), "message", "")
+            _export_and_exit(args, export_dir, restored if cfg.restore else None, model, optimizer, scheduler,
+                             state.flops, how)
         return model, optimizer, scheduler
 
     ckpt_sig = inspect.signature(orig_ckpt)
@@ -1216,6 +1221,26 @@ def install_hooks(runtime_factory: Callable[[ShardsafeConfig], Runtime] = defaul
     T.checkpoint_and_decide_exit = checkpoint_and_decide_exit
     T.train_step = train_step
     return HookHandle(T, originals, state)
+
+
+def _export_and_exit(args: Any, export_dir: str, restored: Optional[int], model: Any, optimizer: Any,
+                     scheduler: Any, flops: float, how: str = "") -> None:
+    """``--shardsafe-export-dir``: the restored state, written by Megatron-LM's own ``save_checkpoint``
+    (so the files are exactly what this Megatron version's ``--save`` writes in ``--ckpt-format``,
+    for every TP/PP/DP layout), then a clean exit before any training step."""
+    from megatron.training.checkpointing import save_checkpoint
+    if restored is None:
+        raise SystemExit("shardsafe export: no snapshot could be restored (see the restore message above); "
+                         "nothing was written to " + export_dir)
+    args.save = export_dir
+    args.async_save = False   # the process exits right after: the files must be complete
+    save_checkpoint(restored, model, optimizer, scheduler, num_floating_point_operations_so_far=flops)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    log.info("shardsafe: exported iteration %d to %s", restored, export_dir)
+    if (not torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0:
+        print(f"shardsafe: exported iteration {restored} to {export_dir} ({how})", flush=True)
+    raise SystemExit(0)
 
 
 def pretrain(*args: Any, runtime_factory: Callable[[ShardsafeConfig], Runtime] = default_runtime_factory,

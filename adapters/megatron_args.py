@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--shardsafe-no-start-holder", dest="shardsafe_no_start_holder", action="store_true",
                    default=False, help="Do not start a holder process when none is running (shardsafe launch "
                                        "or the sbatch scripts start them).")
+    g.add_argument("--shardsafe-export-dir", dest="shardsafe_export_dir", default=None,
+                   help="Restore the newest snapshot, write it with Megatron's own save_checkpoint into this "
+                        "directory (in --ckpt-format) and exit: what `shardsafe export --format megatron` runs.")
     helps = {
         "interval": f"Snapshot every N optimizer steps (default {d['interval'].default}).",
         "memory_budget_gb": "Holder memory budget in GiB for the whole node (default 0 = half of the node's RAM).",

@@ -183,6 +183,13 @@ def main(argv: Optional[list[str]] = None, *, runtime_factory=None) -> list[tupl
         import _megatron_cpu_shims
         _megatron_cpu_shims.install_training_shims()
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if os.environ.get("SHARDSAFE_TEST_FILL_EMPTY") == "1":
+        # TEST-ONLY: torch.empty memory filled with NaN, so the never-written gaps of Megatron's
+        # padded optimizer buffers are the same in two checkpoints (instead of whatever the
+        # allocator returned) and files can be compared byte for byte.
+        from torch.utils import deterministic
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        deterministic.fill_uninitialized_memory = True
 
     from megatron.core.enums import ModelType
     from shardsafe.adapters import megatron as ss_megatron

@@ -389,14 +389,83 @@ def _copy_recovery_scripts(dst: str) -> None:
 
 # ---- CLI ----------------------------------------------------------------------------------------------
 
-def cmd_export(a: Any) -> int:
+def export_megatron(src: str, dst: str, command: list[str], *, holder_dir: str = "",
+                    timeout_s: float | None = None) -> str:
+    """Run the job's own Megatron-LM command once more with ``--shardsafe-export-dir``: it restores the
+    newest snapshot of SRC and writes it with Megatron's ``save_checkpoint`` (the format and layout
+    that Megatron version's ``--save`` writes), then exits before training. Megatron checkpoints hold
+    the model's own sharding metadata (``sharded_state_dict`` of the live modules), which only the
+    model code can produce; hence the replay instead of an offline writer as for DeepSpeed."""
+    import subprocess
+    import tempfile
+    if not command:
+        raise ExportError("--format megatron needs the job's launch command after `--` (e.g. `-- torchrun "
+                          "--nproc-per-node 8 pretrain_gpt.py ARGS`), with the layout (TP/PP/DP) it was trained at.")
+    flags = ["--shardsafe", "--shardsafe-export-dir", os.path.abspath(dst), "--shardsafe-parity-group-size", "1"]
+    scratch = None
+    if src.startswith("holder://"):
+        flags += ["--shardsafe-job-id", src[len("holder://"):]]
+        if holder_dir:
+            flags += ["--shardsafe-holder-dir", holder_dir]
+    else:
+        if not os.path.isdir(src):
+            raise ExportError(f"{src} is not a directory; SRC is a persistent job directory (PERSIST_DIR/JOB_ID) "
+                              "or holder://JOB_ID")
+        job_dir = os.path.abspath(src)
+        # Fresh, empty holders in a private directory: restore falls through to the persistent tier.
+        scratch = tempfile.mkdtemp(prefix="shardsafe-export-")
+        flags += ["--shardsafe-job-id", os.path.basename(job_dir), "--shardsafe-persist-dir", os.path.dirname(job_dir),
+                  "--shardsafe-holder-dir", scratch]
     try:
+        p = subprocess.run([*command, *flags], timeout=timeout_s)
+    finally:
+        if scratch is not None:
+            _stop_holders(scratch)
+            shutil.rmtree(scratch, ignore_errors=True)
+    if p.returncode != 0:
+        raise ExportError(f"the export run exited with status {p.returncode}; its output above says why "
+                          f"(command: {' '.join(command + flags)})")
+    marker = os.path.join(dst, "latest_checkpointed_iteration.txt")
+    if not os.path.exists(marker):
+        raise ExportError(f"the export run finished but {marker} is missing: was the command a Megatron-LM entry "
+                          "script using shardsafe.adapters.megatron.pretrain?")
+    with open(marker) as f:
+        return os.path.join(dst, f"iter_{int(f.read().strip()):07d}")
+
+
+def _stop_holders(holder_dir: str) -> None:
+    from shardsafe.holder.client import HolderClient, HolderUnavailable
+    from shardsafe.holder.paths import HolderPaths
+    try:
+        jobs = os.listdir(holder_dir)
+    except OSError:
+        return
+    for job in jobs:
+        for node in HolderPaths.list_nodes(holder_dir, job):
+            try:
+                c = HolderClient(HolderPaths(holder_dir, job, node), timeout_s=5).connect()
+                c.shutdown()
+                c.close()
+            except (HolderUnavailable, OSError):
+                pass
+
+
+def cmd_export(a: Any) -> int:
+    cmd = list(a.command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    try:
+        if a.format == "megatron":
+            if a.version is not None:
+                raise ExportError("--version is not supported with --format megatron: the export run restores the "
+                                  "newest restorable version (drop newer ones from the persistent directory first).")
+            out = export_megatron(a.src, a.dst, cmd, holder_dir=a.holder_dir)
+            print(f"exported {a.src} as a Megatron checkpoint: {out}", flush=True)
+            return 0
+        if cmd:
+            raise ExportError("--format deepspeed writes the checkpoint offline; it takes no command after `--`")
         version, ranks = open_source(a.src, holder_dir=a.holder_dir, version=a.version)
-        if a.format == "deepspeed":
-            out = export_deepspeed(ranks, a.dst, version=version, tag=a.tag or None)
-        else:
-            from shardsafe.export_megatron import export_megatron
-            out = export_megatron(ranks, a.dst, version=version)
+        out = export_deepspeed(ranks, a.dst, version=version, tag=a.tag or None)
     except ExportError as e:
         print(f"shardsafe export: {e}", flush=True)
         return 2
@@ -405,11 +474,16 @@ def cmd_export(a: Any) -> int:
 
 
 def register_cli(sub: Any) -> None:
-    p = sub.add_parser("export", help="write a committed snapshot as a DeepSpeed or Megatron checkpoint")
+    import argparse
+    p = sub.add_parser("export", help="write a committed snapshot as a DeepSpeed or Megatron checkpoint",
+                       description="deepspeed: offline, from the snapshot files. megatron: runs the job's own "
+                                   "command (after --) once with --shardsafe-export-dir; it restores and saves.")
     p.add_argument("--format", required=True, choices=["deepspeed", "megatron"])
     p.add_argument("src", help="persistent job directory PERSIST_DIR/JOB_ID, or holder://JOB_ID")
     p.add_argument("dst", help="checkpoint directory to write (as engine.save_checkpoint / Megatron --save)")
     p.add_argument("--version", type=int, default=None, help="iteration to export (default: the newest complete)")
     p.add_argument("--tag", default="", help="DeepSpeed tag (default global_step<N>)")
     p.add_argument("--holder-dir", default="", help="with holder://JOB_ID: the holders' directory")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="megatron: -- the job's launch command (torchrun ... pretrain_gpt.py ARGS)")
     p.set_defaults(func=cmd_export)

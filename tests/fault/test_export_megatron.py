@@ -1,0 +1,137 @@
+"""`shardsafe export --format megatron`: a flushed snapshot becomes the checkpoint Megatron-LM's own
+``--save`` writes at that iteration.
+
+Megatron checkpoints carry the live model's sharding metadata, so the export replays the job's own
+command with ``--shardsafe-export-dir`` (restore from the persistent tier, Megatron's
+``save_checkpoint``, exit). Checked here on Megatron-LM's loop (megatron-core 0.17.1, TP2 x DP2,
+torch_dist):
+
+- DistributedOptimizer: the exported checkpoint equals a plain ``--save`` of the same iteration
+  item for item (every tensor byte for byte, every object -- RNG states, scheduler, counters --
+  equal; only ``args`` differ by the flags). A vanilla ``--load`` of *either* fails on this CPU
+  path inside Megatron (``DistributedOptimizer.state_dict``: ``assert len(steps) == 1`` on a fresh
+  torch-Adam optimizer, reference/megatron-core.md 3.4), so continuing from it is not checked here.
+- Float16OptimizerWithFloat16Params (no --use-distributed-optimizer): the same equality, and a
+  vanilla ``--load`` of the export continues with exactly the losses of a vanilla ``--load`` of
+  Megatron's own checkpoint.
+
+Megatron's padded optimizer buffers contain never-written gaps; the trainers run with the test-only
+SHARDSAFE_TEST_FILL_EMPTY=1 (torch.empty memory filled with NaN) so those gaps compare equal.
+"""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from shardsafe.runcheck import effective_losses
+
+from .test_megatron_resume import LM_ARGS, MCORE_017, MEGATRON_LM, ROOT, needs_lm
+
+pytestmark = [pytest.mark.slow, needs_lm]
+ITERS, AT = 6, 4
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", SHARDSAFE_TEST_FILL_EMPTY="1",
+               PYTHONPATH=os.pathsep.join(p for p in (MCORE_017, os.environ.get("PYTHONPATH", "")) if p))
+    env.pop("SHARDSAFE_RUN_DIR", None)
+    return env
+
+
+def _command(args_file: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", MEGATRON_LM,
+            f"@{args_file}", "--train-iters", str(ITERS)]
+
+
+def _run(cmd: list[str], log) -> subprocess.CompletedProcess:
+    with open(log, "w") as f:
+        return subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=600)
+
+
+def _deep_equal(x, y, path: str, diffs: list[str]) -> None:
+    if torch.is_tensor(x):
+        ok = torch.is_tensor(y) and x.dtype == y.dtype and x.shape == y.shape and (
+            torch.equal(x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8)))
+        if not ok:
+            diffs.append(f"tensor {path}")
+    elif isinstance(x, np.ndarray):
+        if not (isinstance(y, np.ndarray) and x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()):
+            diffs.append(f"array {path}")
+    elif isinstance(x, io.BytesIO):
+        _deep_equal(torch.load(io.BytesIO(x.getvalue()), weights_only=False),
+                    torch.load(io.BytesIO(y.getvalue()), weights_only=False), path, diffs)
+    elif isinstance(x, dict):
+        if not isinstance(y, dict) or set(x) != set(y):
+            diffs.append(f"keys {path}")
+            return
+        for k in x:
+            _deep_equal(x[k], y[k], f"{path}/{k}", diffs)
+    elif isinstance(x, (list, tuple)):
+        if type(x) is not type(y) or len(x) != len(y):
+            diffs.append(f"sequence {path}")
+            return
+        for i, (u, v) in enumerate(zip(x, y)):
+            _deep_equal(u, v, f"{path}[{i}]", diffs)
+    elif x != y and not (isinstance(x, float) and isinstance(y, float) and np.isnan(x) and np.isnan(y)):
+        diffs.append(f"value {path}: {x!r} vs {y!r}")
+
+
+def _checkpoint_items(ckpt_dir, scratch) -> dict:
+    """Every item of a torch_dist checkpoint (tensors and objects) plus its common state."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    out = os.path.join(scratch, os.path.basename(os.path.dirname(ckpt_dir)) + ".pt")
+    dcp_to_torch_save(str(ckpt_dir), out)
+    items = torch.load(out, weights_only=False)
+    common = torch.load(os.path.join(ckpt_dir, "common.pt"), weights_only=False)
+    common.pop("args")   # the export run's command line has the --shardsafe flags
+    return {"items": items, "common": common}
+
+
+def _export_and_compare(tmp_path, args_file: str) -> tuple:
+    vanilla, disk, exported = tmp_path / "vanilla", tmp_path / "persist", tmp_path / "exported"
+    base = _command(args_file) + ["--exit-interval", str(AT)]
+    p = _run(base + ["--save", str(vanilla), "--save-interval", str(AT), "--out", str(tmp_path / "plain")],
+             tmp_path / "plain.log")
+    assert p.returncode == 0, (tmp_path / "plain.log").read_text()[-3000:]
+    shardsafe = ["--shardsafe", "--shardsafe-persist-dir", str(disk), "--shardsafe-persist-every", "2",
+                 "--shardsafe-job-id", "mexp", "--shardsafe-parity-group-size", "1",
+                 "--shardsafe-holder-dir", str(tmp_path / "holders")]
+    p = _run(base + shardsafe + ["--out", str(tmp_path / "protected")], tmp_path / "protected.log")
+    assert p.returncode == 0, (tmp_path / "protected.log").read_text()[-3000:]
+    # Holders of the protected run are still up (they keep the snapshots): the export must read the disk.
+    p = subprocess.run([sys.executable, "-m", "shardsafe.cli", "export", "--format", "megatron", str(disk / "mexp"),
+                        str(exported), "--", *base], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"shardsafe: exported iteration {AT} to {exported}" in p.stdout, p.stdout[-3000:]
+    assert "from the persistent tier" in p.stdout, p.stdout[-3000:]   # fresh holders: memory had nothing
+    tag = f"iter_{AT:07d}"
+    assert (exported / "latest_checkpointed_iteration.txt").read_text().strip() == str(AT)
+    a = _checkpoint_items(exported / tag, tmp_path)
+    b = _checkpoint_items(vanilla / tag, tmp_path)
+    diffs: list[str] = []
+    _deep_equal(a, b, "", diffs)
+    assert not diffs, diffs[:10]
+    assert len(a["items"]) > 10
+    return vanilla, exported
+
+
+def test_megatron_export_distopt_equals_plain_save(tmp_path):
+    _export_and_compare(tmp_path, LM_ARGS)
+
+
+def test_megatron_export_fp16_optimizer_equals_plain_save_and_loads_alike(tmp_path):
+    args_file = tmp_path / "nodistopt.args"
+    args_file.write_text(open(LM_ARGS).read().replace("--use-distributed-optimizer", ""))
+    vanilla, exported = _export_and_compare(tmp_path, str(args_file))
+    for name, src in (("from_vanilla", vanilla), ("from_export", exported)):
+        p = _run(_command(str(args_file)) + ["--load", str(src), "--out", str(tmp_path / name)], tmp_path / f"{name}.log")
+        assert p.returncode == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    for r in range(4):
+        got, want = effective_losses(str(tmp_path / "from_export"), r), effective_losses(str(tmp_path / "from_vanilla"), r)
+        assert sorted(got) == list(range(AT + 1, ITERS + 1)) and got == want, (got, want)
