@@ -11,9 +11,9 @@ torch_dist):
   equal; only ``args`` differ by the flags). A vanilla ``--load`` of *either* fails on this CPU
   path inside Megatron (``DistributedOptimizer.state_dict``: ``assert len(steps) == 1`` on a fresh
   torch-Adam optimizer, reference/megatron-core.md 3.4), so continuing from it is not checked here.
-- Float16OptimizerWithFloat16Params (no --use-distributed-optimizer): the same equality, and a
-  vanilla ``--load`` of the export continues with exactly the losses of a vanilla ``--load`` of
-  Megatron's own checkpoint.
+- Float16OptimizerWithFloat16Params (no --use-distributed-optimizer), dropout off: the same
+  equality, and a vanilla ``--load`` of the export continues bit-exact (losses and final model and
+  optimizer state torch.equal to an uninterrupted run), as does ``--load`` of Megatron's own.
 
 Megatron's padded optimizer buffers contain never-written gaps; the trainers run with the test-only
 SHARDSAFE_TEST_FILL_EMPTY=1 (torch.empty memory filled with NaN) so those gaps compare equal.
@@ -125,13 +125,31 @@ def test_megatron_export_distopt_equals_plain_save(tmp_path):
     _export_and_compare(tmp_path, LM_ARGS)
 
 
-def test_megatron_export_fp16_optimizer_equals_plain_save_and_loads_alike(tmp_path):
+def test_megatron_export_fp16_optimizer_equals_plain_save_and_continues_bit_exact(tmp_path):
+    """Non-distributed optimizer (Megatron's own --load works on this path) and dropout off: Megatron
+    restores the RNGs and then builds the data iterators, whose DataLoader draws from the torch RNG,
+    so with dropout its own resume is not bit-exact to an uninterrupted run (shardsafe's restore
+    re-seats the RNGs right before the first step for that reason). Without dropout it is."""
+    from shardsafe.manifest import load_tensors
     args_file = tmp_path / "nodistopt.args"
-    args_file.write_text(open(LM_ARGS).read().replace("--use-distributed-optimizer", ""))
+    args_file.write_text(open(LM_ARGS).read().replace("--use-distributed-optimizer", "")
+                         .replace("--hidden-dropout 0.1", "--hidden-dropout 0.0")
+                         .replace("--attention-dropout 0.1", "--attention-dropout 0.0"))
     vanilla, exported = _export_and_compare(tmp_path, str(args_file))
-    for name, src in (("from_vanilla", vanilla), ("from_export", exported)):
-        p = _run(_command(str(args_file)) + ["--load", str(src), "--out", str(tmp_path / name)], tmp_path / f"{name}.log")
+    runs = {"uninterrupted": [], "from_vanilla": ["--load", str(vanilla)], "from_export": ["--load", str(exported)]}
+    for name, extra in runs.items():
+        p = _run(_command(str(args_file)) + extra + ["--out", str(tmp_path / name)], tmp_path / f"{name}.log")
         assert p.returncode == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
     for r in range(4):
-        got, want = effective_losses(str(tmp_path / "from_export"), r), effective_losses(str(tmp_path / "from_vanilla"), r)
-        assert sorted(got) == list(range(AT + 1, ITERS + 1)) and got == want, (got, want)
+        ref = effective_losses(str(tmp_path / "uninterrupted"), r)
+        for name in ("from_vanilla", "from_export"):
+            got = effective_losses(str(tmp_path / name), r)
+            assert sorted(got) == list(range(AT + 1, ITERS + 1)), (name, sorted(got))
+            assert all(got[s] == ref[s] for s in got), (name, {s: (got[s], ref[s]) for s in got})
+        a = load_tensors(str(tmp_path / "from_export" / f"final_rank{r}"))
+        b = load_tensors(str(tmp_path / "uninterrupted" / f"final_rank{r}"))
+        # The RNG states differ by the DataLoader's draw after Megatron's load (not used: no dropout).
+        keys = [k for k in b if not k.startswith("rng")]
+        assert keys and all(k in a for k in keys)
+        bad = [k for k in keys if not torch.equal(a[k], b[k])]
+        assert not bad, bad[:10]
