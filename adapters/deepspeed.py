@@ -64,6 +64,7 @@ class DeepSpeedStateAdapter:
         self.kind = type(o).__name__
         self.z3 = self.kind == "DeepSpeedZeroOptimizer_Stage3"
         self._ckpt_layout: dict[str, Any] | None = None
+        self.restore_notes: dict[str, Any] = {}
 
     def checkpoint_layout(self) -> dict[str, Any]:
         """What ``shardsafe export --format deepspeed`` needs to write this engine's own checkpoint
@@ -161,7 +162,31 @@ class DeepSpeedStateAdapter:
         }
         return st
 
-    def apply(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+    def _lp_params_from_peers(self, peers: Any) -> bool:
+        """What ``update_lp_params()`` computes, without its all-gather, when this node's holder has
+        every data-parallel peer's snapshot: each rank casts every partition's fp32 master into its
+        own low-precision flat buffer -- the same ``copy_`` cast each owner would run before the
+        all-gather, so the result is bit-identical. Collective decision (``peers.available``): either
+        every rank takes this path or every rank all-gathers. False = use ``update_lp_params``."""
+        o = self.engine.optimizer
+        if peers is None or self.kind != "DeepSpeedZeroOptimizer":
+            return False
+        import torch.distributed as dist
+        groups = [dist.get_process_group_ranks(g) for g in o.real_dp_process_group]
+        if not peers.available(sorted({r for g in groups for r in g})):
+            return False
+        me = dist.get_rank()
+        with torch.no_grad():
+            for i, (parts, ranks) in enumerate(zip(o.parallel_partitioned_bit16_groups, groups)):
+                for part, r in zip(parts, ranks):
+                    src = o.single_partition_of_fp32_groups[i] if r == me else peers.tensors(r)[f"opt/master/{i}"]
+                    part.data.copy_(src.data)
+        return True
+
+    # restore_from_holder passes a PeerPayloads: the lp params can come from the node's holder.
+    uses_peer_payloads = True
+
+    def apply(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], peers: Any = None) -> None:
         e, o = self.engine, self.engine.optimizer
         base = o.optimizer
         if meta.get("optimizer") != self.kind or meta.get("dp_world_size") != e.dp_world_size:
@@ -208,7 +233,10 @@ class DeepSpeedStateAdapter:
         self.extra.clear()
         self.extra.update(meta.get("extra", {}))
         if not self.z3:
-            o.update_lp_params()   # fp32 shard -> own low-precision partition -> all-gather over DP
+            from_holder = self._lp_params_from_peers(peers)
+            if not from_holder:
+                o.update_lp_params()   # fp32 shard -> own low-precision partition -> all-gather over DP
+            self.restore_notes = {"lp_params": "from the node's holder" if from_holder else "all-gather"}
         else:
             with torch.no_grad():
                 for fp32, lp in zip(o.fp32_partitioned_groups_flat, o.fp16_partitioned_groups_flat):

@@ -35,6 +35,7 @@ class RestoreResult:
     rebuild_seconds: float = 0.0
     lost_ranks: list = None    # type: ignore[assignment]
     phases: dict = None        # type: ignore[assignment]  # seconds: agree, rebuild, verify, apply
+    notes: dict = None         # type: ignore[assignment]  # the adapter's account of how it applied (restore_notes)
 
 
 class RestoreError(RuntimeError):
@@ -69,6 +70,45 @@ class Collectives:
         t = torch.tensor([1 if flag else 0], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(t.item() == 1)
+
+
+class PeerPayloads:
+    """Other ranks' payloads of the version being restored, read from this node's holder.
+
+    An adapter whose re-derivation step is a collective over data-parallel peers (DeepSpeed's
+    ``update_lp_params``: fp32 shard -> low-precision partition -> all-gather) can instead read the
+    peers' shards straight from the node's shared memory when the node holds all of them. Each
+    payload was verified by its owner before the vote that let any rank apply, and nothing writes
+    to a holder during a restore. ``available`` is collective: every rank takes the same path.
+    """
+
+    def __init__(self, client: Optional[HolderClient], version: int, coll: "Collectives"):
+        self.client, self.version, self.coll = client, version, coll
+        self._open: dict[int, tuple] = {}
+
+    def available(self, ranks: list[int]) -> bool:
+        ok = False
+        if self.client is not None:
+            try:
+                held = self.client.list()
+                ok = all(any(s["version"] == self.version and s["state"] == "sealed"
+                             for s in held.get(str(r), {}).get("data", [])) for r in ranks)
+            except (HolderError, HolderUnavailable) as e:
+                log.info("peer payloads not available from the holder: %s", e)
+        return self.coll.all_true(ok)
+
+    def tensors(self, rank: int) -> dict[str, torch.Tensor]:
+        """Views of ``rank``'s payload (valid until ``close``)."""
+        if rank not in self._open:
+            man, mm = self.client.open(rank=rank, version=self.version, populate=False)
+            self._open[rank] = (man, mm, mf.views(man, mm))
+        return self._open[rank][2]
+
+    def close(self) -> None:
+        for man, mm, views in self._open.values():
+            views.clear()
+            mm.close()
+        self._open.clear()
 
 
 def _plan_version(v: int, data: list[list[int]], parity: list[list[int]], exchange) -> tuple[str, list[int]] | None:
@@ -162,7 +202,14 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
         t2 = time.perf_counter()
         phases["verify"] += t2 - t1
         views = mf.views(manifest, mm)
-        adapter.apply(views, mf.from_jsonable(manifest["meta"]))
+        if getattr(adapter, "uses_peer_payloads", False):
+            peers = PeerPayloads(client, version, coll)
+            try:
+                adapter.apply(views, mf.from_jsonable(manifest["meta"]), peers=peers)
+            finally:
+                peers.close()
+        else:
+            adapter.apply(views, mf.from_jsonable(manifest["meta"]))
         del views
         mm.close()
         phases["apply"] = time.perf_counter() - t2
@@ -171,6 +218,7 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
                                     + (f" after rebuilding ranks {lost} from parity" if lost else ""))
         res.rebuilt_bytes, res.rebuild_seconds, res.lost_ranks = rebuilt_bytes, rebuild_s, lost
         res.phases = {k: round(v, 6) for k, v in phases.items()}
+        res.notes = dict(getattr(adapter, "restore_notes", {}) or {})
         break
     else:
         # Memory could not serve (nothing held, or more losses than parity covers): the persistent tier.
@@ -190,7 +238,8 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
             raise RestoreError(msg + tried_disk)
     res.seconds = time.perf_counter() - t0
     emit("restore_end", tier=res.tier, version=res.version, seconds=res.seconds, bytes=res.nbytes,
-         rebuilt_bytes=res.rebuilt_bytes, rebuild_seconds=res.rebuild_seconds, phases=res.phases)
+         rebuilt_bytes=res.rebuilt_bytes, rebuild_seconds=res.rebuild_seconds, phases=res.phases,
+         **({"notes": res.notes} if res.notes else {}))
     return res
 
 

@@ -115,13 +115,15 @@ class HolderClient:
         info = self.list(rank).get(str(rank), {}).get(kind, [])
         return sorted(s["version"] for s in info if s["state"] == "sealed")
 
-    def open(self, *, rank: int, version: int, kind: str = "data") -> tuple[dict, mmap.mmap]:
+    def open(self, *, rank: int, version: int, kind: str = "data", populate: bool = True) -> tuple[dict, mmap.mmap]:
         """(manifest, read-only mapping) of a sealed version. The caller closes the mapping."""
         resp, fds = self.request("open", rank=rank, version=version, kind=kind)
         try:
             size = os.fstat(fds[0]).st_size
-            # Populate the page tables in one go: restore reads every byte (checksums, then the copy).
-            m = mmap.mmap(fds[0], size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
+            # Populate the page tables in one go when every byte is read (checksums, then the copy);
+            # a reader of a part of the payload (a peer's shard) faults in only what it touches.
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            m = mmap.mmap(fds[0], size, flags, mmap.PROT_READ)
         finally:
             for fd in fds:
                 os.close(fd)

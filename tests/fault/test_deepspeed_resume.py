@@ -8,7 +8,7 @@ params, RNG) must be torch.equal to an uninterrupted run of plain DeepSpeed.
 """
 import pytest
 
-from shardsafe.runcheck import compare_runs
+from shardsafe.runcheck import compare_runs, read_jsonl
 
 from .helpers import restores, run_job
 
@@ -27,6 +27,27 @@ def test_kill_rank_then_kill_during_copy(tmp_path, reference, stage, dtype):
     assert got[0] == -1                              # fresh start
     assert got[1] in (4, 5)                          # newest version sealed by both ranks before step 6
     assert got[2] == 10                              # the torn v11 is never restored: the previous committed one is
+    if stage != 3:   # one rank per node: the peers' shards are elsewhere, the lp params are all-gathered
+        assert lp_paths(tmp_path) == {"all-gather"}
+    cmp = compare_runs(str(tmp_path), str(ref), 2, STEPS)
+    assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches, cmp.replayed_losses_equal)
+
+
+def lp_paths(run_dir):
+    return {e["notes"]["lp_params"] for e in read_jsonl(f"{run_dir}/events.jsonl")
+            if e.get("kind") == "restore_end" and e.get("version", -1) >= 0}
+
+
+@pytest.mark.parametrize("stage, dtype", [(1, "fp32"), (2, "bf16")])
+def test_one_node_lp_params_from_the_holder(tmp_path, reference, stage, dtype):
+    """Both ranks on one node: the restore casts every DP peer's fp32 shard from the node's holder
+    instead of all-gathering the low-precision params; still bit-exact."""
+    ref = reference(stage, dtype, STEPS)
+    res = run_job(tmp_path, stage=stage, dtype=dtype, steps=STEPS, nodes=1, nproc=2,
+                  inject="kill-rank:1@6;kill-copy:0@11")
+    assert res.ok and res.attempts == 3, res
+    assert restores(tmp_path)[2] == 10
+    assert lp_paths(tmp_path) == {"from the node's holder"}
     cmp = compare_runs(str(tmp_path), str(ref), 2, STEPS)
     assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches, cmp.replayed_losses_equal)
 
