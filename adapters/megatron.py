@@ -580,12 +580,16 @@ class MegatronStateAdapter:
             p.append(f"tensor {name}: snapshot {tuple(t.shape)} {t.dtype} vs live {tuple(live.shape)} {live.dtype}")
 
     # ---------------------------------------------------------------- apply
+    # restore_from_holder passes a PeerPayloads: DP peers' shards can come from the node's holder.
+    uses_peer_payloads = True
+
     @torch.no_grad()
-    def apply(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+    def apply(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], peers: Any = None) -> None:
         """Copy a verified snapshot into the live state, in place, then re-derive the model params.
 
-        Collective (DistOpt param all-gather): every rank calls it. Raises SnapshotMismatch before
-        touching anything if ``validate`` finds a problem.
+        Collective (DistOpt param all-gather, or the agreement to read the DP peers' shards from the
+        node's holder instead): every rank calls it. Raises SnapshotMismatch before touching anything
+        if ``validate`` finds a problem.
         """
         problems = self.validate(tensors, meta)
         if problems:
@@ -608,7 +612,7 @@ class MegatronStateAdapter:
         if self.set_counters is not None:
             self.set_counters(dict(meta.get("counters") or {}))
         self.set_iteration(int(meta["iteration"]))
-        self._rederive_model_params()
+        self._rederive_model_params(peers)
         if self.include_rng:  # last: nothing above may draw random numbers after it
             self._apply_rng(meta["rng"], tensors)
 
@@ -681,14 +685,19 @@ class MegatronStateAdapter:
         for name, items in pending.items():
             _defer_fp8_restore(modules[name], items)
 
-    def _rederive_model_params(self) -> None:
-        """Main params -> model params, as ``optimizer.step()`` ends, then the DistOpt param all-gather."""
+    def _rederive_model_params(self, peers: Any = None) -> None:
+        """Main params -> model params, as ``optimizer.step()`` ends, then the DistOpt param all-gather
+        (or, when the node's holder has every DP peer's snapshot, the peers' shards cast locally)."""
         any_distopt = False
         for leaf, kind in zip(self.leaves, self._kinds):
             if getattr(leaf, "optimizer", None) is None or kind == "FP32Optimizer":
                 continue  # FP32Optimizer updates the model params themselves
             leaf._copy_main_params_to_model_params()
             any_distopt |= kind == "DistributedOptimizer"
+        self.restore_notes = {"model_params": "all-gather" if any_distopt else "local"}
+        if any_distopt and self._model_params_from_peers(peers):
+            self.restore_notes = {"model_params": "from the node's holder" if self._peers_read else "local"}
+            return
         if any_distopt:
             for chunk in self.model_chunks:
                 # With --overlap-param-gather a gather dispatched before the roll-back may be pending, and
@@ -697,6 +706,42 @@ class MegatronStateAdapter:
                 chunk.start_param_sync(force_sync=True)
                 if getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False):
                     chunk.start_param_sync(force_sync=True)
+
+    def _model_params_from_peers(self, peers: Any) -> bool:
+        """The DistOpt param all-gather without the network: every DP peer's main-param shards, read
+        from the node's holder, cast into the model params at the ranges the peer owns -- the same
+        ``copy_`` each owner's ``_copy_main_params_to_model_params`` runs before the gather, so the
+        model params are bit-identical (the buckets' padding, which no param views, is not touched).
+        Collective decision (``peers.available``); False = use the all-gather."""
+        if peers is None or not torch.distributed.is_initialized():
+            return False   # the same on every rank: no collective needed
+        me = torch.distributed.get_rank()
+        params = {f"c{ci}.{n}": p for ci, chunk in enumerate(self.model_chunks) for n, p in chunk.named_parameters()}
+        # FP8 params (TE) are cast through their own quantizers; multiple DistOpt instances gather in stages.
+        usable = all(type(p.data) is torch.Tensor for p in params.values())
+        need: dict[int, list[int]] = {}   # leaf index -> the other DP ranks whose shards it needs
+        for li, (leaf, kind) in enumerate(zip(self.leaves, self._kinds)):
+            if kind != "DistributedOptimizer" or getattr(leaf, "optimizer", None) is None:
+                continue
+            group = getattr(leaf, "data_parallel_group", None)
+            if group is None or getattr(getattr(leaf, "ddp_config", None), "num_distributed_optimizer_instances", 1) != 1:
+                usable = False
+                continue
+            need[li] = [r for r in torch.distributed.get_process_group_ranks(group) if r != me]
+        if not peers.available(sorted({r for rs in need.values() for r in rs}), usable=usable and bool(need)):
+            return False
+        self._peers_read = sum(len(rs) for rs in need.values())
+        with torch.no_grad():
+            for li, rs in need.items():
+                for r in rs:
+                    pm_all, tensors = peers.meta(r)["optimizers"][li], peers.tensors(r)
+                    for gi, gm in enumerate(pm_all["groups"]):
+                        for pi, pm in enumerate(gm["params"]):
+                            if pm.get("name") is None or pm.get("range") is None:
+                                continue
+                            start, end = pm["range"]
+                            params[pm["name"]].detach().view(-1)[start:end].copy_(tensors[f"opt{li}/g{gi}/p{pi}/param"])
+        return True
 
     def _apply_rng(self, rm: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
         apply_rng(tensors, rm["base"], "rng")

@@ -86,9 +86,11 @@ class PeerPayloads:
         self.client, self.version, self.coll = client, version, coll
         self._open: dict[int, tuple] = {}
 
-    def available(self, ranks: list[int]) -> bool:
+    def available(self, ranks: list[int], *, usable: bool = True) -> bool:
+        """True on every rank iff every rank's holder has all of its ``ranks`` and every rank found
+        the path ``usable``. Every rank must call it exactly once per apply (it is a collective)."""
         ok = False
-        if self.client is not None:
+        if usable and self.client is not None:
             try:
                 held = self.client.list()
                 ok = all(any(s["version"] == self.version and s["state"] == "sealed"
@@ -99,13 +101,20 @@ class PeerPayloads:
 
     def tensors(self, rank: int) -> dict[str, torch.Tensor]:
         """Views of ``rank``'s payload (valid until ``close``)."""
+        return self._get(rank)[2]
+
+    def meta(self, rank: int) -> dict:
+        """``rank``'s snapshot metadata (decoded)."""
+        return self._get(rank)[3]
+
+    def _get(self, rank: int) -> tuple:
         if rank not in self._open:
             man, mm = self.client.open(rank=rank, version=self.version, populate=False)
-            self._open[rank] = (man, mm, mf.views(man, mm))
-        return self._open[rank][2]
+            self._open[rank] = (man, mm, mf.views(man, mm), mf.from_jsonable(man["meta"]))
+        return self._open[rank]
 
     def close(self) -> None:
-        for man, mm, views in self._open.values():
+        for man, mm, views, _ in self._open.values():
             views.clear()
             mm.close()
         self._open.clear()

@@ -150,6 +150,11 @@ def test_kill_rank_resumes_bit_exact(tmp_path, megatron_reference, layout):
     assert restore_tiers(tmp_path)[1] == {"memory"}
     assert_resumed_after(tmp_path, 1, got[1])
     assert any(e.get("kind") == "snapshot" and e.get("committed") for e in events(tmp_path))
+    # DP peers on one node (TP1 PP2 DP2: DP groups {0,1}, {2,3}): their shards come from the holder;
+    # across nodes (TP2 DP2: {0,2}, {1,3}) Megatron's all-gather; DP1: nothing to gather.
+    want = {"tp2_dp2": "all-gather", "tp1_pp2_dp2": "from the node's holder", "tp2_pp2": "local"}[layout]
+    assert {e["notes"]["model_params"] for e in events(tmp_path)
+            if e.get("kind") == "restore_end" and e.get("version", -1) >= 0} == {want}
     assert_bit_identical(tmp_path, ref)
 
 
