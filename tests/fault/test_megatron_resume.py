@@ -199,6 +199,26 @@ def test_megatron_lm_pretrain_kill_and_resume(tmp_path, megatron_reference):
     assert_bit_identical(tmp_path, ref, steps=steps)
 
 
+@needs_lm
+def test_megatron_lm_under_shardsafe_launch(tmp_path, megatron_reference, monkeypatch):
+    """The same job under `shardsafe launch` (torch elastic agents on 2 simulated nodes, the launcher's
+    holders): torchrun restarts the worker group after the SIGKILL, the ranks restore from the
+    holders, and the run is bit-exact to plain Megatron-LM."""
+    from shardsafe.elastic import ElasticConfig, ElasticLauncher
+    ref = megatron_reference("megatron_lm", lm_args(), script=MEGATRON_LM, env=lm_env())
+    monkeypatch.setenv("PYTHONPATH", lm_env()["PYTHONPATH"])
+    cfg = ElasticConfig(nodes=2, nproc_per_node=2, run_dir=str(tmp_path), inject="kill-rank:2@4", memory_budget_gb=0.5,
+                        max_restarts=2, keep_alive_s=2, keep_alive_misses=3, timeout_s=420)
+    res = ElasticLauncher(cfg).run([MEGATRON_LM, *lm_args(), "--shardsafe", "--shardsafe-no-start-holder"])
+    assert res.ok and res.attempts == 2, (res, trainer_logs(str(tmp_path))[-3000:])
+    assert res.failures[0]["rank"] == 2 and res.failures[0]["cause"] == "rank_exit"
+    got = restores(tmp_path)
+    assert got[0] == -1 and got[1] in (2, 3), got
+    assert restore_tiers(tmp_path)[1] == {"memory"}
+    assert_resumed_after(tmp_path, 1, got[1])
+    assert_bit_identical(tmp_path, ref, steps=6)
+
+
 # ---- bad arguments: a clear error on every rank before the first iteration -------------------------
 
 def assert_failed_before_training(run_dir, res, *needles):
