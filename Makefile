@@ -6,7 +6,7 @@ export DS_ACCELERATOR := cpu
 export DS_BUILD_OPS := 0
 export OMP_NUM_THREADS := 1
 
-.PHONY: venv demo test test-slurm clean
+.PHONY: venv demo test test-slurm test-mcore019 clean
 
 $(BIN)/.ready: setup.py Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +27,14 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest -q tests
+
+# The megatron-core API (state layer and own-loop fault tests) once more on megatron-core 0.19.2, which
+# imports triton unconditionally; not part of `make test` (a 290 MB download). Megatron-LM's loop stays on 0.17.1.
+test-mcore019: venv
+	test -d $(VENV)/mcore-0.19.2/megatron || $(BIN)/pip install -q --no-deps --ignore-requires-python \
+		--target $(VENV)/mcore-0.19.2 megatron-core==0.19.2 triton==3.9.0
+	PYTHONPATH=$(VENV)/mcore-0.19.2 $(BIN)/python -m pytest -q tests/dist/test_megatron_state.py \
+		tests/fault/test_megatron_resume.py -k "not megatron_lm"
 
 test-slurm: venv
 	$(BIN)/python -m pytest -q tests/slurm
