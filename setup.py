@@ -71,9 +71,9 @@ if __name__ == "__main__":
         install_requires=["numpy>=1.24,<3", "xxhash>=3.0,<4", "psutil>=5.9"],
         extras_require={
             "deepspeed": ["deepspeed>=0.16,<0.20"],
-            # 0.16.x is the newest megatron-core that declares Python 3.11; 0.17.1 (with Megatron-LM's
-            # training loop) is installed beside it by the Makefile, see docs/megatron.md.
-            "megatron": ["megatron-core>=0.16.1,<0.17"],
+            # Tested: 0.16.1, 0.17.1 and 0.19.2 (docs/megatron.md). On Python 3.11 pip resolves this to
+            # 0.16.x, the newest that declares 3.11 (the Makefile puts 0.17.1 beside it); on >= 3.12 to 0.19.x.
+            "megatron": ["megatron-core>=0.16.1,<0.20"],
             "parity": ["pyeclib>=1.6,<2"],
             "plot": ["matplotlib>=3.6,<4"],
             "test": ["pytest>=7,<10", "pytest-timeout>=2.1"],
