@@ -148,3 +148,30 @@ def test_disk_full_is_a_clear_error_and_memory_tiers_unaffected(holder, tiny_dis
     live = ToyAdapter(5)
     assert restore_from_holder(live, c, rank=0, coll=Collectives()).version == 2
     assert all(torch.equal(live.t[k], states[2].t[k]) for k in live.t)
+
+
+def test_export_source_reads_committed_versions_from_holders_and_refuses_corrupt_ones(holder, tmp_path):
+    """`shardsafe export holder://JOB`: the newest version committed on every rank, every checksum
+    verified, tensors equal to what was snapshotted; a flipped byte in holder memory is refused."""
+    from shardsafe.export import ExportError, open_holders, open_source
+    client = holder()
+    states = snapshots(client, [3, 5])
+    version, ranks = open_holders(str(tmp_path / "h"), "job")
+    assert version == 5 and [r.rank for r in ranks] == [0]
+    want = states[5].capture().tensors
+    assert ranks[0].tensors.keys() == want.keys()
+    assert all(torch.equal(ranks[0].tensors[k], want[k]) for k in want)
+    assert open_source("holder://job", holder_dir=str(tmp_path / "h"), version=3)[0] == 3
+    with pytest.raises(ExportError, match="not committed on every rank"):
+        open_holders(str(tmp_path / "h"), "job", version=4)
+    with pytest.raises(ExportError, match="no holder of job 'other'"):
+        open_holders(str(tmp_path / "h"), "other")
+    # Bit rot in v5 behind everyone's back (through the writer's mapping of the slot).
+    slot = next(s["slot"] for s in client.list(0)["0"]["data"] if s["version"] == 5)
+    man, mm = client.open(rank=0, version=5)
+    mm.close()
+    off = next(e for e in man["entries"] if e["nbytes"])["offset"]
+    client._maps[slot][off] ^= 0xFF
+    with pytest.raises(ExportError, match="rank 0 of version 5 .* fails its checksums"):
+        open_holders(str(tmp_path / "h"), "job")
+    client.close()
