@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from shardsafe.config import ConfigError, ShardsafeConfig
-from shardsafe.state import RankState, apply_rng, capture_rng
+from shardsafe.state import RankState, apply_rng, capture_rng, cast_like_owner
 
 log = logging.getLogger("shardsafe.deepspeed")
 
@@ -180,7 +180,7 @@ class DeepSpeedStateAdapter:
             for i, (parts, ranks) in enumerate(zip(o.parallel_partitioned_bit16_groups, groups)):
                 for part, r in zip(parts, ranks):
                     src = o.single_partition_of_fp32_groups[i] if r == me else peers.tensors(r)[f"opt/master/{i}"]
-                    part.data.copy_(src.data)
+                    cast_like_owner(part.data, src.data)
         return True
 
     # restore_from_holder passes a PeerPayloads: the lp params can come from the node's holder.

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Mapping, MutableMapping, Optional, P
 import torch
 
 from shardsafe.config import ConfigError, ShardsafeConfig
-from shardsafe.state import RankState, apply_rng, capture_rng
+from shardsafe.state import RankState, apply_rng, capture_rng, cast_like_owner
 
 from .megatron_args import add_arguments, compose_extra_args_provider, config_from_args
 
@@ -740,7 +740,8 @@ class MegatronStateAdapter:
                             if pm.get("name") is None or pm.get("range") is None:
                                 continue
                             start, end = pm["range"]
-                            params[pm["name"]].detach().view(-1)[start:end].copy_(tensors[f"opt{li}/g{gi}/p{pi}/param"])
+                            cast_like_owner(params[pm["name"]].detach().view(-1)[start:end],
+                                            tensors[f"opt{li}/g{gi}/p{pi}/param"])
         return True
 
     def _apply_rng(self, rm: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:

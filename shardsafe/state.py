@@ -74,3 +74,21 @@ def apply_rng(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], pref
     nm = meta[f"{prefix}/numpy"]
     keys = tensors[f"{prefix}/numpy"].numpy().astype(np.uint32)
     np.random.set_state((nm["name"], keys, nm["pos"], nm["has_gauss"], nm["cached"]))
+
+
+# --- casting a peer's fp32 shard the way its owner does -----------------------------------------------
+
+CAST_CHUNK = 1 << 26   # elements per staged chunk (256 MiB of fp32) when source and destination differ in device
+
+
+def cast_like_owner(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` with the dtype conversion done on ``dst``'s device, as the owner of ``src``
+    did it (its fp32 master lives where ``dst`` lives). A CPU->GPU ``copy_`` with a dtype change may
+    convert on the CPU, whose rounding is not guaranteed to be the GPU kernel's bit for bit; staging
+    the fp32 bytes on the device first keeps the result identical to the owner's, in bounded chunks."""
+    if dst.device == src.device:
+        dst.copy_(src)
+        return
+    d, s = dst.view(-1), src.reshape(-1)
+    for a in range(0, d.numel(), CAST_CHUNK):
+        d[a:a + CAST_CHUNK].copy_(s[a:a + CAST_CHUNK].to(dst.device))
