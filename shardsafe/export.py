@@ -18,12 +18,13 @@ puts it back after ``load_checkpoint`` (plain DeepSpeed restores neither for its
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -69,20 +70,7 @@ def open_persistent(job_dir: str, version: int | None = None) -> tuple[int, list
         raise ExportError(f"no snapshot versions under {job_dir} (expected v<iteration>/rank<R>.bin|.json, written "
                           "by the holders' flush); pass the persistent job directory PERSIST_DIR/JOB_ID.")
 
-    def world_of(v: int) -> int | None:
-        names = [n for n in os.listdir(store.version_dir(v)) if n.startswith("rank") and n.endswith(".json")]
-        if not names:
-            return None
-        import json
-        with open(os.path.join(store.version_dir(v), names[0])) as f:
-            ws = int(json.load(f)["world_size"])
-        return ws if len(store_ranks(v)) == ws else None
-
-    def store_ranks(v: int) -> list[int]:
-        return sorted(int(n[4:10]) for n in os.listdir(store.version_dir(v))
-                      if n.startswith("rank") and n.endswith(".json"))
-
-    complete = [v for v in versions if world_of(v)]
+    complete = [v for v in versions if _complete_on_disk(store, v)]
     if version is None:
         if not complete:
             raise ExportError(f"no version under {job_dir} has the files of every rank (found {versions}); "
@@ -91,10 +79,26 @@ def open_persistent(job_dir: str, version: int | None = None) -> tuple[int, list
     elif version not in complete:
         raise ExportError(f"version {version} under {job_dir} is missing or incomplete; complete versions: {complete}")
     out = []
-    for r in store_ranks(version):
+    for r in _ranks_on_disk(store, version):
         man, mm = store.open(version, r)
         out.append(_verified(r, man, mm, store.version_dir(version)))
     return version, out
+
+
+def _ranks_on_disk(store: Any, version: int) -> list[int]:
+    """Ranks whose manifest of ``version`` is on disk (the manifest is written after the payload)."""
+    return sorted(int(n[len("rank"):-len(".json")]) for n in os.listdir(store.version_dir(version))
+                  if n.startswith("rank") and n.endswith(".json"))
+
+
+def _complete_on_disk(store: Any, version: int) -> bool:
+    """Every rank of the job (the manifests' world size) has its files of ``version``."""
+    ranks = _ranks_on_disk(store, version)
+    if not ranks:
+        return False
+    with open(store.paths(version, ranks[0])[1]) as f:
+        world = int(json.load(f)["world_size"])
+    return ranks == list(range(world)) and all(os.path.exists(store.paths(version, r)[0]) for r in ranks)
 
 
 def open_holders(holder_dir: str, job_id: str, version: int | None = None) -> tuple[int, list[RankSnapshot]]:
@@ -193,10 +197,9 @@ def _loss_scaler(meta: dict, lay: dict, tensors: Mapping[str, torch.Tensor]) -> 
     return obj
 
 
-def _base_optimizer_state(meta: dict, tensors: Mapping[str, torch.Tensor], n_groups: int,
-                          lean: list[int] | None = None) -> dict:
-    """``torch.optim.Optimizer.state_dict()`` of the inner optimizer: one flat param per group, index = group.
-    ``lean`` (ZeRO-1/2 with elastic checkpoints) would strip padding; rigid checkpoints keep it."""
+def _base_optimizer_state(meta: dict, tensors: Mapping[str, torch.Tensor], n_groups: int) -> dict:
+    """``torch.optim.Optimizer.state_dict()`` of the inner optimizer: one flat param per group, index = group
+    (rigid checkpoints keep the padding; elastic ones, which strip it, are refused up front)."""
     state: dict[int, dict] = {}
     for i in range(n_groups):
         st: dict[str, Any] = {}

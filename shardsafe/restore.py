@@ -8,12 +8,14 @@ A torn write is never sealed, so it is never a candidate.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import xxhash
 
 from . import manifest as mf
 from .holder.client import HolderClient, HolderUnavailable
@@ -72,31 +74,43 @@ class Collectives:
         return bool(t.item() == 1)
 
 
+def manifest_digest(manifest: dict) -> int:
+    """63-bit digest of a payload's identity (version, rank, every segment checksum): two copies of a
+    rank's snapshot with equal digests hold the same bytes."""
+    key = json.dumps([manifest.get("version"), manifest.get("rank"), [e.get("xxh3") for e in manifest["entries"]]])
+    return xxhash.xxh3_64_intdigest(key.encode()) & ((1 << 63) - 1)
+
+
 class PeerPayloads:
     """Other ranks' payloads of the version being restored, read from this node's holder.
 
     An adapter whose re-derivation step is a collective over data-parallel peers (DeepSpeed's
     ``update_lp_params``: fp32 shard -> low-precision partition -> all-gather) can instead read the
-    peers' shards straight from the node's shared memory when the node holds all of them. Each
-    payload was verified by its owner before the vote that let any rank apply, and nothing writes
-    to a holder during a restore. ``available`` is collective: every rank takes the same path.
+    peers' shards straight from the node's shared memory when the node holds all of them. A peer's
+    copy is used only if its digest equals the one its owner verified and voted on (``digests``,
+    all-gathered before apply): a copy left on this node by an earlier placement of that rank, from
+    an earlier timeline of the same version, is never mixed in. Nothing writes to a holder during a
+    restore. ``available`` is collective: every rank takes the same path.
     """
 
-    def __init__(self, client: Optional[HolderClient], version: int, coll: "Collectives"):
-        self.client, self.version, self.coll = client, version, coll
+    def __init__(self, client: Optional[HolderClient], version: int, coll: "Collectives", digests: list[int]):
+        self.client, self.version, self.coll, self.digests = client, version, coll, digests
         self._open: dict[int, tuple] = {}
 
     def available(self, ranks: list[int], *, usable: bool = True) -> bool:
-        """True on every rank iff every rank's holder has all of its ``ranks`` and every rank found
-        the path ``usable``. Every rank must call it exactly once per apply (it is a collective)."""
+        """True on every rank iff every rank's holder has the verified copy of all of its ``ranks``
+        and every rank found the path ``usable``. Every rank calls it at most once per apply, and
+        either all ranks or none (it is a collective)."""
         ok = False
         if usable and self.client is not None:
             try:
                 held = self.client.list()
                 ok = all(any(s["version"] == self.version and s["state"] == "sealed"
                              for s in held.get(str(r), {}).get("data", [])) for r in ranks)
-            except (HolderError, HolderUnavailable) as e:
+                ok = ok and all(manifest_digest(self._get(r)[0]) == self.digests[r] for r in ranks)
+            except (HolderError, HolderUnavailable, OSError, KeyError) as e:
                 log.info("peer payloads not available from the holder: %s", e)
+                ok = False
         return self.coll.all_true(ok)
 
     def tensors(self, rank: int) -> dict[str, torch.Tensor]:
@@ -212,7 +226,8 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
         phases["verify"] += t2 - t1
         views = mf.views(manifest, mm)
         if getattr(adapter, "uses_peer_payloads", False):
-            peers = PeerPayloads(client, version, coll)
+            digests = [e[0][0] for e in coll.all_gather_versions([manifest_digest(manifest)])]
+            peers = PeerPayloads(client, version, coll, digests)
             try:
                 adapter.apply(views, mf.from_jsonable(manifest["meta"]), peers=peers)
             finally:

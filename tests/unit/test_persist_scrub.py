@@ -175,3 +175,27 @@ def test_export_source_reads_committed_versions_from_holders_and_refuses_corrupt
     with pytest.raises(ExportError, match="rank 0 of version 5 .* fails its checksums"):
         open_holders(str(tmp_path / "h"), "job")
     client.close()
+
+
+def test_peer_payloads_use_only_the_copy_its_owner_verified(holder):
+    """The restore's peer-shard path reads a DP peer's payload from the node's holder only if it is the
+    copy the peer verified (equal digest); a stale copy of the same version (an earlier timeline left
+    on this node by an earlier placement of that rank) or a missing version makes every rank fall back."""
+    from shardsafe.restore import Collectives, PeerPayloads, manifest_digest
+    c = holder()
+    for rank in (0, 1):
+        pipe = SnapshotPipeline(c, rank=rank, world_size=1, node="n0", agreement=LocalAgreement())
+        pipe.submit(4, ToyAdapter(10 + rank).capture())
+        assert pipe.flush(timeout=30), pipe.history[-1].error
+        pipe.close()
+    man1, mm = c.open(rank=1, version=4)
+    mm.close()
+    good = PeerPayloads(c, 4, Collectives(), digests=[0, manifest_digest(man1)])
+    assert good.available([1])
+    assert torch.equal(good.tensors(1)["master"], ToyAdapter(11).t["master"]) and good.meta(1)["iteration"] == 11
+    good.close()
+    stale = PeerPayloads(c, 4, Collectives(), digests=[0, manifest_digest(man1) ^ 1])
+    assert not stale.available([1])
+    stale.close()
+    assert not PeerPayloads(c, 5, Collectives(), digests=[0, 0]).available([1])
+    assert not PeerPayloads(c, 4, Collectives(), digests=[0, manifest_digest(man1)]).available([1], usable=False)
