@@ -590,7 +590,17 @@ class _AgentHooks:
         self.reported: set[tuple[int, str]] = set()
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        threading.Thread(target=self._kill_loop, name="shardsafe-kill-watch", daemon=True).start()
+        self._watch = threading.Thread(target=self._kill_loop, name="shardsafe-kill-watch", daemon=True)
+        self._watch.start()
+
+    def close(self) -> None:
+        """Stop the kill watcher and drop the store clients while the interpreter is fully alive: a
+        daemon thread still inside a TCPStore call at interpreter teardown aborts the process
+        ("terminate called without an active exception"), which would turn a finished job's agent
+        exit code into a failure."""
+        self._stop.set()
+        self._watch.join(timeout=5)
+        self.store = None
 
     def _publish(self, fact: dict) -> None:
         with self._lock:
@@ -634,6 +644,12 @@ class _AgentHooks:
 
     def _kill_loop(self) -> None:
         store = None
+        try:
+            self._watch_kills(store)
+        finally:
+            store = None
+
+    def _watch_kills(self, store: Any) -> None:
         while not self._stop.wait(0.25):
             a = self.attempt
             if a is None or (a, "kill") in self.reported:
@@ -704,7 +720,7 @@ def run_agent(opts: AgentOptions, script: list[str]) -> int:
         log.error("[agent %s] torchrun ended with %s: %s", opts.node, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return 1
     finally:
-        hooks._stop.set()
+        hooks.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1023,7 +1039,13 @@ def cmd_agent(a: argparse.Namespace) -> int:
     opts = _agent_options(a)
     if not opts.job_id:
         raise LaunchError("shardsafe agent needs --job-id (or SHARDSAFE_JOB_ID / SLURM_JOB_ID): it names the rendezvous")
-    return run_agent(opts, _script(a))
+    rc = run_agent(opts, _script(a))
+    # The agent's exit code is the job's verdict for this node: leave without the interpreter teardown of
+    # torch's C++ statics (rendezvous store threads), which can abort a process whose work is done.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def cmd_control(a: argparse.Namespace) -> int:
