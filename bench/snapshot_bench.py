@@ -127,9 +127,17 @@ def worker(a: argparse.Namespace) -> None:
         engine.load_checkpoint(base, tag=tag)
         load_cold.append(mx(time.perf_counter() - t0))
         dist.barrier()
+        prof = None
+        if os.environ.get("SHARDSAFE_BENCH_PROFILE") and rank == 0 and i == a.repeats - 1:
+            import cProfile   # where one restore's time goes (rank 0, last repeat): --profile
+            prof = cProfile.Profile()
+            prof.enable()
         t0 = time.perf_counter()
         r = restore_from_holder(hook.adapter, hook.runtime.client, rank=rank, coll=hook.runtime.coll)
         restore.append(mx(time.perf_counter() - t0))
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(os.environ["SHARDSAFE_BENCH_PROFILE"])
         assert r.version >= 0, r.message
         phases.append(r.phases)
         dist.barrier()
@@ -187,7 +195,10 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--budget-gb", type=float, default=6.0)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--profile", default="", help="write a cProfile of rank 0's last restore to this file")
     a = p.parse_args()
+    if a.profile:
+        os.environ["SHARDSAFE_BENCH_PROFILE"] = os.path.abspath(a.profile)
     if a.worker:
         worker(a)
         return 0

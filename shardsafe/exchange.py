@@ -11,7 +11,10 @@ this succeeded on every rank.
 Rebuild (restore after node loss): survivors read their data and parity slots and send the k
 source fragments of every affected codeword to the lost members, who decode their chunks into a
 fresh data slot of their (new, empty) holder, verify them against the replicated checksums and
-seal them; the normal restore path then loads them.
+seal them; the normal restore path then loads them. From the same fragments a lost member also
+re-encodes the parity shares it held, so the restored version is protected again at once (a
+second node loss before the next snapshot is covered); those slots are committed only when the
+restore of the version verified on every rank (``finish_rebuild``), else dropped.
 
 All collectives here run on the parity group's own gloo group, from the snapshot worker thread
 (encode) or the main thread before training (rebuild); every member of a group takes the same
@@ -94,6 +97,7 @@ class ParityExchange:
         # shards differ by up to a bucket) size their data slot for the group's padded layout.
         self.pmax_hint = 0
         self.timings: dict[str, float] = {}
+        self._rebuilt: list[tuple[int, str]] = []   # (version, kind) slots sealed by the last rebuild
 
     # ---- sizes ------------------------------------------------------------------------------------
     def padded_nbytes(self, payload_nbytes: int) -> int:
@@ -225,7 +229,7 @@ class ParityExchange:
                 pv.release()
                 if bad:
                     reason = f"rank {me}: parity share(s) {bad} of version {version} fail their checksum"
-                info = {"chunk_size": cs, "manifests": pman["group_manifests"]}
+                info = {"chunk_size": cs, "payload_max": pman["payload_max"], "manifests": pman["group_manifests"]}
             except Exception as e:
                 reason = f"rank {me}: cannot read data/parity of version {version}: {e}"
         ok, _ = self._vote(not reason, 0)
@@ -250,7 +254,7 @@ class ParityExchange:
             dv = _data_chunks(handles[1], g.k, cs)
             pv_t = torch.frombuffer(handles[0], dtype=torch.uint8, count=g.m * cs)
         for cw in plan:
-            takers = sorted({t.rank for t in cw.targets if not t.is_parity})
+            takers = sorted({t.rank for t in cw.targets})   # lost members: their data chunks and parity shares
             for f in cw.sources:
                 if f.rank == me:
                     src = pv_t[f.slot * cs:(f.slot + 1) * cs] if f.is_parity else dv[f.slot]
@@ -286,7 +290,51 @@ class ParityExchange:
             return False, 0, (f"rank {me}: payload of version {version} rebuilt from parity fails its checksums "
                               f"({'; '.join(bad[:3])}): a peer's data or parity share is corrupt; not loaded")
         client.seal(rank=me, version=version, manifest=my_man)
+        self._rebuilt.append((version, "data"))
+        self._reencode_parity(version, client, plan, recv_bufs, cs, info)
         return True, my_man["payload_nbytes"], ""
+
+    def _reencode_parity(self, version: int, client: HolderClient, plan, recv_bufs: dict, cs: int, info: dict) -> None:
+        """Re-encode this (rebuilt) member's parity shares of ``version`` from the fragments it received.
+
+        Without them the group would cover no further loss until the next snapshot commits: with
+        m=1, a second node lost meanwhile would find codewords short of a fragment. A failure here
+        (budget) costs only that protection, never the restore: one warning, the data stays."""
+        g, me = self.group, self.rank
+        try:
+            _, pmm = client.acquire(rank=me, version=version, nbytes=g.m * cs, kind="parity")
+            for cw in plan:
+                mine = [t for t in cw.targets if t.rank == me and t.is_parity]
+                if mine:
+                    outs = [np.frombuffer(pmm, dtype=np.uint8, count=cs, offset=t.slot * cs) for t in mine]
+                    self.codec.reconstruct({f.fragment: b.numpy() for f, b in zip(cw.sources, recv_bufs[cw.codeword])},
+                                           [t.fragment for t in mine], out=outs)
+            stripes = g.parity_stripes(me)
+            sums = [mf.hash_bytes(memoryview(pmm)[j * cs:(j + 1) * cs]) for j in range(len(stripes))]
+            man = {"format": mf.FORMAT, "kind": "parity", "version": version, "rank": me,
+                   "group": {"index": g.index, "members": list(g.members), "nodes": list(g.nodes), "k": g.k, "m": g.m},
+                   "code": self.codec.spec(), "chunk_size": cs, "payload_max": info["payload_max"],
+                   "codewords": [s.codeword for s in stripes], "xxh3": sums,
+                   "group_manifests": info["manifests"], "rebuilt": True}
+            client.seal(rank=me, version=version, manifest=man, kind="parity")
+            self._rebuilt.append((version, "parity"))
+        except Exception as e:
+            log.warning("[rank %d] rebuilt payload of version %d restored, but its parity shares could not be "
+                        "re-encoded (%s): the group is protected again from the next committed snapshot", me, version, e)
+
+    def finish_rebuild(self, client: HolderClient | None, version: int, *, restored: bool) -> None:
+        """After the restore vote on ``version``: commit the slots this rank rebuilt for it (the
+        version verified on every rank), or drop them (it did not: they must never be served)."""
+        todo = [kind for v, kind in self._rebuilt if v == version]
+        self._rebuilt = [(v, k) for v, k in self._rebuilt if v != version]
+        for kind in todo:
+            try:
+                if restored:
+                    client.commit(ranks=[self.rank], version=version, kind=kind)
+                else:
+                    client.drop(rank=self.rank, version=version, kind=kind)
+            except Exception as e:   # the holder's state stays "sealed": restorable, just not protected from reuse
+                log.warning("[rank %d] %s of rebuilt version %d: %s", self.rank, "commit" if restored else "drop", version, e)
 
 
 def _data_chunks(mm: Any, k: int, cs: int) -> list[torch.Tensor]:

@@ -208,7 +208,7 @@ class LocalLauncher:
                 started = time.monotonic()
                 failed: dict[str, Any] | None = None
                 node_fault = self._node_fault(attempt)
-                watch = _EventTail(os.path.join(c.run_dir, "events.jsonl")) if node_fault else None
+                watch = _EventTail(os.path.join(c.run_dir, "events.jsonl"), attempt) if node_fault else None
                 while True:
                     if node_fault and watch.reached(node_fault.step):
                         failed = self._kill_nodes(procs, node_fault, attempt)
@@ -248,10 +248,13 @@ class LocalLauncher:
 
 
 class _EventTail:
-    """Follows events.jsonl incrementally: has any trainer finished iteration >= step?"""
+    """Follows events.jsonl incrementally: has any trainer of this attempt finished iteration >= step?
 
-    def __init__(self, path: str):
-        self.path, self.pos, self.best = path, 0, 0
+    Only this attempt's iterations count: an earlier attempt already reached the steps a restored
+    one repeats, and a node fault for attempt j must hit attempt j's training, not its start."""
+
+    def __init__(self, path: str, attempt: int = 0):
+        self.path, self.pos, self.best, self.attempt = path, 0, 0, attempt
 
     def reached(self, step: int) -> bool:
         try:
@@ -269,7 +272,7 @@ class _EventTail:
                 ev = json.loads(line)
             except ValueError:
                 continue
-            if ev.get("kind") == "iteration":
+            if ev.get("kind") == "iteration" and int(ev.get("attempt") or 0) == self.attempt:
                 self.best = max(self.best, int(ev.get("iteration", 0)))
         return self.best >= step
 

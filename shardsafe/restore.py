@@ -209,6 +209,7 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
             if not coll.all_true(ok):
                 if why:
                     log.error("[rank %d] rebuild of version %d from parity failed: %s", rank, version, why)
+                exchange.finish_rebuild(client, version, restored=False)
                 continue
             rebuilt_bytes, rebuild_s = nb, time.perf_counter() - t1
             phases["rebuild"] += rebuild_s
@@ -217,7 +218,10 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
         if bad:
             log.error("[rank %d] snapshot version %d failed verification, not loaded: %s", rank, version, "; ".join(bad[:5]))
             why = f"rank {rank}: " + "; ".join(bad[:3])
-        if not coll.all_true(not bad):
+        everywhere = coll.all_true(not bad)
+        if tier == "parity":   # rebuilt slots: committed once the version verified everywhere, else dropped
+            exchange.finish_rebuild(client, version, restored=everywhere)
+        if not everywhere:
             if mm is not None:
                 mm.close()
             log.warning("[rank %d] version %d is not restorable on every rank; trying an older one", rank, version)

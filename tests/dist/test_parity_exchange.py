@@ -79,7 +79,13 @@ def _scenario(rank, world, root, scenario):
     cs = ex.group.chunk_size(ex.pmax_hint)
     assert all(s["nbytes"] == m * cs for s in pinfo)   # m/(n-m) of the padded payload
     dist.barrier()
-    lost = {"one": [1], "parity_corrupt": [1], "data_corrupt": [1], "two": [1, 2], "uneven": [1]}[scenario]
+    lost = {"one": [1], "parity_corrupt": [1], "data_corrupt": [1], "two": [1, 2], "uneven": [1],
+            "sequential": [1]}[scenario]
+    before = None
+    if scenario == "sequential" and rank == 1:   # what rank 1's parity share of version 2 was
+        man, pmm = client.open(rank=1, version=2, kind="parity")
+        before = (bytes(pmm), man["xxh3"], man["codewords"])
+        pmm.close()
     if scenario == "uneven":   # keep version 1 only: its rebuild reads rank 0's short slot
         client.drop(rank=rank, kind="data", version=2)
         client.drop(rank=rank, kind="parity", version=2)
@@ -97,8 +103,34 @@ def _scenario(rank, world, root, scenario):
         res = restore_from_holder(live, client, rank=rank, coll=coll, exchange=ex, nodes=[p.node for p in places])
     except RestoreError as e:
         return {"error": str(e)}
-    return {"version": res.version, "tier": res.tier, "equal": live.equals(Shard(rank, res.version, n)),
-            "rebuilt": res.rebuilt_bytes}
+    out = {"version": res.version, "tier": res.tier, "equal": live.equals(Shard(rank, res.version, n)),
+           "rebuilt": res.rebuilt_bytes}
+    if scenario != "sequential":
+        return out
+    # Rank 1 came back from parity. Its slots of version 2 are committed, and its parity share was
+    # re-encoded: byte for byte what it held before the loss.
+    held = client.list(rank)[str(rank)]
+    out["committed"] = {k: [s["version"] for s in held[k] if s["committed"]] for k in ("data", "parity")}
+    if rank == 1:
+        man, pmm = client.open(rank=1, version=2, kind="parity")
+        out["parity_same"] = (bytes(pmm), man["xxh3"], man["codewords"]) == before
+        pmm.close()
+    # Then rank 2's node is lost too, before any new snapshot: version 2 must still be rebuildable,
+    # which needs the parity rank 1 holds for rank 2's chunks.
+    dist.barrier()
+    if rank == 2:
+        client.drop(rank=rank, kind="data")
+        client.drop(rank=rank, kind="parity")
+    dist.barrier()
+    live = Shard(rank, 0, n)
+    try:
+        res = restore_from_holder(live, client, rank=rank, coll=coll, exchange=ex, nodes=[p.node for p in places])
+    except RestoreError as e:
+        out["second"] = {"error": str(e)}
+        return out
+    out["second"] = {"version": res.version, "tier": res.tier, "equal": live.equals(Shard(rank, res.version, n)),
+                     "rebuilt": res.rebuilt_bytes}
+    return out
 
 
 def test_one_node_lost_is_rebuilt_bit_exact(holders):
@@ -106,6 +138,19 @@ def test_one_node_lost_is_rebuilt_bit_exact(holders):
     assert [o["version"] for o in out] == [2, 2, 2] and all(o["equal"] for o in out)
     assert [o["tier"] for o in out] == ["parity"] * 3
     assert out[1]["rebuilt"] > 0 and out[0]["rebuilt"] == 0
+
+
+def test_rebuilt_member_protects_the_version_again(holders):
+    """A rebuilt member also re-encodes its parity shares (equal to the lost ones) and commits them, so
+    a second node lost before the next snapshot is still rebuilt (with m=1 it needs them)."""
+    out = run_ranks(WORLD, _scenario, holders, "sequential", timeout_s=120, pg_timeout_s=10)
+    assert [o["version"] for o in out] == [2, 2, 2] and all(o["equal"] for o in out), out
+    assert out[1]["parity_same"] is True
+    assert all(o["committed"] == {"data": [2], "parity": [2]} for o in out[1:2]), out
+    second = [o["second"] for o in out]
+    assert [s.get("version") for s in second] == [2, 2, 2], second
+    assert [s["tier"] for s in second] == ["parity"] * 3 and all(s["equal"] for s in second)
+    assert second[2]["rebuilt"] > 0 and second[1]["rebuilt"] == 0
 
 
 def test_uneven_payloads_are_protected_from_the_first_snapshot(holders):

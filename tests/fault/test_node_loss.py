@@ -35,6 +35,21 @@ def test_node_loss_rebuilt_from_parity(tmp_path, reference, stage, m, nodes, los
     assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)
 
 
+def test_second_node_loss_before_the_next_snapshot(tmp_path, reference):
+    """node1 lost, rebuilt from parity; then node2 lost before another snapshot commits. With m=1 the
+    second rebuild needs the parity shares node1 held: the first rebuild re-encoded them."""
+    ref = reference(2, "bf16", 12, world=3)
+    res = run_job(tmp_path, stage=2, dtype="bf16", steps=12, nodes=3, nproc=1,
+                  inject="kill-node:node1@7;kill-node:node2@7", extra=["--interval", "5"])
+    assert res.ok and res.attempts == 3, res
+    assert [f["cause"] for f in res.failures] == ["node_loss", "node_loss"], res.failures
+    # Snapshots at 5 and 10 only: both restores are of version 5, both rebuilt from parity.
+    assert restores(tmp_path)[1] == 5 and restores(tmp_path)[2] == 5, restores(tmp_path)
+    assert tiers(tmp_path)[1] == "parity" and tiers(tmp_path)[2] == "parity"
+    cmp = compare_runs(str(tmp_path), str(ref), 3, 12)
+    assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)
+
+
 def test_more_node_losses_than_parity_fail_clearly(tmp_path):
     res = run_job(tmp_path, stage=2, dtype="fp32", steps=8, nodes=3, nproc=1, inject="kill-node:node0+node1@4",
                   max_restarts=1)
