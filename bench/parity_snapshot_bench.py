@@ -7,6 +7,10 @@ m parity shards). Every snapshot event carries the worker's copy time (live tens
 memory) and parity time (group vote, chunk exchange over gloo, ISA-L encode into the holder,
 checksums, seal); the ratio of medians is the extra cost of parity per snapshot. Both run in the
 snapshot worker, off the training loop; the stall the loop sees is reported too.
+
+Then, in the same run, the same pipeline without training (``alone``): N forked ranks with their
+own holders snapshot a state of the same size through SnapshotPipeline + ParityExchange, so the
+parity cost can be told apart from the contention with training on a machine with few cores.
 """
 from __future__ import annotations
 
@@ -22,6 +26,96 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "ds_pretrain_gpt.py")
 
 
+def _alone_rank(rank: int, world: int, root: str, nbytes: int, m: int, reps: int) -> dict:
+    """One rank of the no-training run: snapshot ``nbytes`` of state ``reps`` times with parity."""
+    import torch
+    import torch.distributed as dist
+    from shardsafe.exchange import ParityExchange, gather_places, plan_parity
+    from shardsafe.holder.client import HolderClient
+    from shardsafe.holder.paths import HolderPaths
+    from shardsafe.snapshot import GlooAgreement, SnapshotPipeline
+    from shardsafe.state import RankState
+
+    client = HolderClient(HolderPaths(root, "alone", f"n{rank}"), timeout_s=30).connect()
+    places = gather_places(rank, world, f"n{rank}", rank)
+    ex = ParityExchange(plan_parity(places, group_size=0, parity_shards=m), rank, timeout_s=30)
+    pipe = SnapshotPipeline(client, rank=rank, world_size=world, node=f"n{rank}", agreement=GlooAgreement(), parity=ex)
+    g = torch.Generator().manual_seed(rank)
+    n = nbytes // 4
+    st = {"master": torch.randn(n // 3, generator=g), "exp_avg": torch.randn(n // 3, generator=g),
+          "exp_avg_sq": torch.rand(n - 2 * (n // 3), generator=g)}
+    for v in range(1, reps + 1):
+        dist.barrier()
+        pipe.submit(v, RankState(dict(st), {"v": v}))
+        if not pipe.flush(timeout=120):
+            raise RuntimeError(f"snapshot {v} not committed: {pipe.history[-1].error}")
+    pipe.close()
+    hist = pipe.history[2:]   # the first two allocate slots and staging
+    return {"copy_s": [h.copy_s for h in hist], "parity_s": [h.parity_s for h in hist],
+            "phases": [h.parity_phases for h in hist]}
+
+
+def run_alone(nodes: int, m: int, nbytes: int, reps: int = 9) -> dict:
+    """The pipeline with parity on ``nodes`` forked ranks, one holder each, no training."""
+    import multiprocessing as mp
+    import subprocess
+    import time
+    from datetime import timedelta
+    from shardsafe.holder.client import holder_command
+    from shardsafe.holder.paths import HolderPaths
+    root = tempfile.mkdtemp(prefix="shardsafe-paritybench-alone-")
+    holders = []
+    try:
+        for r in range(nodes):
+            proc = subprocess.Popen(holder_command(HolderPaths(root, "alone", f"n{r}"), budget_gb=nbytes * 8 / 2**30 + 0.5),
+                                    stdout=subprocess.PIPE)
+            if not proc.stdout.readline().startswith(b"holder ready"):
+                raise RuntimeError("holder did not start")
+            holders.append(proc)
+
+        def child(rank: int) -> None:
+            import torch
+            torch.set_num_threads(1)
+            code = 0
+            try:
+                store = torch.distributed.FileStore(os.path.join(root, "store"), nodes)
+                torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=nodes,
+                                                     timeout=timedelta(seconds=60))
+                with open(os.path.join(root, f"r{rank}.json"), "w") as f:
+                    json.dump(_alone_rank(rank, nodes, root, nbytes, m, reps), f)
+            except BaseException as e:  # noqa: BLE001
+                code = 1
+                print(f"rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
+            finally:
+                os._exit(code)
+        ctx = mp.get_context("fork")
+        procs = [ctx.Process(target=child, args=(r,)) for r in range(nodes)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 600
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        if any(p.exitcode != 0 for p in procs):
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            raise RuntimeError("the no-training run failed")
+        per = [json.load(open(os.path.join(root, f"r{r}.json"))) for r in range(nodes)]
+    finally:
+        for proc in holders:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(root, ignore_errors=True)
+    med = statistics.median
+    # Per snapshot, the slowest rank's time (the group commits when its slowest member is done).
+    copy = [max(p["copy_s"][i] for p in per) for i in range(len(per[0]["copy_s"]))]
+    parity = [max(p["parity_s"][i] for p in per) for i in range(len(per[0]["parity_s"]))]
+    keys = per[0]["phases"][0].keys()
+    return {"copy_ms": round(med(copy) * 1e3, 2), "parity_ms": round(med(parity) * 1e3, 2),
+            "ratio_parity_vs_copy": round(med(parity) / med(copy), 3), "snapshots": len(copy),
+            "parity_phases_ms_rank0": {k: round(med(ph[k] for ph in per[0]["phases"]) * 1e3, 2) for k in keys}}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, default=3)
@@ -31,6 +125,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--no-alone", action="store_true", help="skip the run without training")
     a = p.parse_args()
     from shardsafe.launch import LaunchConfig, LocalLauncher
     from shardsafe.runcheck import read_jsonl
@@ -55,6 +150,8 @@ def main() -> int:
            "stall_ms_median": round(med(e["stall_s"] for e in snaps) * 1e3, 3),
            "parity_phases_ms": {k: round(med(e["parity_phases"][k] for e in snaps) * 1e3, 2)
                                 for k in snaps[-1].get("parity_phases", {})}}
+    if not a.no_alone:
+        out["alone"] = run_alone(a.nodes, a.m, snaps[-1]["bytes"])
     if a.json:
         print(json.dumps(out))
         return 0
@@ -65,6 +162,10 @@ def main() -> int:
     print(f"parity          {out['parity_ms']:8.2f} ms  -> {out['ratio_parity_vs_copy']:.2f}x of the copy time "
           f"(target <= 0.5x); phases {out['parity_phases_ms']} ms")
     print(f"training stall  {out['stall_ms_median']:8.3f} ms per snapshot")
+    if "alone" in out:
+        al = out["alone"]
+        print(f"without training (same state size, {al['snapshots']} snapshots, slowest rank): copy {al['copy_ms']:.2f} ms, "
+              f"parity {al['parity_ms']:.2f} ms -> {al['ratio_parity_vs_copy']:.2f}x; rank 0 phases {al['parity_phases_ms_rank0']} ms")
     return 0
 
 

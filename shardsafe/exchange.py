@@ -109,18 +109,26 @@ class ParityExchange:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pg)
         return bool(t[0] == 1), int(-t[1])
 
-    def _all_gather_bytes(self, blob: bytes) -> list[bytes]:
+    def _gather_sizes(self, ok: bool, nbytes: int, blob_len: int) -> tuple[bool, int, int]:
+        """One all-gather of (ok, payload bytes, manifest length): (all ok, largest payload, longest manifest)."""
         import torch.distributed as dist
-        n = self.group.n
-        lens = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-        dist.all_gather(lens, torch.tensor([len(blob)], dtype=torch.int64), group=self.pg)
-        mx = max(int(x) for x in lens)
-        buf = torch.zeros(mx, dtype=torch.uint8)
-        if blob:
-            buf[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        outs = [torch.empty(mx, dtype=torch.uint8) for _ in range(n)]
+        outs = [torch.zeros(3, dtype=torch.int64) for _ in range(self.group.n)]
+        dist.all_gather(outs, torch.tensor([1 if ok else 0, nbytes, blob_len], dtype=torch.int64), group=self.pg)
+        rows = torch.stack(outs)
+        return bool(rows[:, 0].min() == 1), int(rows[:, 1].max()), int(rows[:, 2].max())
+
+    def _gather_manifests(self, ready: bool, blob: bytes, width: int) -> tuple[bool, list[bytes]]:
+        """One all-gather of every member's manifest, each behind a ready byte: (all ready, blobs)."""
+        import torch.distributed as dist
+        buf = torch.zeros(width + 1, dtype=torch.uint8)
+        if ready:
+            buf[0] = 1
+            if blob:
+                buf[1: len(blob) + 1] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        outs = [torch.empty(width + 1, dtype=torch.uint8) for _ in range(self.group.n)]
         dist.all_gather(outs, buf, group=self.pg)
-        return [bytes(o[: int(ln)].numpy()) for o, ln in zip(outs, lens)]
+        # JSON never ends in NUL: the zero padding after a shorter manifest is cut off.
+        return all(int(o[0]) == 1 for o in outs), [bytes(o[1:].numpy()).rstrip(b"\0") for o in outs]
 
     def _staging_for(self, nbytes: int) -> torch.Tensor:
         if self._staging is None or self._staging.numel() < nbytes:
@@ -137,7 +145,11 @@ class ParityExchange:
         self.last_error = ""
         t0 = time.perf_counter()
         nbytes = data_manifest["payload_nbytes"] if ok and data_manifest else 0
-        ok, pmax = self._vote(ok, nbytes)
+        blob = json.dumps(data_manifest, separators=(",", ":")).encode() if ok and data_manifest else b""
+        # Two small collectives decide everything before bytes move: sizes (and whether every member
+        # has its snapshot), then the manifests (and whether every member got its parity slot).
+        ok, pmax, width = self._gather_sizes(ok, nbytes, len(blob))
+        t_voted = time.perf_counter()
         if not ok:
             self.last_error = "a member of the parity group has no snapshot for this version"
             return False
@@ -155,8 +167,8 @@ class ParityExchange:
         except Exception as e:   # budget, holder gone: vote no, the group skips together
             self.last_error = f"parity slot: {e}"
             ready = False
-        blobs = self._all_gather_bytes(json.dumps(data_manifest).encode() if ready else b"")
-        ready, _ = self._vote(ready and all(blobs), 0)
+        t_slot = time.perf_counter()
+        ready, blobs = self._gather_manifests(ready, blob, width)
         if not ready:
             self.last_error = self.last_error or "a member of the parity group could not store parity"
             return False
@@ -186,7 +198,10 @@ class ParityExchange:
         client.seal(rank=me, version=version, manifest=man, kind="parity")
         t_end = time.perf_counter()
         # Where parity time goes: votes + manifests + slot, chunk transfer, encode + checksums + seal.
-        self.timings = {"prepare_s": t_sent - t0, "transfer_s": t_xfer - t_sent, "encode_s": t_end - t_xfer}
+        # wait_s (inside prepare_s): the first vote, i.e. waiting for the group's slowest member to finish its copy.
+        self.timings = {"prepare_s": t_sent - t0, "wait_s": t_voted - t0, "slot_s": t_slot - t_voted,
+                        "manifests_s": t_sent - t_slot, "transfer_s": t_xfer - t_sent,
+                        "encode_s": t_end - t_xfer}
         return True
 
     # ---- rebuild at restore -------------------------------------------------------------------------
