@@ -77,7 +77,7 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 90.0,
                 for r in range(world) if os.path.exists(os.path.join(tmp, f"rank{r}.err"))}
         if errs or failed or any(p.exitcode != 0 for p in procs):
             first = min(errs) if errs else None
-            detail = f"rank {first}:\n{errs[first]}" if first is not None else "no traceback"
+            detail = "\n".join(f"rank {r}:\n{e}" for r, e in sorted(errs.items())) if errs else "no traceback"
             raise RuntimeError(f"{failed or 'rank(s) failed'} (exit codes {[p.exitcode for p in procs]}); {detail}")
         out = []
         for r in range(world):

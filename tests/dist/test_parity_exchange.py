@@ -64,9 +64,9 @@ def _scenario(rank, world, root, scenario):
     import torch.distributed as dist
     client = HolderClient(HolderPaths(root, "pjob", f"n{rank}"), timeout_s=10).connect()
     places = gather_places(rank, world, f"n{rank}", rank)
-    m = 1
+    m = 2 if scenario == "two_m2" else 1
     ex = ParityExchange(plan_parity(places, group_size=0, parity_shards=m), rank, timeout_s=10)
-    assert (ex.group.k, ex.group.m) == (2, 1)
+    assert (ex.group.k, ex.group.m) == (3 - m, m)
     pipe = SnapshotPipeline(client, rank=rank, world_size=world, node=f"n{rank}", agreement=GlooAgreement(), parity=ex)
     # "uneven": payloads of 1.8, 2.4 and 3.0 MB, so rank 0's first data slot (2 MiB, sized before the
     # group's largest payload is known) is shorter than the group's padded payload.
@@ -80,10 +80,10 @@ def _scenario(rank, world, root, scenario):
     assert all(s["nbytes"] == m * cs for s in pinfo)   # m/(n-m) of the padded payload
     dist.barrier()
     lost = {"one": [1], "parity_corrupt": [1], "data_corrupt": [1], "two": [1, 2], "uneven": [1],
-            "sequential": [1]}[scenario]
+            "sequential": [1], "two_m2": [1, 2]}[scenario]
     before = None
-    if scenario == "sequential" and rank == 1:   # what rank 1's parity share of version 2 was
-        man, pmm = client.open(rank=1, version=2, kind="parity")
+    if scenario in ("sequential", "two_m2") and rank in lost:   # what the lost rank's parity shares of version 2 were
+        man, pmm = client.open(rank=rank, version=2, kind="parity")
         before = (bytes(pmm), man["xxh3"], man["codewords"])
         pmm.close()
     if scenario == "uneven":   # keep version 1 only: its rebuild reads rank 0's short slot
@@ -105,16 +105,18 @@ def _scenario(rank, world, root, scenario):
         return {"error": str(e)}
     out = {"version": res.version, "tier": res.tier, "equal": live.equals(Shard(rank, res.version, n)),
            "rebuilt": res.rebuilt_bytes}
-    if scenario != "sequential":
+    if scenario not in ("sequential", "two_m2"):
         return out
-    # Rank 1 came back from parity. Its slots of version 2 are committed, and its parity share was
-    # re-encoded: byte for byte what it held before the loss.
+    # The lost ranks came back from parity. Their slots of version 2 are committed, and their parity
+    # shares were re-encoded: byte for byte what they held before the loss.
     held = client.list(rank)[str(rank)]
     out["committed"] = {k: [s["version"] for s in held[k] if s["committed"]] for k in ("data", "parity")}
-    if rank == 1:
-        man, pmm = client.open(rank=1, version=2, kind="parity")
+    if rank in lost:
+        man, pmm = client.open(rank=rank, version=2, kind="parity")
         out["parity_same"] = (bytes(pmm), man["xxh3"], man["codewords"]) == before
         pmm.close()
+    if scenario == "two_m2":
+        return out
     # Then rank 2's node is lost too, before any new snapshot: version 2 must still be rebuildable,
     # which needs the parity rank 1 holds for rank 2's chunks.
     dist.barrier()
@@ -151,6 +153,14 @@ def test_rebuilt_member_protects_the_version_again(holders):
     assert [s.get("version") for s in second] == [2, 2, 2], second
     assert [s["tier"] for s in second] == ["parity"] * 3 and all(s["equal"] for s in second)
     assert second[2]["rebuilt"] > 0 and second[1]["rebuilt"] == 0
+
+
+def test_two_lost_members_re_encode_their_parity_m2(holders):
+    """m=2, two members lost at once: each rebuilds its payload and re-encodes its own two parity shares."""
+    out = run_ranks(WORLD, _scenario, holders, "two_m2", timeout_s=120, pg_timeout_s=10)
+    assert [o["version"] for o in out] == [2, 2, 2] and all(o["equal"] for o in out), out
+    assert out[1]["parity_same"] is True and out[2]["parity_same"] is True
+    assert all(o["committed"] == {"data": [2], "parity": [2]} for o in out[1:]), out
 
 
 def test_uneven_payloads_are_protected_from_the_first_snapshot(holders):

@@ -31,6 +31,7 @@ def test_node_loss_rebuilt_from_parity(tmp_path, reference, stage, m, nodes, los
     done = max(e["iteration"] for e in read_jsonl(f"{tmp_path}/events.jsonl")
                if e.get("kind") == "iteration" and not e.get("attempt"))
     assert 4 <= restores(tmp_path)[1] <= done and tiers(tmp_path)[1] == "parity"
+    assert "could not be re-encoded" not in trainer_logs(str(tmp_path))   # the rebuilt ranks hold parity again
     cmp = compare_runs(str(tmp_path), str(ref), nodes, STEPS)
     assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)
 
