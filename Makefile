@@ -28,13 +28,17 @@ demo: venv
 test: venv
 	$(BIN)/python -m pytest -q tests
 
-# The megatron-core API (state layer and own-loop fault tests) once more on megatron-core 0.19.2, which
-# imports triton unconditionally; not part of `make test` (a 290 MB download). Megatron-LM's loop stays on 0.17.1.
+# Everything Megatron once more on megatron-core 0.19.2, which imports triton unconditionally; not part
+# of `make test` (a 290 MB download): the core API (state layer, own-loop fault tests) with 0.19.2 as the
+# venv's megatron-core, then Megatron-LM's loop (its 0.18+ calling convention) from the same side folder.
 test-mcore019: venv
 	test -d $(VENV)/mcore-0.19.2/megatron || $(BIN)/pip install -q --no-deps --ignore-requires-python \
 		--target $(VENV)/mcore-0.19.2 megatron-core==0.19.2 triton==3.9.0
 	PYTHONPATH=$(VENV)/mcore-0.19.2 $(BIN)/python -m pytest -q tests/dist/test_megatron_state.py \
 		tests/fault/test_megatron_resume.py -k "not megatron_lm"
+	SHARDSAFE_TEST_MCORE_LM=$(CURDIR)/$(VENV)/mcore-0.19.2 $(BIN)/python -m pytest -q \
+		tests/fault/test_megatron_resume.py tests/fault/test_export_megatron.py tests/unit/test_megatron_args.py \
+		-k "megatron_lm or export"
 
 test-slurm: venv
 	$(BIN)/python -m pytest -q tests/slurm

@@ -1116,6 +1116,17 @@ def protect(model_chunks: Any, optimizer: Any, scheduler: Any, cfg: Any, *,
 
 # Counters Megatron-LM keeps on ``args`` and restores from a checkpoint (checkpointing.load_checkpoint).
 _ARGS_COUNTERS = ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples")
+_RERUN_ITERATION = "rerun_state_machine_iteration"
+
+
+def _rerun_state_machine() -> Any:
+    """Megatron's RerunStateMachine (it counts iterations itself and checkpoints that count from
+    megatron-core 0.18 on), or None where this megatron-core has none."""
+    try:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+        return get_rerun_state_machine()
+    except Exception:  # noqa: BLE001 - older megatron-core, or not initialized: nothing to carry
+        return None
 
 
 class _HookState:
@@ -1194,6 +1205,10 @@ def install_hooks(runtime_factory: Callable[[ShardsafeConfig], Runtime] = defaul
         def get_counters():
             c = {k: getattr(args, k) for k in _ARGS_COUNTERS if getattr(args, k, None) is not None}
             c["num_floating_point_operations_so_far"] = state.flops
+            rsm = _rerun_state_machine()
+            if isinstance(getattr(rsm, "current_iteration", None), int):
+                # Megatron's --load restores it; a Megatron checkpoint exported from a snapshot carries it.
+                c[_RERUN_ITERATION] = rsm.current_iteration
             return c
 
         def set_counters(c):
@@ -1202,6 +1217,9 @@ def install_hooks(runtime_factory: Callable[[ShardsafeConfig], Runtime] = defaul
                     setattr(args, k, c[k])
             state.flops = c.get("num_floating_point_operations_so_far", state.flops)
             args.num_floating_point_operations_so_far = state.flops
+            rsm = _rerun_state_machine()
+            if _RERUN_ITERATION in c and isinstance(getattr(rsm, "current_iteration", None), int):
+                rsm.current_iteration = int(c[_RERUN_ITERATION])
 
         def set_iteration(i):
             state.iteration = i

@@ -171,6 +171,10 @@ def main(argv: Optional[list[str]] = None, *, runtime_factory=None) -> list[tupl
         from shardsafe.tor import EventLog   # process start, before the slow framework imports
         EventLog(os.environ["SHARDSAFE_RUN_DIR"], source="trainer", rank=int(os.environ.get("RANK", 0)),
                  attempt=_attempt()).emit("trainer_start")
+    if sys.version_info < (3, 12):
+        import typing   # megatron.training >= 0.18 imports typing.override (Python 3.12); it is a no-op decorator
+        if not hasattr(typing, "override"):
+            typing.override = lambda f: f
     if not torch.distributed.is_initialized():
         if torch.cuda.is_available():
             backend = "nccl"
@@ -197,8 +201,18 @@ def main(argv: Optional[list[str]] = None, *, runtime_factory=None) -> list[tupl
     _record(out_dir)
     sys.argv = [sys.argv[0]] + argv  # Megatron-LM parses sys.argv
     kw = {"runtime_factory": runtime_factory} if runtime_factory is not None else {}
-    ss_megatron.pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-                         args_defaults={"tokenizer_type": "NullTokenizer"}, **kw)
+    import inspect
+    import megatron.training.training as T
+    if "extra_args_provider" in inspect.signature(T.pretrain).parameters:   # megatron-core <= 0.17
+        ss_megatron.pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+                             args_defaults={"tokenizer_type": "NullTokenizer"}, **kw)
+    else:   # >= 0.18: the entry script parses the flags (with shardsafe's) and builds the config container
+        from megatron.training.arguments import parse_and_validate_args
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+        args = parse_and_validate_args(extra_args_provider=ss_megatron.add_arguments,
+                                       args_defaults={"tokenizer_type": "NullTokenizer"})
+        ss_megatron.pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
+                             forward_step, model_provider=model_provider, **kw)
     if out_dir and "model" in RUN:
         _save_final(out_dir)
     return list(LOSSES)

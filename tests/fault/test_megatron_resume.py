@@ -38,7 +38,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 OWN_LOOP = os.path.join(ROOT, "examples", "megatron_pretrain_gpt.py")
 MEGATRON_LM = os.path.join(ROOT, "examples", "megatron_lm_pretrain_gpt.py")
 LM_ARGS = os.path.join(ROOT, "configs", "megatron", "megatron_lm_tiny_gpt.args")
-MCORE_017 = os.path.join(ROOT, ".venv", "mcore-0.17.1")
+# Megatron-LM's loop ships inside megatron-core >= 0.17; SHARDSAFE_TEST_MCORE_LM points the Megatron-LM
+# tests at another side folder (e.g. .venv/mcore-0.19.2, `make test-mcore019`).
+MCORE_017 = os.environ.get("SHARDSAFE_TEST_MCORE_LM") or os.path.join(ROOT, ".venv", "mcore-0.17.1")
 SEED = int(os.environ.get("SHARDSAFE_FAULT_SEED", "20261129"))
 STEPS = 7
 

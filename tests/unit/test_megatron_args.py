@@ -92,9 +92,11 @@ def test_composed_provider_keeps_user_flags_and_is_idempotent():
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MCORE_017 = os.path.join(_ROOT, ".venv", "mcore-0.17.1")
+MCORE_017 = os.environ.get("SHARDSAFE_TEST_MCORE_LM") or os.path.join(_ROOT, ".venv", "mcore-0.17.1")
 _PARSE = """
-import json, sys
+import json, sys, typing
+if not hasattr(typing, "override"):   # megatron.training >= 0.18 on Python 3.11
+    typing.override = lambda f: f
 from megatron.training import arguments
 import megatron.core
 from shardsafe.adapters.megatron_args import add_arguments, config_from_args
