@@ -205,11 +205,7 @@ class ParityExchange:
             r.wait()
         t_xfer = time.perf_counter()
         sums = [format(h.intdigest(), "016x") for h in hashers]   # == manifest.hash_bytes of each parity slot
-        codewords = [stripe.codeword for stripe in stripes]
-        man = {"format": mf.FORMAT, "kind": "parity", "version": version, "rank": me,
-               "group": {"index": g.index, "members": list(g.members), "nodes": list(g.nodes), "k": g.k, "m": g.m},
-               "code": self.codec.spec(), "chunk_size": cs, "payload_max": pmax, "codewords": codewords, "xxh3": sums,
-               "group_manifests": {str(r): json.loads(b) for r, b in zip(g.members, blobs)}}
+        man = self._parity_manifest(version, cs, pmax, sums, {str(r): json.loads(b) for r, b in zip(g.members, blobs)})
         client.seal(rank=me, version=version, manifest=man, kind="parity")
         t_end = time.perf_counter()
         # Where parity time goes: votes + manifests + slot (prepare), blocks moving while earlier ones are
@@ -340,18 +336,23 @@ class ParityExchange:
                     outs = [np.frombuffer(pmm, dtype=np.uint8, count=cs, offset=t.slot * cs) for t in mine]
                     self.codec.reconstruct({f.fragment: b.numpy() for f, b in zip(cw.sources, recv_bufs[cw.codeword])},
                                            [t.fragment for t in mine], out=outs)
-            stripes = g.parity_stripes(me)
-            sums = [mf.hash_bytes(memoryview(pmm)[j * cs:(j + 1) * cs]) for j in range(len(stripes))]
-            man = {"format": mf.FORMAT, "kind": "parity", "version": version, "rank": me,
-                   "group": {"index": g.index, "members": list(g.members), "nodes": list(g.nodes), "k": g.k, "m": g.m},
-                   "code": self.codec.spec(), "chunk_size": cs, "payload_max": info["payload_max"],
-                   "codewords": [s.codeword for s in stripes], "xxh3": sums,
-                   "group_manifests": info["manifests"], "rebuilt": True}
-            client.seal(rank=me, version=version, manifest=man, kind="parity")
+            sums = [mf.hash_bytes(memoryview(pmm)[j * cs:(j + 1) * cs]) for j in range(g.m)]
+            man = self._parity_manifest(version, cs, info["payload_max"], sums, info["manifests"])
+            client.seal(rank=me, version=version, manifest=dict(man, rebuilt=True), kind="parity")
             self._rebuilt.append((version, "parity"))
         except Exception as e:
             log.warning("[rank %d] rebuilt payload of version %d restored, but its parity shares could not be "
                         "re-encoded (%s): the group is protected again from the next committed snapshot", me, version, e)
+
+    def _parity_manifest(self, version: int, cs: int, pmax: int, sums: list[str], manifests: dict) -> dict:
+        """The manifest sealed with this member's parity slot: its codewords, their checksums, and every
+        group member's data manifest (so a lost member's checksums survive it)."""
+        g = self.group
+        return {"format": mf.FORMAT, "kind": "parity", "version": version, "rank": self.rank,
+                "group": {"index": g.index, "members": list(g.members), "nodes": list(g.nodes), "k": g.k, "m": g.m},
+                "code": self.codec.spec(), "chunk_size": cs, "payload_max": pmax,
+                "codewords": [s.codeword for s in g.parity_stripes(self.rank)], "xxh3": sums,
+                "group_manifests": manifests}
 
     def finish_rebuild(self, client: HolderClient | None, version: int, *, restored: bool) -> None:
         """After the restore vote on ``version``: commit the slots this rank rebuilt for it (the
