@@ -847,21 +847,15 @@ class ElasticLauncher:
 
     def stop_holders(self) -> None:
         """Ask every holder to stop (they free their memory), then wait; SIGKILL what does not stop."""
-        from .holder.client import HolderClient, HolderUnavailable
+        from .holder.client import stop_holder
         from .holder.paths import HolderPaths
-        for node, proc in list(self.holders.items()):
-            try:
-                c = HolderClient(HolderPaths(self.cfg.holder_dir, self.cfg.job_id, node), timeout_s=10).connect()
-                c.shutdown()
-                c.close()
-            except (HolderUnavailable, OSError):
-                proc.kill()
-        for proc in self.holders.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        # In parallel: each holder drains its own queued flushes; one by one, their drains would add up.
+        threads = [threading.Thread(target=stop_holder, args=(HolderPaths(self.cfg.holder_dir, self.cfg.job_id, node),
+                                                              proc)) for node, proc in self.holders.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         self.holders.clear()
 
     # ---- agents ----------------------------------------------------------------------------------------

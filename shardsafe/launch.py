@@ -15,12 +15,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from .faults import FaultKind, parse
-from .holder.client import HolderClient, HolderUnavailable, holder_command
+from .holder.client import holder_command, stop_holder
 from .holder.paths import HolderPaths
 
 log = logging.getLogger("shardsafe.launch")
@@ -124,15 +125,13 @@ class LocalLauncher:
             pass
 
     def stop_holders(self) -> None:
-        for node, proc in list(self.holders.items()):
-            try:
-                c = HolderClient(self.paths(node), timeout_s=10).connect()
-                c.shutdown()
-                c.close()
-                proc.wait(timeout=10)
-            except (HolderUnavailable, subprocess.TimeoutExpired, OSError):
-                proc.kill()
-                proc.wait()
+        # In parallel: each holder drains its own queued flushes; one by one, their drains would add up.
+        threads = [threading.Thread(target=stop_holder, args=(self.paths(node), proc))
+                   for node, proc in self.holders.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         self.holders.clear()
 
     # ---- workers ----------------------------------------------------------------------------------

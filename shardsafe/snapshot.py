@@ -167,7 +167,8 @@ class SnapshotPipeline:
     def _report(self, job: _Job) -> None:
         st = job.stats
         self.on_event("snapshot", version=st.version, stall_s=st.stall_s, copy_s=st.copy_s, hash_s=st.hash_s,
-                      parity_s=st.parity_s, parity_phases=st.parity_phases, bytes=st.nbytes, committed=st.committed)
+                      parity_s=st.parity_s, parity_phases=st.parity_phases, bytes=st.nbytes, committed=st.committed,
+                      **({"error": st.error[:500]} if st.error else {}))
 
     # ---- worker side ------------------------------------------------------------------------------
     def _warn_once(self, key: str, msg: str) -> None:

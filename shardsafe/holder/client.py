@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from .paths import HolderPaths
-from .protocol import HolderError, ProtocolError, recv_msg, send_msg
+from .protocol import FLUSH_DRAIN_S, HolderError, ProtocolError, recv_msg, send_msg
 
 log = logging.getLogger("shardsafe.holder")
 
@@ -147,8 +147,35 @@ class HolderClient:
     def status(self) -> dict:
         return self.request("status")[0]
 
-    def shutdown(self) -> None:
-        self.request("shutdown")
+    def shutdown(self) -> int:
+        """Ask the holder to exit; returns how many flushes it still writes to disk before it does."""
+        return int(self.request("shutdown")[0].get("pending_flushes", 0))
+
+
+def stop_holder(paths: HolderPaths, proc: "subprocess.Popen", *, grace_s: float = 10.0) -> None:
+    """Shut down the holder ``proc`` serves ``paths``; wait ``grace_s`` (plus FLUSH_DRAIN_S while it
+    still writes queued flushes) and SIGKILL it only after that, saying what was lost."""
+    pending = 0
+    try:
+        c = HolderClient(paths, timeout_s=grace_s).connect()
+        try:
+            pending = c.shutdown()
+        finally:
+            c.close()
+    except (HolderUnavailable, HolderError, OSError):
+        proc.kill()
+    wait_s = grace_s + (FLUSH_DRAIN_S if pending else 0.0)
+    if pending:
+        log.info("holder of node %s writes %d queued flush(es) to disk before it exits (waiting up to %.0f s)",
+                 paths.node, pending, wait_s)
+    try:
+        proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        log.error("holder of node %s did not exit within %.1f s of its shutdown%s: killed", paths.node, wait_s,
+                  f"; {pending} queued flush(es) may be missing on disk (the previous flushed version is intact)"
+                  if pending else "")
+        proc.kill()
+        proc.wait()
 
 
 def holder_command(paths: HolderPaths, *, budget_gb: float, idle_exit_s: float = 0.0, run_dir: str = "",

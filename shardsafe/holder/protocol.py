@@ -12,6 +12,11 @@ import socket
 import struct
 from typing import Any
 
+# How long a holder may take, after a shutdown request, to write the flushes still queued (it bounds
+# that itself with the same number). The newest committed version is usually among them: killing the
+# holder earlier loses exactly the version a user would export or restart from.
+FLUSH_DRAIN_S = 120.0
+
 _HDR = struct.Struct("<II")
 MAX_BODY = 64 << 20   # manifests of huge models stay far below this
 MAX_FDS = 16

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .paths import HolderPaths
-from .protocol import HolderError, ProtocolError, recv_msg, send_msg
+from .protocol import FLUSH_DRAIN_S, HolderError, ProtocolError, recv_msg, send_msg
 from .segments import Segment, round_size
 
 log = logging.getLogger("shardsafe.holder")
@@ -69,6 +69,7 @@ class Holder:
         self.scrub_stats = {"runs": 0, "slots": 0, "corrupt": 0, "last": 0.0}
         self.flush_stats = {"done": 0, "failed": 0, "bytes": 0, "last_error": ""}
         self._flush_q: "queue.Queue[dict | None]" = queue.Queue()
+        self._flush_pending = 0    # queued or being written; a shutdown reports it so launchers wait for them
         self._events = None
         if run_dir:
             try:
@@ -237,6 +238,7 @@ class Holder:
                 raise HolderError("state", f"version {version} of rank {rank} is not committed: only committed "
                                            "versions are flushed")
             s.pins += 1
+            self._flush_pending += 1
         self._flush_q.put({**req, "rank": rank, "version": version, "_slot": s})
         return {"queued": True}
 
@@ -268,6 +270,7 @@ class Holder:
             finally:
                 with self.lock:
                     s.pins -= 1
+                    self._flush_pending -= 1
 
     # ---- scrubbing --------------------------------------------------------------------------------
     def scrub(self, req: dict | None = None) -> dict:
@@ -326,7 +329,10 @@ class Holder:
             return {"node": self.paths.node, "pid": os.getpid()}, []
         if op == "shutdown":
             self._stop.set()
-            return {}, []
+            # Queued flushes are written before the holder exits (the newest committed version is
+            # usually among them): the caller must give it that long instead of killing it.
+            with self.lock:
+                return {"pending_flushes": self._flush_pending}, []
         raise HolderError("bad_request", f"unknown op {op!r}")
 
     # ---- serving ----------------------------------------------------------------------------------
@@ -415,7 +421,7 @@ class Holder:
                 pass
             self._stop.set()
             self._flush_q.put(None)      # finish queued flushes (bounded) before the memory goes
-            flusher.join(timeout=120)
+            flusher.join(timeout=FLUSH_DRAIN_S)
             with self.lock:
                 for ent in self.ranks.values():
                     for lst in ent.slots.values():

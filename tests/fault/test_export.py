@@ -17,7 +17,7 @@ import torch
 from shardsafe.manifest import load_tensors
 from shardsafe.runcheck import effective_losses
 
-from .helpers import ROOT, run_job
+from .helpers import ROOT, run_job, trainer_logs
 
 pytestmark = pytest.mark.slow
 SAVE_AT, STEPS = 6, 10
@@ -47,6 +47,14 @@ def _cmp(x, y, path, diffs):
         diffs.append(f"value {path}: {x!r} vs {y!r}")
 
 
+def _persist_story(run_dir):
+    """What the protected run's snapshots and flushes did (for a failure message)."""
+    ev = [json.loads(x) for x in open(run_dir / "events.jsonl")]
+    keep = ("version", "rank", "committed", "ok", "error", "reason", "seconds")
+    return [{"kind": e["kind"], **{k: e[k] for k in keep if k in e}} for e in ev
+            if e.get("kind") in ("snapshot", "snapshot_skipped", "flush", "holder_stop")] + [trainer_logs(run_dir)[-3000:]]
+
+
 def _export(src, dst, *args):
     return subprocess.run([sys.executable, "-m", "shardsafe.cli", "export", *args, src, dst], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
@@ -68,7 +76,7 @@ def test_export_equals_vanilla_checkpoint_and_resumes_bit_exact(tmp_path, stage)
     out = tmp_path / "exported"
     p = _export(str(disk / f"exp{stage}"), str(out), "--format", "deepspeed")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "exported version 6 (2 ranks)" in p.stdout
+    assert "exported version 6 (2 ranks)" in p.stdout, (p.stdout, _persist_story(prot))
     tag = f"global_step{SAVE_AT}"
     assert (out / "latest").read_text() == tag
     want = sorted(f for f in os.listdir(vanilla / tag) if f.endswith(".pt"))

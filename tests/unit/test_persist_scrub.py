@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from shardsafe.holder.client import HolderClient, holder_command
+from shardsafe.holder.client import HolderClient, holder_command, stop_holder
 from shardsafe.holder.paths import HolderPaths
 from shardsafe.persist import PersistentStore
 from shardsafe.restore import Collectives, RestoreError, restore_from_holder
@@ -199,3 +199,35 @@ def test_peer_payloads_use_only_the_copy_its_owner_verified(holder):
     stale.close()
     assert not PeerPayloads(c, 5, Collectives(), digests=[0, 0]).available([1])
     assert not PeerPayloads(c, 4, Collectives(), digests=[0, manifest_digest(man1)]).available([1], usable=False)
+
+
+def test_shutdown_waits_for_queued_flushes(tmp_path):
+    """A holder told to stop while a flush is queued writes it first: the launcher's stop waits for it
+    (beyond its grace) instead of killing the holder, which would lose the newest version on disk."""
+    p = HolderPaths(str(tmp_path / "h"), "job", "n0")
+    proc = subprocess.Popen(holder_command(p, budget_gb=0.2), stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().startswith(b"holder ready")
+        c = HolderClient(p, timeout_s=10).connect()
+        disk = str(tmp_path / "persist")
+        pipe = SnapshotPipeline(c, rank=0, world_size=1, node="n0", agreement=LocalAgreement(),
+                                flush=lambda v: c.flush(rank=0, version=v, dir=disk, job_id="job", keep=2, mbps=8))
+        state = ToyAdapter(5)
+        pipe.submit(5, state.capture())
+        assert pipe.flush(timeout=30), pipe.history[-1].error
+        pipe.close()
+        c.close()
+        t0 = time.perf_counter()
+        stop_holder(p, proc, grace_s=0.2)       # 8 MB at 8 MB/s: the flush outlasts the grace
+        assert proc.returncode == 0, "the holder was killed instead of finishing its flush"
+        assert time.perf_counter() - t0 > 0.2
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    store = PersistentStore(disk, "job")
+    assert store.rank_versions(0) == [5]
+    live = ToyAdapter(99)
+    res = restore_from_holder(live, None, rank=0, coll=Collectives(), persist=store)
+    assert (res.version, res.tier) == (5, "persistent")
+    assert all(torch.equal(live.t[k], state.t[k]) for k in live.t)
