@@ -84,7 +84,8 @@ def cmd_status(a: argparse.Namespace) -> int:
               f"{h.get('flush', {}).get('failed', 0)} failed)")
         for rank, kinds in h["ranks"].items():
             for kind, slots in kinds.items():
-                desc = ", ".join(f"v{s['version']} {s['state']}{' committed' if s['committed'] else ''} "
+                desc = ", ".join(f"free slot {s['capacity'] / 2**20:.1f} MiB" if s["state"] == "free" else
+                                 f"v{s['version']} {s['state']}{' committed' if s['committed'] else ''} "
                                  f"{s['nbytes'] / 2**20:.1f} MiB" for s in slots)
                 print(f"  rank {rank} {kind}: {desc}")
     return 0

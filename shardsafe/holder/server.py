@@ -33,12 +33,13 @@ class Slot:
     slot_id: int
     seg: Segment
     version: int = -1
-    state: str = "free"        # free | writing | sealed
+    state: str = "free"        # free | writing | sealed | corrupt
     committed: bool = False
     manifest: dict | None = None
     nbytes: int = 0            # bytes the writer asked for (payload size)
     sealed_at: float = 0.0
     pins: int = 0              # a flush or scrub is reading it: not handed out for writing
+    doomed: bool = False       # dropped while pinned: closed when the last reader lets go
     scrubbed_at: float = 0.0
 
     def info(self) -> dict[str, Any]:
@@ -110,17 +111,36 @@ class Holder:
             # Candidates: never the slot of the newest committed version; prefer the oldest other one.
             # Rewriting a version (a restarted job replays it) invalidates the old copy of it, committed or not.
             # Slots pinned by a flush or scrub are never handed out: their bytes are being read.
+            for s in slots:
+                if s.version == version and s.pins:
+                    self._invalidate(s)   # its reader (flush, scrub) keeps the bytes; nobody else sees them
+                    ent.last_committed[kind] = max([x.version for x in slots if x.committed], default=-1)
+                    protected = ent.last_committed[kind]
             same = [s for s in slots if s.version == version and s.pins == 0]
-            cands = [s for s in slots if not (s.committed and s.version == protected) and s.pins == 0]
-            slot = same[0] if same else (min(cands, key=lambda s: (s.state != "free", s.version)) if cands else None)
+            cands = [s for s in slots if not (s.committed and s.version == protected) and s.pins == 0 and not s.doomed]
+            slot = same[0] if same else self._pick(cands, held=sum(1 for s in slots if s.state != "free"))
             if same and same[0].committed:
                 same[0].committed = False
                 ent.last_committed[kind] = max([s.version for s in slots if s.committed], default=-1)
             need = round_size(nbytes)
+            busy = [s for s in slots if s.pins]
+            if slot is None and len(slots) >= MAX_SLOTS + len(busy):
+                raise HolderError("state", f"rank {rank} already has {len(slots)} {kind} slots and none may be overwritten"
+                                           + (f" (version(s) {[s.version for s in busy]} still being flushed to disk or "
+                                              "scrubbed)" if busy else ""))
             if slot is None and len(slots) >= MAX_SLOTS:
-                busy = [s.version for s in slots if s.pins]
-                raise HolderError("state", f"rank {rank} already has {MAX_SLOTS} {kind} slots and none may be overwritten"
-                                           + (f" (version(s) {busy} still being flushed to disk or scrubbed)" if busy else ""))
+                # A flush or scrub is reading an older version: one more slot, inside the budget, keeps the
+                # snapshots going meanwhile (otherwise every snapshot during a long flush is skipped and the
+                # memory tier falls behind). It stays as a free, pre-faulted slot for the next flush.
+                used = self.used_bytes()
+                if used + need > self.budget:
+                    raise HolderError(
+                        "budget",
+                        f"holder on node {self.paths.node} (job {self.paths.job_id}) cannot give rank {rank} a slot for "
+                        f"version {version} while version(s) {[s.version for s in busy]} are being flushed to disk or "
+                        f"scrubbed: one more slot needs {need} bytes, {used} in use, budget {self.budget} bytes. Raise "
+                        f"memory_budget_gb (--memory-budget-gb) to at least {(used + need) / (1 << 30):.3f} GiB to keep "
+                        "snapshotting during flushes, or flush less often (persist_every) or faster (persist_mbps).")
             if slot is not None and slot.seg.size < need:
                 self._check_budget(need - slot.seg.size, rank, nbytes)
                 slots.remove(slot)
@@ -134,6 +154,48 @@ class Holder:
                 slots.append(slot)
             slot.version, slot.state, slot.committed, slot.manifest, slot.nbytes = version, "writing", False, None, nbytes
             return {"slot": slot.slot_id, "capacity": slot.seg.size}, [slot.seg.fd]
+
+    @staticmethod
+    def _pick(cands: list[Slot], *, held: int) -> Slot | None:
+        """The slot a new version goes to: a free one while the rank holds fewer than MAX_SLOTS versions
+        (or nothing else is allowed), else the oldest version that may be overwritten, so a rank never
+        holds more than MAX_SLOTS versions because a flush once needed an extra slot."""
+        free = [s for s in cands if s.state == "free"]
+        used = [s for s in cands if s.state != "free"]
+        if free and (held < MAX_SLOTS or not used):
+            return free[0]
+        return min(used, key=lambda s: (s.state != "corrupt", s.version)) if used else None
+
+    @staticmethod
+    def _invalidate(s: Slot) -> None:
+        s.version, s.state, s.committed, s.manifest, s.nbytes = -1, "free", False, None, 0
+
+    def _unpin(self, rank: int, kind: str, s: Slot) -> None:
+        """A flush or scrub is done with ``s`` (call with the lock held). A slot dropped meanwhile is
+        closed now; if an extra slot was taken during the read, the rank goes back to MAX_SLOTS
+        versions: the oldest one that may go becomes a free slot again."""
+        s.pins -= 1
+        if s.pins:
+            return
+        ent = self.ranks.get(rank)
+        if ent is None:
+            return
+        slots = ent.slots[kind]
+        if s.doomed:
+            if s in slots:
+                slots.remove(s)
+            s.seg.close()
+            return
+        held = [x for x in slots if x.state != "free"]
+        while len(held) > MAX_SLOTS:
+            gone = [x for x in held if x.pins == 0 and x.state in ("sealed", "corrupt")
+                    and not (x.committed and x.version == ent.last_committed[kind])]
+            if not gone:
+                break
+            victim = min(gone, key=lambda x: (x.state != "corrupt", x.version))
+            self._invalidate(victim)
+            held.remove(victim)
+        ent.last_committed[kind] = max([x.version for x in slots if x.committed], default=-1)
 
     def _check_budget(self, extra: int, rank: int, nbytes: int) -> None:
         used = self.used_bytes()
@@ -205,7 +267,12 @@ class Holder:
                 for s in ent.slots[kind]:
                     if version is None or s.version == int(version):
                         freed += s.seg.size
-                        s.seg.close()
+                        if s.pins:           # a flush or scrub still reads it: closed when it is done
+                            self._invalidate(s)
+                            s.doomed = True
+                            keep.append(s)
+                        else:
+                            s.seg.close()
                     else:
                         keep.append(s)
                 ent.slots[kind] = keep
@@ -261,7 +328,9 @@ class Holder:
                 self.flush_stats["done"] += 1
                 self.flush_stats["bytes"] += s.nbytes
                 self._emit("flush", version=job["version"], seconds=secs, bytes=s.nbytes, rank=job["rank"], ok=True)
-            except (PersistError, OSError) as e:
+            except Exception as e:   # PersistError, OSError, or a bug: the flush thread must not die
+                if not isinstance(e, (PersistError, OSError)):
+                    log.exception("flush of version %s rank %s failed", job["version"], job["rank"])
                 self.flush_stats["failed"] += 1
                 self.flush_stats["last_error"] = str(e)
                 log.error("%s", e)
@@ -269,7 +338,7 @@ class Holder:
                            error=str(e)[:500])
             finally:
                 with self.lock:
-                    s.pins -= 1
+                    self._unpin(job["rank"], "data", s)
                     self._flush_pending -= 1
 
     # ---- scrubbing --------------------------------------------------------------------------------
@@ -302,8 +371,8 @@ class Holder:
                         self._emit("scrub_failed", rank=rank, slot_kind=kind, version=s.version, problems=problems[:5])
         finally:
             with self.lock:
-                for _, _, s in todo:
-                    s.pins -= 1
+                for r, k, s in todo:
+                    self._unpin(r, k, s)
             self.scrub_stats["runs"] += 1
             self.scrub_stats["slots"] += len(todo)
             self.scrub_stats["corrupt"] += len(bad)

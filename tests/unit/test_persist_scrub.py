@@ -231,3 +231,96 @@ def test_shutdown_waits_for_queued_flushes(tmp_path):
     res = restore_from_holder(live, None, rank=0, coll=Collectives(), persist=store)
     assert (res.version, res.tier) == (5, "persistent")
     assert all(torch.equal(live.t[k], state.t[k]) for k in live.t)
+
+
+def _held(client):
+    slots = client.list(0)["0"]["data"]
+    return sorted(s["version"] for s in slots if s["state"] != "free"), len(slots)
+
+
+def test_snapshots_go_on_while_a_flush_reads_an_older_version(tmp_path):
+    """A slow flush pins its version; the next snapshots take one extra slot (inside the budget)
+    instead of being skipped, and once the flush is done the rank holds two versions again."""
+    p = HolderPaths(str(tmp_path / "h"), "job", "n0")
+    proc = subprocess.Popen(holder_command(p, budget_gb=0.2), stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().startswith(b"holder ready")
+        c = HolderClient(p, timeout_s=10).connect()
+        disk = str(tmp_path / "persist")
+        pipe = SnapshotPipeline(c, rank=0, world_size=1, node="n0", agreement=LocalAgreement(),
+                                flush=lambda v: c.flush(rank=0, version=v, dir=disk, job_id="job", keep=3, mbps=16)
+                                if v % 3 == 0 else None)
+        states = {}
+        for v in range(1, 8):     # v3 and v6 take ~0.5 s each on disk; the others come right behind them
+            states[v] = ToyAdapter(v)
+            pipe.submit(v, states[v].capture())
+            assert pipe.flush(timeout=30), (v, pipe.history[-1].error)
+        pipe.close()
+        assert [h.committed for h in pipe.history] == [True] * 7
+        assert wait_flushes(c, 2)["done"] == 2
+        held, nslots = _held(c)
+        assert held == [6, 7] and nslots == 3, c.list(0)   # the extra slot stays, free and pre-faulted
+        man, mm = c.open(rank=0, version=7)
+        mm.close()
+        c.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    store = PersistentStore(disk, "job")
+    assert store.rank_versions(0) == [3, 6]
+    live = ToyAdapter(99)
+    res = restore_from_holder(live, None, rank=0, coll=Collectives(), persist=store)
+    assert (res.version, res.tier) == (6, "persistent")
+    assert all(torch.equal(live.t[k], states[6].t[k]) for k in live.t)
+
+
+def test_no_budget_for_an_extra_slot_skips_snapshots_during_a_flush_and_says_why(tmp_path, caplog):
+    p = HolderPaths(str(tmp_path / "h"), "job", "n0")
+    proc = subprocess.Popen(holder_command(p, budget_gb=0.02), stdout=subprocess.PIPE)   # two 8 MiB slots
+    try:
+        assert proc.stdout.readline().startswith(b"holder ready")
+        c = HolderClient(p, timeout_s=10).connect()
+        disk = str(tmp_path / "persist")
+        pipe = SnapshotPipeline(c, rank=0, world_size=1, node="n0", agreement=LocalAgreement(),
+                                flush=lambda v: c.flush(rank=0, version=v, dir=disk, job_id="job", keep=2, mbps=8)
+                                if v == 1 else None)
+        for v in (1, 2, 3):
+            pipe.submit(v, ToyAdapter(v).capture())
+            pipe.flush(timeout=30)
+        assert [h.committed for h in pipe.history] == [True, True, False]
+        err = pipe.history[-1].error
+        assert "being flushed" in err and "memory_budget_gb" in err and "persist_every" in err, err
+        wait_flushes(c, 1)
+        pipe.submit(4, ToyAdapter(4).capture())            # the flush is done: snapshots go on
+        assert pipe.flush(timeout=30), pipe.history[-1].error
+        pipe.close()
+        assert _held(c) == ([2, 4], 2)
+        c.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_drop_while_a_flush_reads_the_version(tmp_path):
+    """Dropping a version that is being flushed hides it at once and frees its memory when the flush
+    is done (before: the drop closed the mapping under the flush's feet)."""
+    p = HolderPaths(str(tmp_path / "h"), "job", "n0")
+    proc = subprocess.Popen(holder_command(p, budget_gb=0.2), stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().startswith(b"holder ready")
+        c = HolderClient(p, timeout_s=10).connect()
+        disk = str(tmp_path / "persist")
+        pipe = SnapshotPipeline(c, rank=0, world_size=1, node="n0", agreement=LocalAgreement(),
+                                flush=lambda v: c.flush(rank=0, version=v, dir=disk, job_id="job", keep=2, mbps=8))
+        pipe.submit(1, ToyAdapter(1).capture())
+        assert pipe.flush(timeout=30)
+        pipe.close()
+        c.drop(rank=0, version=1)
+        assert c.sealed_versions(0) == [] and c.status()["used"] > 0   # hidden, bytes still being read
+        assert wait_flushes(c, 1) == {**c.status()["flush"], "done": 1}
+        assert c.status()["used"] == 0 and c.list(0) == {"0": {}}
+        c.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert PersistentStore(disk, "job").rank_versions(0) == [1]
