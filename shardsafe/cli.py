@@ -124,10 +124,32 @@ def build_parser() -> argparse.ArgumentParser:
         tor.register_cli(sub)
     except (ImportError, AttributeError):
         pass
-    from shardsafe import elastic, export
+    from shardsafe import elastic
     elastic.register_cli(sub)
-    export.register_cli(sub)
+    _register_export(sub)
     return p
+
+
+def _register_export(sub) -> None:
+    """`shardsafe export` (its module imports torch: only when the command runs, so `shardsafe holder`
+    and `status` start in a fraction of a second)."""
+    p = sub.add_parser("export", help="write a committed snapshot as a DeepSpeed or Megatron checkpoint",
+                       description="deepspeed: offline, from the snapshot files. megatron: runs the job's own "
+                                   "command (after --) once with --shardsafe-export-dir; it restores and saves.")
+    p.add_argument("--format", required=True, choices=["deepspeed", "megatron"])
+    p.add_argument("src", help="persistent job directory PERSIST_DIR/JOB_ID, or holder://JOB_ID")
+    p.add_argument("dst", help="checkpoint directory to write (as engine.save_checkpoint / Megatron --save)")
+    p.add_argument("--version", type=int, default=None, help="iteration to export (default: the newest complete)")
+    p.add_argument("--tag", default="", help="DeepSpeed tag (default global_step<N>)")
+    p.add_argument("--holder-dir", default="", help="with holder://JOB_ID: the holders' directory")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="megatron: -- the job's launch command (torchrun ... pretrain_gpt.py ARGS)")
+    p.set_defaults(func=_run_export)
+
+
+def _run_export(a: argparse.Namespace) -> int:
+    from shardsafe.export import cmd_export
+    return cmd_export(a)
 
 
 def main(argv: list[str] | None = None) -> int:

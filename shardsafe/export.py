@@ -474,19 +474,3 @@ def cmd_export(a: Any) -> int:
         return 2
     print(f"exported version {version} ({len(ranks)} ranks) as a {a.format} checkpoint: {out}", flush=True)
     return 0
-
-
-def register_cli(sub: Any) -> None:
-    import argparse
-    p = sub.add_parser("export", help="write a committed snapshot as a DeepSpeed or Megatron checkpoint",
-                       description="deepspeed: offline, from the snapshot files. megatron: runs the job's own "
-                                   "command (after --) once with --shardsafe-export-dir; it restores and saves.")
-    p.add_argument("--format", required=True, choices=["deepspeed", "megatron"])
-    p.add_argument("src", help="persistent job directory PERSIST_DIR/JOB_ID, or holder://JOB_ID")
-    p.add_argument("dst", help="checkpoint directory to write (as engine.save_checkpoint / Megatron --save)")
-    p.add_argument("--version", type=int, default=None, help="iteration to export (default: the newest complete)")
-    p.add_argument("--tag", default="", help="DeepSpeed tag (default global_step<N>)")
-    p.add_argument("--holder-dir", default="", help="with holder://JOB_ID: the holders' directory")
-    p.add_argument("command", nargs=argparse.REMAINDER,
-                   help="megatron: -- the job's launch command (torchrun ... pretrain_gpt.py ARGS)")
-    p.set_defaults(func=cmd_export)
