@@ -47,6 +47,7 @@ ss_defaults() {
   : "${SS_HOLDER_SRUN_ARGS:=}"
   : "${SS_TORCHRUN_ARGS:=}"
   : "${SS_READY_TIMEOUT:=120}"
+  : "${SS_HOLDER_STOP_TIMEOUT:=130}"
   : "${SS_REQUEUE_ON_FAILURE:=0}"
   : "${SS_MAX_REQUEUES:=1}"
   : "${SS_DRY_RUN:=0}"
@@ -230,6 +231,28 @@ ss_watch() {
 }
 
 # ---- 6. end ---------------------------------------------------------------------------------------------
+# Holders stop gracefully: SIGTERM to their *tasks* (scancel --signal on the holder steps), so each writes
+# the flushes still queued (at most 120 s, FLUSH_DRAIN_S) and frees its memory. SIGTERM to a holder's srun
+# would SIGKILL it instead (reference/slurm-local-cluster.md), losing the newest flush. Whatever is still
+# running after SS_HOLDER_STOP_TIMEOUT is ended through its srun.
+ss_stop_holders() {
+  local node pid i left steps
+  [ "$SS_DRY_RUN" = 1 ] && return 0
+  steps=$(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" 2>/dev/null | awk '$2 ~ /^ss-holder-/ {print $1}')
+  # shellcheck disable=SC2086
+  [ -n "$steps" ] && scancel --signal=TERM $steps 2>/dev/null
+  for ((i = 0; i < SS_HOLDER_STOP_TIMEOUT * 10; i++)); do
+    left=0
+    for pid in "${SS_HOLDER_PID[@]}"; do ss_alive "$pid" && left=1; done
+    [ $left = 0 ] && return 0; sleep 0.1
+  done
+  for node in "${!SS_HOLDER_PID[@]}"; do
+    pid=${SS_HOLDER_PID[$node]}
+    ss_alive "$pid" && ss_log "holder on $node still running ${SS_HOLDER_STOP_TIMEOUT}s after SIGTERM: ending its step" &&
+      kill -TERM "$pid" 2>/dev/null
+  done
+}
+
 ss_stop() {  # OK(0|1): agents, then holders, then the controller (its job_end closes T_obs)
   local ok=$1 node pid i
   if [ "$ok" = 1 ]; then   # agents leave torch elastic's exit barrier and close the rendezvous themselves
@@ -240,8 +263,7 @@ ss_stop() {  # OK(0|1): agents, then holders, then the controller (its job_end c
     done
   fi
   for node in "${!SS_AGENT_PID[@]}"; do pid=${SS_AGENT_PID[$node]}; ss_alive "$pid" && kill -TERM "$pid" 2>/dev/null; done
-  # Holders: SIGTERM to a holder step's srun ends the step; the holder frees its memory.
-  for node in "${!SS_HOLDER_PID[@]}"; do pid=${SS_HOLDER_PID[$node]}; ss_alive "$pid" && kill -TERM "$pid" 2>/dev/null; done
+  ss_stop_holders
   for pid in "${SS_AGENT_PID[@]}" "${SS_HOLDER_PID[@]}"; do wait "$pid" 2>/dev/null; done
   "$SS_PYTHON" -m shardsafe.elastic control notify job-end --run-dir "$SS_RUN_DIR" $([ "$ok" = 1 ] && echo --ok) >/dev/null
   if [ -n "${SS_CONTROLLER_PID:-}" ]; then

@@ -114,7 +114,12 @@ def test_sbatch_rank_kill_and_node_loss_continue_in_the_allocation(cluster, tmp_
            "SS_MEMORY_BUDGET_GB": "0.5", "SS_KEEP_ALIVE_S": "2", "SS_HANG_TIMEOUT": "120", "SS_GRACE": "2",
            # --step-sleep keeps steps 9..12 running long enough for SLURM to act on the downed node:
            # without it a quiet machine finished the job before the node failure reached it.
-           "SS_SCRIPT_ARGS": f"--steps {STEPS} --zero-stage 2 --dtype bf16 --running-tor-every 2 --step-sleep 1.5",
+           # The last version (and only it) is flushed to disk at 0.5 MB/s: about 11 s, longer than the
+           # cluster's KillWait, so only a graceful holder stop gets it there.
+           "SS_SCRIPT_ARGS": f"--steps {STEPS} --zero-stage 2 --dtype bf16 --running-tor-every 2 --step-sleep 1.5 "
+                             "--shardsafe-json " + json.dumps({"persist_dir": str(tmp_path / "persist"),
+                                                               "persist_every": STEPS, "persist_mbps": 0.5},
+                                                              separators=(",", ":")),
            "SS_INJECT": "kill-rank:1@4", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     out_file = tmp_path / "job.out"
     sub = subprocess.run(["sbatch", "--parsable", "-N3", f"--output={out_file}", SBATCH], env=env, cwd=ROOT,
@@ -159,6 +164,13 @@ def test_sbatch_rank_kill_and_node_loss_continue_in_the_allocation(cluster, tmp_
     # the rank kill restarted inside the allocation with every holder intact: one holder per node for the
     # whole job, and attempt 1 restored from holder memory
     assert sorted(e["node"] for e in evs if e["kind"] == "holder_start") == ["node1", "node2", "node3"]
+    # at the end the surviving holders stopped gracefully (their SIGTERM handler ran, so queued flushes
+    # were written), not SIGKILLed through their srun
+    assert sorted(e["node"] for e in evs if e["kind"] == "holder_stop") == ["node1", "node3"], diag()
+    flushed = [(e["rank"], e["version"], e["ok"]) for e in evs if e["kind"] == "flush"]
+    assert sorted(flushed) == [(0, STEPS, True), (1, STEPS, True)], f"{flushed}\n{diag()}"
+    (job_dir,) = (tmp_path / "persist").iterdir()
+    assert sorted(os.listdir(job_dir / f"v{STEPS:012d}")) == [f"rank{r:06d}.{x}" for r in (0, 1) for x in ("bin", "json")]
     tiers = {}
     for e in evs:
         if e["kind"] == "restore_end":
