@@ -306,7 +306,8 @@ class Holder:
                                            "versions are flushed")
             s.pins += 1
             self._flush_pending += 1
-        self._flush_q.put({**req, "rank": rank, "version": version, "_slot": s})
+            man, nbytes = s.manifest, s.nbytes   # as sealed: a drop while flushing clears the slot's fields
+        self._flush_q.put({**req, "rank": rank, "version": version, "_slot": s, "_manifest": man, "_nbytes": nbytes})
         return {"queued": True}
 
     def _flush_loop(self) -> None:
@@ -318,16 +319,16 @@ class Holder:
             s: Slot = job["_slot"]
             store = PersistentStore(job["dir"], job["job_id"])
             try:
-                mv = memoryview(s.seg.map)[: s.nbytes]
+                mv = memoryview(s.seg.map)[: job["_nbytes"]]
                 try:
-                    secs = store.write(version=job["version"], rank=job["rank"], payload=mv, manifest=s.manifest,
+                    secs = store.write(version=job["version"], rank=job["rank"], payload=mv, manifest=job["_manifest"],
                                        mbps=float(job.get("mbps") or 0))
                 finally:
                     mv.release()
                 store.prune(job["rank"], int(job.get("keep") or 0))
                 self.flush_stats["done"] += 1
-                self.flush_stats["bytes"] += s.nbytes
-                self._emit("flush", version=job["version"], seconds=secs, bytes=s.nbytes, rank=job["rank"], ok=True)
+                self.flush_stats["bytes"] += job["_nbytes"]
+                self._emit("flush", version=job["version"], seconds=secs, bytes=job["_nbytes"], rank=job["rank"], ok=True)
             except Exception as e:   # PersistError, OSError, or a bug: the flush thread must not die
                 if not isinstance(e, (PersistError, OSError)):
                     log.exception("flush of version %s rank %s failed", job["version"], job["rank"])
@@ -347,37 +348,47 @@ class Holder:
         opened again, so restore rebuilds that rank from parity or falls back a tier)."""
         from shardsafe import manifest as mf
         with self.lock:
-            todo = [(r, k, s) for r, e in self.ranks.items() for k, lst in e.slots.items() for s in lst
+            todo = [(r, k, s, s.version) for r, e in self.ranks.items() for k, lst in e.slots.items() for s in lst
                     if s.state == "sealed" and s.manifest is not None]
-            for _, _, s in todo:
-                s.pins += 1
-        bad = []
+        bad, checked = [], 0
         try:
-            for rank, kind, s in todo:
-                mv = memoryview(s.seg.map)
-                try:
-                    problems = mf.verify_any(s.manifest, mv)
-                finally:
-                    mv.release()
+            for rank, kind, s, version in todo:
+                # One slot pinned at a time, for as long as its hash takes: pinning them all for the whole
+                # scrub made every snapshot in that window need an extra slot (or be skipped).
                 with self.lock:
-                    s.scrubbed_at = time.time()
-                    if problems and s.state == "sealed":
-                        s.state, s.committed = "corrupt", False
-                        ent = self.ranks[rank]
-                        ent.last_committed[kind] = max([x.version for x in ent.slots[kind] if x.committed], default=-1)
-                        bad.append({"rank": rank, "kind": kind, "version": s.version, "problems": problems[:5]})
-                        log.error("scrub: rank %d %s version %d is corrupt (%s): marked unusable; restore will rebuild "
-                                  "it from parity or use another tier", rank, kind, s.version, "; ".join(problems[:3]))
-                        self._emit("scrub_failed", rank=rank, slot_kind=kind, version=s.version, problems=problems[:5])
+                    if s.state != "sealed" or s.version != version or s.manifest is None or s.doomed:
+                        continue     # rewritten or dropped since the list was taken
+                    s.pins += 1
+                    man = s.manifest      # a drop or rewrite meanwhile clears the slot's, not this one
+                try:
+                    mv = memoryview(s.seg.map)
+                    try:
+                        problems = mf.verify_any(man, mv)
+                    finally:
+                        mv.release()
+                    checked += 1
+                    with self.lock:
+                        s.scrubbed_at = time.time()
+                        if problems and s.state == "sealed":
+                            s.state, s.committed = "corrupt", False
+                            ent = self.ranks[rank]
+                            ent.last_committed[kind] = max([x.version for x in ent.slots[kind] if x.committed],
+                                                           default=-1)
+                            bad.append({"rank": rank, "kind": kind, "version": s.version, "problems": problems[:5]})
+                            log.error("scrub: rank %d %s version %d is corrupt (%s): marked unusable; restore will "
+                                      "rebuild it from parity or use another tier", rank, kind, s.version,
+                                      "; ".join(problems[:3]))
+                            self._emit("scrub_failed", rank=rank, slot_kind=kind, version=s.version,
+                                       problems=problems[:5])
+                finally:
+                    with self.lock:
+                        self._unpin(rank, kind, s)
         finally:
-            with self.lock:
-                for r, k, s in todo:
-                    self._unpin(r, k, s)
             self.scrub_stats["runs"] += 1
-            self.scrub_stats["slots"] += len(todo)
+            self.scrub_stats["slots"] += checked
             self.scrub_stats["corrupt"] += len(bad)
             self.scrub_stats["last"] = time.time()
-        return {"checked": len(todo), "corrupt": bad}
+        return {"checked": checked, "corrupt": bad}
 
     def _scrub_loop(self) -> None:
         while not self._stop.wait(self.scrub_interval_s):

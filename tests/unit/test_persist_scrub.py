@@ -323,4 +323,45 @@ def test_drop_while_a_flush_reads_the_version(tmp_path):
     finally:
         proc.kill()
         proc.wait()
-    assert PersistentStore(disk, "job").rank_versions(0) == [1]
+    store = PersistentStore(disk, "job")
+    assert store.rank_versions(0) == [1]
+    live = ToyAdapter(99)
+    res = restore_from_holder(live, None, rank=0, coll=Collectives(), persist=store)
+    assert (res.version, res.tier) == (1, "persistent")
+    assert all(torch.equal(live.t[k], ToyAdapter(1).t[k]) for k in live.t)
+
+
+def test_scrub_pins_one_slot_at_a_time(tmp_path, monkeypatch):
+    """While the scrub hashes the newest version, the older one can already take the next snapshot:
+    no extra slot (pinning every slot for the whole scrub made each snapshot in that window need one)."""
+    import threading
+
+    from shardsafe import manifest as mf
+    from shardsafe.holder.server import Holder
+    h = Holder(HolderPaths(str(tmp_path / "h"), "job", "n0"), budget_bytes=64 << 20)
+    slot_of = {}
+    for v in (1, 2):
+        slot_of[v] = h.acquire({"rank": 0, "version": v, "nbytes": 4096})[0]["slot"]
+        h.seal({"rank": 0, "version": v, "manifest": {"v": v}})
+        h.commit({"ranks": [0], "version": v})
+    hashing, release = threading.Event(), threading.Event()
+
+    def verify(man, buf):
+        if man == {"v": 2}:
+            hashing.set()
+            release.wait(10)
+        return []
+    monkeypatch.setattr(mf, "verify_any", verify)
+    t = threading.Thread(target=h.scrub)
+    t.start()
+    try:
+        assert hashing.wait(10)
+        got = h.acquire({"rank": 0, "version": 3, "nbytes": 4096})[0]["slot"]
+        assert got == slot_of[1] and len(h.ranks[0].slots["data"]) == 2
+    finally:
+        release.set()
+        t.join(10)
+    assert h.scrub_stats["slots"] == 2
+    for lst in h.ranks[0].slots.values():
+        for s in lst:
+            s.seg.close()
