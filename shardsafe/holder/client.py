@@ -83,6 +83,10 @@ class HolderClient:
         """A writable mapping of at least ``nbytes`` for ``version`` (pre-faulted, reused)."""
         resp, fds = self.request("acquire", rank=rank, version=version, nbytes=nbytes, kind=kind)
         slot, cap = resp["slot"], resp["capacity"]
+        if "live" in resp:
+            live = set(resp["live"])
+            for gone in [s for s in self._maps if s not in live]:
+                self.forget_mapping(gone)
         try:
             m = self._maps.get(slot)
             if m is None:

@@ -134,6 +134,8 @@ class Holder:
                 # memory tier falls behind). It stays as a free, pre-faulted slot for the next flush.
                 used = self.used_bytes()
                 if used + need > self.budget:
+                    used -= self._reclaim_free()
+                if used + need > self.budget:
                     raise HolderError(
                         "budget",
                         f"holder on node {self.paths.node} (job {self.paths.job_id}) cannot give rank {rank} a slot for "
@@ -142,7 +144,7 @@ class Holder:
                         f"memory_budget_gb (--memory-budget-gb) to at least {(used + need) / (1 << 30):.3f} GiB to keep "
                         "snapshotting during flushes, or flush less often (persist_every) or faster (persist_mbps).")
             if slot is not None and slot.seg.size < need:
-                self._check_budget(need - slot.seg.size, rank, nbytes)
+                self._check_budget(need - slot.seg.size, rank, nbytes, keep=slot)
                 slots.remove(slot)
                 slot.seg.close()
                 slot = None
@@ -153,7 +155,10 @@ class Holder:
                 self._next_slot += 1
                 slots.append(slot)
             slot.version, slot.state, slot.committed, slot.manifest, slot.nbytes = version, "writing", False, None, nbytes
-            return {"slot": slot.slot_id, "capacity": slot.seg.size}, [slot.seg.fd]
+            # Every slot id that still exists: a client unmaps the ones it cached that are gone (grown,
+            # dropped, reclaimed), or their memory would outlive the holder's accounting of it.
+            live = sorted(x.slot_id for e in self.ranks.values() for lst in e.slots.values() for x in lst)
+            return {"slot": slot.slot_id, "capacity": slot.seg.size, "live": live}, [slot.seg.fd]
 
     @staticmethod
     def _pick(cands: list[Slot], *, held: int) -> Slot | None:
@@ -197,8 +202,23 @@ class Holder:
             held.remove(victim)
         ent.last_committed[kind] = max([x.version for x in slots if x.committed], default=-1)
 
-    def _check_budget(self, extra: int, rank: int, nbytes: int) -> None:
+    def _reclaim_free(self, keep: Slot | None = None) -> int:
+        """Close every idle free slot (kept after a flush needed one more) except ``keep``; returns the
+        bytes given back. Free slots are a cache, never a reason to refuse a request."""
+        freed = 0
+        for ent in self.ranks.values():
+            for kind, lst in ent.slots.items():
+                idle = [x for x in lst if x.state == "free" and x.pins == 0 and x is not keep]
+                for x in idle:
+                    lst.remove(x)
+                    freed += x.seg.size
+                    x.seg.close()
+        return freed
+
+    def _check_budget(self, extra: int, rank: int, nbytes: int, keep: Slot | None = None) -> None:
         used = self.used_bytes()
+        if used + extra > self.budget:
+            used -= self._reclaim_free(keep)
         if used + extra > self.budget:
             gib = (used + extra) / (1 << 30)
             raise HolderError(

@@ -365,3 +365,39 @@ def test_scrub_pins_one_slot_at_a_time(tmp_path, monkeypatch):
     for lst in h.ranks[0].slots.values():
         for s in lst:
             s.seg.close()
+
+
+def _mapped_slots(rank):
+    with open("/proc/self/maps") as f:
+        return sorted({int(line.split(".data.")[1].split()[0]) for line in f if f"shardsafe.job.n0.r{rank}.data." in line})
+
+
+def test_a_free_slot_is_given_back_when_another_rank_needs_the_budget(tmp_path):
+    """The slot kept after a flush is a cache: another request that needs its bytes gets them, and the
+    trainer that had it mapped unmaps it at its next acquire (so the memory really goes)."""
+    p = HolderPaths(str(tmp_path / "h"), "job", "n0")
+    proc = subprocess.Popen(holder_command(p, budget_gb=0.03), stdout=subprocess.PIPE)   # 3 slots of 8 MiB, not 4
+    try:
+        assert proc.stdout.readline().startswith(b"holder ready")
+        c = HolderClient(p, timeout_s=10).connect()
+        disk = str(tmp_path / "persist")
+        pipe = SnapshotPipeline(c, rank=0, world_size=1, node="n0", agreement=LocalAgreement(),
+                                flush=lambda v: c.flush(rank=0, version=v, dir=disk, job_id="job", keep=2, mbps=8)
+                                if v == 1 else None)
+        for v in (1, 2, 3):          # v3 lands in a third slot while v1 is flushed
+            pipe.submit(v, ToyAdapter(v).capture())
+            assert pipe.flush(timeout=30), pipe.history[-1].error
+        wait_flushes(c, 1)
+        assert _held(c) == ([2, 3], 3) and len(_mapped_slots(0)) == 3
+        other = HolderClient(p, timeout_s=10).connect()
+        other.acquire(rank=1, version=1, nbytes=8_000_000)    # needs the free slot's bytes
+        assert _held(c) == ([2, 3], 2)
+        pipe.submit(4, ToyAdapter(4).capture())
+        assert pipe.flush(timeout=30), pipe.history[-1].error
+        pipe.close()
+        assert _held(c) == ([3, 4], 2) and len(_mapped_slots(0)) == 2
+        other.close()
+        c.close()
+    finally:
+        proc.kill()
+        proc.wait()
