@@ -18,19 +18,22 @@ from .test_snapshot_restore import ToyAdapter
 
 @pytest.fixture
 def holder(tmp_path):
-    procs = []
+    """start(node, budget_gb) -> a connected client; ``start.procs[node]`` is the holder process."""
+    procs = {}
 
-    def start(node="n0"):
+    def start(node="n0", budget_gb=0.2):
         p = HolderPaths(str(tmp_path / "h"), "job", node)
-        proc = subprocess.Popen(holder_command(p, budget_gb=0.2, run_dir=str(tmp_path)), stdout=subprocess.PIPE)
+        proc = subprocess.Popen(holder_command(p, budget_gb=budget_gb, run_dir=str(tmp_path)), stdout=subprocess.PIPE)
         assert proc.stdout.readline().startswith(b"holder ready")
-        procs.append(proc)
+        procs[node] = proc
         return HolderClient(p, timeout_s=10).connect()
 
+    start.procs = procs
     yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait()
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def snapshots(client, versions, flush_dir=None, keep=2, seeds=None):
@@ -201,35 +204,18 @@ def test_peer_payloads_use_only_the_copy_its_owner_verified(holder):
     assert not PeerPayloads(c, 4, Collectives(), digests=[0, manifest_digest(man1)]).available([1], usable=False)
 
 
-def test_shutdown_waits_for_queued_flushes(tmp_path):
-    """A holder told to stop while a flush is queued writes it first: the launcher's stop waits for it
-    (beyond its grace) instead of killing the holder, which would lose the newest version on disk."""
-    p = HolderPaths(str(tmp_path / "h"), "job", "n0")
-    proc = subprocess.Popen(holder_command(p, budget_gb=0.2), stdout=subprocess.PIPE)
-    try:
-        assert proc.stdout.readline().startswith(b"holder ready")
-        c = HolderClient(p, timeout_s=10).connect()
-        disk = str(tmp_path / "persist")
-        pipe = SnapshotPipeline(c, rank=0, world_size=1, node="n0", agreement=LocalAgreement(),
-                                flush=lambda v: c.flush(rank=0, version=v, dir=disk, job_id="job", keep=2, mbps=8))
-        state = ToyAdapter(5)
-        pipe.submit(5, state.capture())
-        assert pipe.flush(timeout=30), pipe.history[-1].error
-        pipe.close()
-        c.close()
-        t0 = time.perf_counter()
-        stop_holder(p, proc, grace_s=0.2)       # 8 MB at 8 MB/s: the flush outlasts the grace
-        assert proc.returncode == 0, "the holder was killed instead of finishing its flush"
-        assert time.perf_counter() - t0 > 0.2
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    store = PersistentStore(disk, "job")
-    assert store.rank_versions(0) == [5]
+def _flushing(c, disk, *, keep=2, mbps=8.0, when=lambda v: True):
+    """A one-rank pipeline whose committed versions ``when(v)`` the holder flushes at ``mbps`` MB/s
+    (8 MB of ToyAdapter state at 8 MB/s: a flush takes about a second)."""
+    return SnapshotPipeline(c, rank=0, world_size=1, node="n0", agreement=LocalAgreement(),
+                            flush=lambda v: c.flush(rank=0, version=v, dir=disk, job_id="job", keep=keep, mbps=mbps)
+                            if when(v) else None)
+
+
+def _restores_from_disk(disk, version, state):
     live = ToyAdapter(99)
-    res = restore_from_holder(live, None, rank=0, coll=Collectives(), persist=store)
-    assert (res.version, res.tier) == (5, "persistent")
+    res = restore_from_holder(live, None, rank=0, coll=Collectives(), persist=PersistentStore(disk, "job"))
+    assert (res.version, res.tier) == (version, "persistent")
     assert all(torch.equal(live.t[k], state.t[k]) for k in live.t)
 
 
@@ -238,97 +224,75 @@ def _held(client):
     return sorted(s["version"] for s in slots if s["state"] != "free"), len(slots)
 
 
-def test_snapshots_go_on_while_a_flush_reads_an_older_version(tmp_path):
+def test_shutdown_waits_for_queued_flushes(holder, tmp_path):
+    """A holder told to stop while a flush is queued writes it first: the launcher's stop waits for it
+    (beyond its grace) instead of killing the holder, which would lose the newest version on disk."""
+    c, disk = holder(), str(tmp_path / "persist")
+    pipe = _flushing(c, disk)
+    state = ToyAdapter(5)
+    pipe.submit(5, state.capture())
+    assert pipe.flush(timeout=30), pipe.history[-1].error
+    pipe.close()
+    c.close()
+    proc = holder.procs["n0"]
+    t0 = time.perf_counter()
+    stop_holder(c.paths, proc, grace_s=0.2)       # the flush outlasts the grace
+    assert proc.returncode == 0, "the holder was killed instead of finishing its flush"
+    assert time.perf_counter() - t0 > 0.2
+    assert PersistentStore(disk, "job").rank_versions(0) == [5]
+    _restores_from_disk(disk, 5, state)
+
+
+def test_snapshots_go_on_while_a_flush_reads_an_older_version(holder, tmp_path):
     """A slow flush pins its version; the next snapshots take one extra slot (inside the budget)
     instead of being skipped, and once the flush is done the rank holds two versions again."""
-    p = HolderPaths(str(tmp_path / "h"), "job", "n0")
-    proc = subprocess.Popen(holder_command(p, budget_gb=0.2), stdout=subprocess.PIPE)
-    try:
-        assert proc.stdout.readline().startswith(b"holder ready")
-        c = HolderClient(p, timeout_s=10).connect()
-        disk = str(tmp_path / "persist")
-        pipe = SnapshotPipeline(c, rank=0, world_size=1, node="n0", agreement=LocalAgreement(),
-                                flush=lambda v: c.flush(rank=0, version=v, dir=disk, job_id="job", keep=3, mbps=16)
-                                if v % 3 == 0 else None)
-        states = {}
-        for v in range(1, 8):     # v3 and v6 take ~0.5 s each on disk; the others come right behind them
-            states[v] = ToyAdapter(v)
-            pipe.submit(v, states[v].capture())
-            assert pipe.flush(timeout=30), (v, pipe.history[-1].error)
-        pipe.close()
-        assert [h.committed for h in pipe.history] == [True] * 7
-        assert wait_flushes(c, 2)["done"] == 2
-        held, nslots = _held(c)
-        assert held == [6, 7] and nslots == 3, c.list(0)   # the extra slot stays, free and pre-faulted
-        man, mm = c.open(rank=0, version=7)
-        mm.close()
-        c.close()
-    finally:
-        proc.kill()
-        proc.wait()
-    store = PersistentStore(disk, "job")
-    assert store.rank_versions(0) == [3, 6]
-    live = ToyAdapter(99)
-    res = restore_from_holder(live, None, rank=0, coll=Collectives(), persist=store)
-    assert (res.version, res.tier) == (6, "persistent")
-    assert all(torch.equal(live.t[k], states[6].t[k]) for k in live.t)
+    c, disk = holder(), str(tmp_path / "persist")
+    pipe = _flushing(c, disk, keep=3, mbps=16, when=lambda v: v % 3 == 0)
+    states = {}
+    for v in range(1, 8):     # v3 and v6 take ~0.5 s each on disk; the others come right behind them
+        states[v] = ToyAdapter(v)
+        pipe.submit(v, states[v].capture())
+        assert pipe.flush(timeout=30), (v, pipe.history[-1].error)
+    pipe.close()
+    assert [h.committed for h in pipe.history] == [True] * 7
+    assert wait_flushes(c, 2)["done"] == 2
+    assert _held(c) == ([6, 7], 3), c.list(0)   # the extra slot stays, free and pre-faulted
+    man, mm = c.open(rank=0, version=7)
+    mm.close()
+    assert PersistentStore(disk, "job").rank_versions(0) == [3, 6]
+    _restores_from_disk(disk, 6, states[6])
 
 
-def test_no_budget_for_an_extra_slot_skips_snapshots_during_a_flush_and_says_why(tmp_path, caplog):
-    p = HolderPaths(str(tmp_path / "h"), "job", "n0")
-    proc = subprocess.Popen(holder_command(p, budget_gb=0.02), stdout=subprocess.PIPE)   # two 8 MiB slots
-    try:
-        assert proc.stdout.readline().startswith(b"holder ready")
-        c = HolderClient(p, timeout_s=10).connect()
-        disk = str(tmp_path / "persist")
-        pipe = SnapshotPipeline(c, rank=0, world_size=1, node="n0", agreement=LocalAgreement(),
-                                flush=lambda v: c.flush(rank=0, version=v, dir=disk, job_id="job", keep=2, mbps=8)
-                                if v == 1 else None)
-        for v in (1, 2, 3):
-            pipe.submit(v, ToyAdapter(v).capture())
-            pipe.flush(timeout=30)
-        assert [h.committed for h in pipe.history] == [True, True, False]
-        err = pipe.history[-1].error
-        assert "being flushed" in err and "memory_budget_gb" in err and "persist_every" in err, err
-        wait_flushes(c, 1)
-        pipe.submit(4, ToyAdapter(4).capture())            # the flush is done: snapshots go on
-        assert pipe.flush(timeout=30), pipe.history[-1].error
-        pipe.close()
-        assert _held(c) == ([2, 4], 2)
-        c.close()
-    finally:
-        proc.kill()
-        proc.wait()
+def test_no_budget_for_an_extra_slot_skips_snapshots_during_a_flush_and_says_why(holder, tmp_path):
+    c = holder(budget_gb=0.02)                   # two 8 MiB slots
+    pipe = _flushing(c, str(tmp_path / "persist"), when=lambda v: v == 1)
+    for v in (1, 2, 3):
+        pipe.submit(v, ToyAdapter(v).capture())
+        pipe.flush(timeout=30)
+    assert [h.committed for h in pipe.history] == [True, True, False]
+    err = pipe.history[-1].error
+    assert "being flushed" in err and "memory_budget_gb" in err and "persist_every" in err, err
+    wait_flushes(c, 1)
+    pipe.submit(4, ToyAdapter(4).capture())            # the flush is done: snapshots go on
+    assert pipe.flush(timeout=30), pipe.history[-1].error
+    pipe.close()
+    assert _held(c) == ([2, 4], 2)
 
 
-def test_drop_while_a_flush_reads_the_version(tmp_path):
+def test_drop_while_a_flush_reads_the_version(holder, tmp_path):
     """Dropping a version that is being flushed hides it at once and frees its memory when the flush
     is done (before: the drop closed the mapping under the flush's feet)."""
-    p = HolderPaths(str(tmp_path / "h"), "job", "n0")
-    proc = subprocess.Popen(holder_command(p, budget_gb=0.2), stdout=subprocess.PIPE)
-    try:
-        assert proc.stdout.readline().startswith(b"holder ready")
-        c = HolderClient(p, timeout_s=10).connect()
-        disk = str(tmp_path / "persist")
-        pipe = SnapshotPipeline(c, rank=0, world_size=1, node="n0", agreement=LocalAgreement(),
-                                flush=lambda v: c.flush(rank=0, version=v, dir=disk, job_id="job", keep=2, mbps=8))
-        pipe.submit(1, ToyAdapter(1).capture())
-        assert pipe.flush(timeout=30)
-        pipe.close()
-        c.drop(rank=0, version=1)
-        assert c.sealed_versions(0) == [] and c.status()["used"] > 0   # hidden, bytes still being read
-        assert wait_flushes(c, 1) == {**c.status()["flush"], "done": 1}
-        assert c.status()["used"] == 0 and c.list(0) == {"0": {}}
-        c.close()
-    finally:
-        proc.kill()
-        proc.wait()
-    store = PersistentStore(disk, "job")
-    assert store.rank_versions(0) == [1]
-    live = ToyAdapter(99)
-    res = restore_from_holder(live, None, rank=0, coll=Collectives(), persist=store)
-    assert (res.version, res.tier) == (1, "persistent")
-    assert all(torch.equal(live.t[k], ToyAdapter(1).t[k]) for k in live.t)
+    c, disk = holder(), str(tmp_path / "persist")
+    pipe = _flushing(c, disk)
+    pipe.submit(1, ToyAdapter(1).capture())
+    assert pipe.flush(timeout=30)
+    pipe.close()
+    c.drop(rank=0, version=1)
+    assert c.sealed_versions(0) == [] and c.status()["used"] > 0   # hidden, bytes still being read
+    assert wait_flushes(c, 1) == {**c.status()["flush"], "done": 1}
+    assert c.status()["used"] == 0 and c.list(0) == {"0": {}}
+    assert PersistentStore(disk, "job").rank_versions(0) == [1]
+    _restores_from_disk(disk, 1, ToyAdapter(1))
 
 
 def test_scrub_pins_one_slot_at_a_time(tmp_path, monkeypatch):
@@ -372,32 +336,21 @@ def _mapped_slots(rank):
         return sorted({int(line.split(".data.")[1].split()[0]) for line in f if f"shardsafe.job.n0.r{rank}.data." in line})
 
 
-def test_a_free_slot_is_given_back_when_another_rank_needs_the_budget(tmp_path):
+def test_a_free_slot_is_given_back_when_another_rank_needs_the_budget(holder, tmp_path):
     """The slot kept after a flush is a cache: another request that needs its bytes gets them, and the
     trainer that had it mapped unmaps it at its next acquire (so the memory really goes)."""
-    p = HolderPaths(str(tmp_path / "h"), "job", "n0")
-    proc = subprocess.Popen(holder_command(p, budget_gb=0.03), stdout=subprocess.PIPE)   # 3 slots of 8 MiB, not 4
-    try:
-        assert proc.stdout.readline().startswith(b"holder ready")
-        c = HolderClient(p, timeout_s=10).connect()
-        disk = str(tmp_path / "persist")
-        pipe = SnapshotPipeline(c, rank=0, world_size=1, node="n0", agreement=LocalAgreement(),
-                                flush=lambda v: c.flush(rank=0, version=v, dir=disk, job_id="job", keep=2, mbps=8)
-                                if v == 1 else None)
-        for v in (1, 2, 3):          # v3 lands in a third slot while v1 is flushed
-            pipe.submit(v, ToyAdapter(v).capture())
-            assert pipe.flush(timeout=30), pipe.history[-1].error
-        wait_flushes(c, 1)
-        assert _held(c) == ([2, 3], 3) and len(_mapped_slots(0)) == 3
-        other = HolderClient(p, timeout_s=10).connect()
-        other.acquire(rank=1, version=1, nbytes=8_000_000)    # needs the free slot's bytes
-        assert _held(c) == ([2, 3], 2)
-        pipe.submit(4, ToyAdapter(4).capture())
+    c = holder(budget_gb=0.03)                   # three slots of 8 MiB, not four
+    pipe = _flushing(c, str(tmp_path / "persist"), when=lambda v: v == 1)
+    for v in (1, 2, 3):          # v3 lands in a third slot while v1 is flushed
+        pipe.submit(v, ToyAdapter(v).capture())
         assert pipe.flush(timeout=30), pipe.history[-1].error
-        pipe.close()
-        assert _held(c) == ([3, 4], 2) and len(_mapped_slots(0)) == 2
-        other.close()
-        c.close()
-    finally:
-        proc.kill()
-        proc.wait()
+    wait_flushes(c, 1)
+    assert _held(c) == ([2, 3], 3) and len(_mapped_slots(0)) == 3
+    other = HolderClient(c.paths, timeout_s=10).connect()
+    other.acquire(rank=1, version=1, nbytes=8_000_000)    # needs the free slot's bytes
+    assert _held(c) == ([2, 3], 2)
+    pipe.submit(4, ToyAdapter(4).capture())
+    assert pipe.flush(timeout=30), pipe.history[-1].error
+    pipe.close()
+    assert _held(c) == ([3, 4], 2) and len(_mapped_slots(0)) == 2
+    other.close()
