@@ -847,15 +847,10 @@ class ElasticLauncher:
 
     def stop_holders(self) -> None:
         """Ask every holder to stop (they free their memory), then wait; SIGKILL what does not stop."""
-        from .holder.client import stop_holder
+        from .holder.client import stop_holders
         from .holder.paths import HolderPaths
-        # In parallel: each holder drains its own queued flushes; one by one, their drains would add up.
-        threads = [threading.Thread(target=stop_holder, args=(HolderPaths(self.cfg.holder_dir, self.cfg.job_id, node),
-                                                              proc)) for node, proc in self.holders.items()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        stop_holders([(HolderPaths(self.cfg.holder_dir, self.cfg.job_id, node), proc)
+                      for node, proc in self.holders.items()])
         self.holders.clear()
 
     # ---- agents ----------------------------------------------------------------------------------------

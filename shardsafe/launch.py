@@ -15,13 +15,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from .faults import FaultKind, parse
-from .holder.client import holder_command, stop_holder
+from .holder.client import holder_command, stop_holders
 from .holder.paths import HolderPaths
 
 log = logging.getLogger("shardsafe.launch")
@@ -125,13 +124,7 @@ class LocalLauncher:
             pass
 
     def stop_holders(self) -> None:
-        # In parallel: each holder drains its own queued flushes; one by one, their drains would add up.
-        threads = [threading.Thread(target=stop_holder, args=(self.paths(node), proc))
-                   for node, proc in self.holders.items()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        stop_holders([(self.paths(node), proc) for node, proc in self.holders.items()])
         self.holders.clear()
 
     # ---- workers ----------------------------------------------------------------------------------

@@ -182,6 +182,16 @@ def stop_holder(paths: HolderPaths, proc: "subprocess.Popen", *, grace_s: float 
         proc.wait()
 
 
+def stop_holders(holders: "list[tuple[HolderPaths, subprocess.Popen]]") -> None:
+    """:func:`stop_holder` for several holders at once: each drains its own queued flushes, so one by
+    one their drains would add up."""
+    threads = [threading.Thread(target=stop_holder, args=(paths, proc)) for paths, proc in holders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def holder_command(paths: HolderPaths, *, budget_gb: float, idle_exit_s: float = 0.0, run_dir: str = "",
                    daemonize: bool = False, scrub_interval_s: float | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "shardsafe.cli", "holder", "--job-id", paths.job_id, "--node", paths.node,

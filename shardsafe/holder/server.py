@@ -286,12 +286,12 @@ class Holder:
                 keep = []
                 for s in ent.slots[kind]:
                     if version is None or s.version == int(version):
-                        freed += s.seg.size
-                        if s.pins:           # a flush or scrub still reads it: closed when it is done
+                        if s.pins:           # a flush or scrub still reads it: closed (freed) when it is done
                             self._invalidate(s)
                             s.doomed = True
                             keep.append(s)
                         else:
+                            freed += s.seg.size
                             s.seg.close()
                     else:
                         keep.append(s)
