@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .launch import LaunchConfig, LocalLauncher
+from .launch import PRELOAD_DEEPSPEED, PRELOAD_MEGATRON, LaunchConfig, LocalLauncher
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -79,34 +79,54 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
     for d in (ref_dir, run_dir):
         shutil.rmtree(d, ignore_errors=True)
     world = a.nodes * a.nproc_per_node
-    script = str(EXAMPLES / "ds_pretrain_gpt.py")
-    common = ["--steps", str(a.steps), "--zero-stage", str(a.zero_stage), "--dtype", a.dtype]
+    if a.steps is None:
+        a.steps = 100 if a.engine == "deepspeed" else 40
+    if a.engine == "megatron":
+        if world % (a.tp * a.pp):
+            raise SystemExit(f"--tp {a.tp} x --pp {a.pp} does not divide the {world} ranks "
+                             f"(--nodes {a.nodes} x --nproc-per-node {a.nproc_per_node})")
+        script = str(EXAMPLES / "megatron_pretrain_gpt.py")
+        common = ["--steps", str(a.steps), "--tp", str(a.tp), "--pp", str(a.pp)] + (["--bf16"] if a.dtype == "bf16" else [])
+        layout = f"TP{a.tp} x PP{a.pp} x DP{world // (a.tp * a.pp)}, DistributedOptimizer, {a.dtype}"
+        plain, protect = "plain megatron-core", ["--shardsafe", "--shardsafe-memory-budget-gb", repr(a.memory_budget_gb)]
+        unprotect = []
+    else:
+        script = str(EXAMPLES / "ds_pretrain_gpt.py")
+        common = ["--steps", str(a.steps), "--zero-stage", str(a.zero_stage), "--dtype", a.dtype]
+        layout = f"ZeRO-{a.zero_stage} {a.dtype}"
+        plain, protect, unprotect = "plain deepspeed.initialize", [], ["--no-shardsafe"]
     inject = a.inject or (f"kill-rank:{world - 1}@{a.kill_at or (a.steps * 2) // 5};"
                           f"kill-node:node{a.nodes - 1}@{(a.steps * 3) // 4}")
     job = f"demo{os.getpid()}"
     say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else (lambda *x: print(*x, flush=True))
 
-    say(f"[1/3] reference run: {world} ranks on {a.nodes} simulated nodes, ZeRO-{a.zero_stage} {a.dtype}, "
-        f"{a.steps} steps, no failures, plain deepspeed.initialize")
+    say(f"[1/3] reference run: {world} ranks on {a.nodes} simulated nodes, {a.engine} {layout}, "
+        f"{a.steps} steps, no failures, {plain}")
     ref = LocalLauncher(LaunchConfig(nodes=a.nodes, nproc_per_node=a.nproc_per_node, job_id=job + "-ref",
                                      run_dir=ref_dir, start_holders=False, max_restarts=0))
-    r0 = ref.run([sys.executable, script, *common, "--no-shardsafe", "--out", ref_dir])
+    r0 = ref.run([sys.executable, script, *common, *unprotect, "--out", ref_dir])
     if not r0.ok:
         raise SystemExit(f"the reference run failed; see {ref_dir}/trainer_rank*.log")
     say(f"      done in {r0.wall_s:.1f} s")
     say(f"[2/3] protected run: snapshot every step into one holder per node, parity across nodes; "
         f"injected faults: {inject} (a SIGKILLed trainer, then a whole node: its trainers and holder)")
+    if a.preload is None:
+        preload = PRELOAD_DEEPSPEED if a.engine == "deepspeed" else PRELOAD_MEGATRON
+    else:
+        preload = tuple(m.strip() for m in a.preload.split(",") if m.strip())
     run = LocalLauncher(LaunchConfig(nodes=a.nodes, nproc_per_node=a.nproc_per_node, job_id=job, run_dir=run_dir,
-                                     inject=inject, max_restarts=3, memory_budget_gb=a.memory_budget_gb))
+                                     inject=inject, max_restarts=3, memory_budget_gb=a.memory_budget_gb,
+                                     preload=preload))
     t_run = time.time()
-    r1 = run.run([sys.executable, script, *common, "--out", run_dir])
+    r1 = run.run([sys.executable, script, *common, *protect, "--out", run_dir])
     measured = time.time() - t_run   # the wall time TOR must account for, measured outside the launcher
     say(f"      done in {r1.wall_s:.1f} s after {r1.attempts} attempt(s); failures: "
         + ", ".join(f"{f['cause']} of " + (f"rank {f['rank']}" if f.get("rank") is not None else f"node {f.get('node')}")
                     for f in r1.failures))
     say("[3/3] comparing every loss and every rank's final state with the reference (torch.equal)")
     cmp = compare_runs(run_dir, ref_dir, world, a.steps) if r1.ok else None
-    out = {"engine": "deepspeed", "zero_stage": a.zero_stage, "dtype": a.dtype, "steps": a.steps,
+    out = {"engine": a.engine, "zero_stage": a.zero_stage if a.engine == "deepspeed" else None,
+           "layout": layout, "dtype": a.dtype, "steps": a.steps,
            "nodes": a.nodes, "ranks": world, "failures_injected": len(r1.failures), "attempts": r1.attempts,
            **summarize(run_dir, world),
            "bit_identical": bool(cmp and cmp.bit_identical),
@@ -138,7 +158,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
         print(json.dumps(out))
     else:
         print()
-        print(f"shardsafe demo: {out['ranks']} ranks on {out['nodes']} nodes, ZeRO-{out['zero_stage']} {out['dtype']}, "
+        print(f"shardsafe demo: {out['ranks']} ranks on {out['nodes']} nodes, {out['engine']} {out['layout']}, "
               f"{out['steps']} steps")
         print(f"  failures injected : {out['failures_injected']} (SIGKILL)")
         print(f"  restores          : {out['restores']} from tiers {out['restore_tiers']} "
@@ -164,15 +184,24 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 def register_cli(sub) -> None:
     p = sub.add_parser("demo", help="kill a trainer mid-run, restore from the holders, compare bit for bit")
-    p.add_argument("--engine", default="deepspeed", choices=["deepspeed"])
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3])
+    p.add_argument("--engine", default="deepspeed", choices=["deepspeed", "megatron"],
+                   help="deepspeed: examples/ds_pretrain_gpt.py (ZeRO); megatron: examples/megatron_pretrain_gpt.py "
+                        "(megatron-core GPT, DDP + DistributedOptimizer, TP/PP/DP)")
+    p.add_argument("--steps", type=int, default=None, help="default: 100 (deepspeed), 40 (megatron)")
+    p.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3], help="deepspeed only")
+    p.add_argument("--tp", type=int, default=2, help="megatron only: tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="megatron only: pipeline-parallel size")
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--nproc-per-node", type=int, default=2)
     p.add_argument("--kill-at", type=int, default=0, help="step at which the last rank is SIGKILLed")
     p.add_argument("--inject", default="", help="fault spec overriding --kill-at (see shardsafe.faults)")
     p.add_argument("--memory-budget-gb", type=float, default=1.0)
+    p.add_argument("--preload", default=None,
+                   help="comma-separated modules the protected run's fork server imports once; its trainers (first "
+                        "start and every restart) are forked from it (shardsafe.prewarm). Default: "
+                        f"{','.join(PRELOAD_DEEPSPEED)} (deepspeed), {','.join(PRELOAD_MEGATRON)} (megatron); "
+                        "'' starts every trainer cold. The reference run always starts cold")
     p.add_argument("--run-dir", default="", help="keep both runs (event logs included) under this directory")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     p.set_defaults(func=cmd_demo)

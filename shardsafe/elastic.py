@@ -552,6 +552,8 @@ class AgentOptions:
     join_timeout_s: float = 600.0
     job_start_t: float | None = None
     torchrun_args: list[str] = field(default_factory=list)
+    preload: list[str] = field(default_factory=list)
+    """Modules this node's fork server imports once; workers are forked from it (shardsafe.prewarm)."""
 
     def torchrun_argv(self, script: list[str]) -> list[str]:
         conf = (f"is_host=false,join_timeout={int(self.join_timeout_s)},keep_alive_interval={int(self.keep_alive_s)},"
@@ -588,6 +590,8 @@ class _AgentHooks:
         self.store = _store_client(opts.control)
         self.attempt: int | None = None
         self.reported: set[tuple[int, str]] = set()
+        self.spare_pids: set[int] = set()   # descendants that are not workers (the fork server): never killed
+        self.worker_group = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._watch = threading.Thread(target=self._kill_loop, name="shardsafe-kill-watch", daemon=True)
@@ -618,6 +622,7 @@ class _AgentHooks:
                 st.set(Keys.ROUND_ATTEMPT, str(base + n))
             attempt = int(st.get(Keys.ROUND_ATTEMPT))
         self.attempt = attempt
+        self.worker_group = worker_group
         os.environ["SHARDSAFE_ATTEMPT"] = str(attempt)   # workers inherit the agent's environment
         ranks = [w.global_rank for w in worker_group.workers]
         log.info("[agent %s] attempt %d: group rank %d, ranks %s", self.opts.node, attempt, worker_group.group_rank, ranks)
@@ -666,13 +671,16 @@ class _AgentHooks:
 
     def _kill_workers(self, attempt: int) -> None:
         import psutil
-        procs = psutil.Process().children(recursive=True)
+        procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in self.spare_pids]
+        # A forked worker's /proc/PID/environ is the fork server's (it never exec'd): ranks come from the
+        # worker group (worker.id is the pid torch elastic started), the environment is the fallback.
+        by_pid = {w.id: w.global_rank for w in getattr(self.worker_group, "workers", []) or [] if w.id is not None}
         hung = []
         for p in procs:
             try:
                 if p.status() == psutil.STATUS_STOPPED:
-                    r = p.environ().get("RANK")
-                    if r is not None and r.isdigit():
+                    r = by_pid.get(p.pid, p.environ().get("RANK"))
+                    if r is not None and str(r).isdigit():
                         hung.append(int(r))
             except (psutil.Error, OSError):
                 pass
@@ -695,6 +703,7 @@ def run_agent(opts: AgentOptions, script: list[str]) -> int:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     hooks = _AgentHooks(opts)
+    forks = _start_fork_server(opts, hooks) if opts.preload else None
 
     class ShardsafeAgent(LocalElasticAgent):
         """LocalElasticAgent + job-wide attempt numbers and facts for the controller."""
@@ -721,6 +730,54 @@ def run_agent(opts: AgentOptions, script: list[str]) -> int:
         return 1
     finally:
         hooks.close()
+        if forks is not None:
+            forks.close()
+
+
+def _start_fork_server(opts: AgentOptions, hooks: _AgentHooks):
+    """This node's fork server (shardsafe.prewarm), plugged into torch elastic's worker start: its
+    ``get_subprocess_handler`` hands out handlers whose ``_popen`` forks from the server when it can and
+    falls back to torch's own Popen when it cannot (the reason is logged once). None if it cannot start."""
+    from .prewarm import ForkServer, PrewarmError
+    try:
+        from torch.distributed.elastic.multiprocessing import api as mp_api
+        from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+    except ImportError as e:
+        log.warning("[agent %s] this torch has no elastic subprocess handler to fork from (%s); workers start cold",
+                    opts.node, e)
+        return None
+    if not callable(getattr(mp_api, "get_subprocess_handler", None)) or not hasattr(SubprocessHandler, "_popen"):
+        log.warning("[agent %s] torch %s starts workers differently than shardsafe.prewarm knows; workers start cold",
+                    opts.node, getattr(sys.modules.get("torch"), "__version__", "?"))
+        return None
+    if opts.nproc_per_node > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")   # torchrun sets it for its workers; import with it
+    try:
+        forks = ForkServer(opts.preload, env=dict(os.environ)).start()
+    except PrewarmError as e:
+        log.warning("[agent %s] %s; workers start cold", opts.node, e)
+        return None
+    hooks.spare_pids.add(forks.proc.pid)
+    cold = {"why": ""}
+
+    class ForkedHandler(SubprocessHandler):
+        def _popen(self, args, env):
+            why = forks.accepts(args, env)
+            if not why:
+                try:
+                    return forks.spawn(args, env=env, stdout=self._stdout.fileno() if self._stdout else None,
+                                       stderr=self._stderr.fileno() if self._stderr else None)
+                except PrewarmError as e:
+                    why = str(e)
+            if why != cold["why"]:
+                log.warning("[agent %s] workers start cold: %s", opts.node, why)
+                cold["why"] = why
+            return super()._popen(args, env)
+
+    mp_api.get_subprocess_handler = lambda **kw: ForkedHandler(**kw)
+    log.info("[agent %s] workers are forked from the fork server (pid %d, preloaded %s in %.2f s)", opts.node,
+             forks.proc.pid, ",".join(opts.preload), forks.ready_s)
+    return forks
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -761,6 +818,9 @@ class ElasticConfig:
     """Extra environment for agents and workers."""
     timeout_s: float = 0.0
     """Give up (and kill everything) after this long (0 = never)."""
+    preload: tuple[str, ...] = ()
+    """Modules each node's fork server imports once; its workers are forked from it instead of importing them
+    again at every start and restart (shardsafe.prewarm). Empty: torch elastic starts workers cold."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.nproc_per_node < 1:
@@ -872,6 +932,8 @@ class ElasticLauncher:
                "--join-timeout-s", str(c.join_timeout_s), "--job-start-t", repr(self.t_start)]
         if c.inject:
             cmd += ["--inject", c.inject]
+        if c.preload:
+            cmd += ["--preload", ",".join(c.preload)]
         if self.node_addr(node):
             cmd += ["--local-addr", self.node_addr(node)]
         env = {**os.environ, **c.env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -999,7 +1061,8 @@ def cmd_launch(a: argparse.Namespace) -> int:
     cfg = ElasticConfig(nodes=a.nodes, nproc_per_node=a.nproc_per_node, run_dir=run_dir, job_id=a.job_id,
                         holder_dir=a.holder_dir, memory_budget_gb=a.memory_budget_gb, max_restarts=a.max_restarts,
                         inject=a.inject, hang_timeout_s=a.hang_timeout, grace_s=a.grace,
-                        keep_alive_s=a.keep_alive_s, keep_alive_misses=a.keep_alive_misses, timeout_s=a.timeout)
+                        keep_alive_s=a.keep_alive_s, keep_alive_misses=a.keep_alive_misses, timeout_s=a.timeout,
+                        preload=_preload_list(a.preload))
     res = ElasticLauncher(cfg).run(_script(a))
     out = {"ok": res.ok, "attempts": res.attempts, "failures": res.failures, "wall_s": round(res.wall_s, 3),
            "nodes": res.nodes, "run_dir": res.run_dir}
@@ -1018,7 +1081,12 @@ def _agent_options(a: argparse.Namespace) -> AgentOptions:
                         run_dir=a.run_dir, holder_dir=a.holder_dir, inject=a.inject, max_restarts=a.max_restarts,
                         local_addr=a.local_addr, monitor_interval_s=a.monitor_interval, keep_alive_s=a.keep_alive_s,
                         keep_alive_misses=a.keep_alive_misses, join_timeout_s=a.join_timeout_s,
-                        job_start_t=a.job_start_t, torchrun_args=shlex.split(a.torchrun_args or ""))
+                        job_start_t=a.job_start_t, torchrun_args=shlex.split(a.torchrun_args or ""),
+                        preload=list(_preload_list(a.preload)))
+
+
+def _preload_list(text: str) -> tuple[str, ...]:
+    return tuple(m.strip() for m in (text or "").split(",") if m.strip())
 
 
 def cmd_agent(a: argparse.Namespace) -> int:
@@ -1094,6 +1162,10 @@ def _add_agent_timing(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-alive-s", type=int, default=2,
                    help="rendezvous heartbeat interval; a lost node is dropped after keep-alive-s x keep-alive-misses")
     p.add_argument("--keep-alive-misses", type=int, default=3)
+    p.add_argument("--preload", default=os.environ.get("SHARDSAFE_PRELOAD", ""),
+                   help="comma-separated modules a fork server per node imports once; workers (every start and "
+                        "restart) are forked from it instead of importing them again, e.g. "
+                        "torch,deepspeed,torch._dynamo (docs/operations.md). Default: none, workers start cold")
 
 
 def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:

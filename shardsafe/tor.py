@@ -56,6 +56,7 @@ EVENT_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "attempt_end": ("launcher", ("attempt", "rc", "cause")),
     "failure_detected": ("launcher", ("cause",)),
     "restart": ("launcher", ("attempt",)),
+    "prewarm_ready": ("launcher", ("seconds",)),
     # The fault injector's own record, written by the dying process just before the fault: fills in t_fault of
     # the failure_detected that follows it (the launcher cannot know when a fault really happened).
     "fault_injected": ("trainer", ("fault", "t_fault")),

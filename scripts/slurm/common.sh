@@ -46,6 +46,7 @@ ss_defaults() {
   : "${SS_SRUN_ARGS:=}"
   : "${SS_HOLDER_SRUN_ARGS:=}"
   : "${SS_TORCHRUN_ARGS:=}"
+  : "${SS_PRELOAD:=}"
   : "${SS_READY_TIMEOUT:=120}"
   : "${SS_HOLDER_STOP_TIMEOUT:=130}"
   : "${SS_REQUEUE_ON_FAILURE:=0}"
@@ -156,7 +157,7 @@ ss_start_agent() {
     --run-dir "$SS_RUN_DIR" ${SS_HOLDER_DIR:+--holder-dir "$SS_HOLDER_DIR"} --max-restarts "$SS_MAX_RESTARTS" \
     --local-addr "$(ss_node_addr "$node")" --keep-alive-s "$SS_KEEP_ALIVE_S" --keep-alive-misses "$SS_KEEP_ALIVE_MISSES" \
     --join-timeout-s "$SS_JOIN_TIMEOUT" --job-start-t "$SS_T0" --inject "$SS_INJECT" \
-    --torchrun-args "$SS_TORCHRUN_ARGS" -- "$@" &
+    --torchrun-args "$SS_TORCHRUN_ARGS" --preload "$SS_PRELOAD" -- "$@" &
   SS_AGENT_PID[$node]=$!
   ss_log "agent on $node started (srun pid ${SS_AGENT_PID[$node]})"
 }

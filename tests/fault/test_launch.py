@@ -14,6 +14,7 @@ import time
 import pytest
 
 from shardsafe.elastic import ElasticConfig, ElasticLauncher
+from shardsafe.launch import PRELOAD_DEEPSPEED
 from shardsafe.runcheck import compare_runs, read_jsonl
 from shardsafe.tor import compute_tor, read_events
 
@@ -25,13 +26,18 @@ pytestmark = pytest.mark.slow
 
 
 def launch(run_dir, inject, **kw):
+    """Workers are forked from each node's fork server (shardsafe.prewarm) plugged into torch elastic; the
+    references start cold, so the bit-exact checks also cover forked vs cold workers."""
     cfg = ElasticConfig(nodes=NODES, nproc_per_node=1, run_dir=str(run_dir), inject=inject, memory_budget_gb=0.5,
-                        max_restarts=3, keep_alive_s=2, keep_alive_misses=3, timeout_s=420, **kw)
+                        max_restarts=3, keep_alive_s=2, keep_alive_misses=3, timeout_s=420, preload=PRELOAD_DEEPSPEED,
+                        **kw)
     cmd = [SCRIPT, "--steps", str(STEPS), "--zero-stage", "2", "--dtype", "bf16", "--running-tor-every", "2"]
     t0 = time.time()
     res = ElasticLauncher(cfg).run(cmd)
     wall = time.time() - t0
-    assert not leftovers(cfg.job_id), leftovers(cfg.job_id)
+    assert not leftovers(cfg.job_id), leftovers(cfg.job_id)   # fork servers included
+    logs = agent_logs(run_dir)
+    assert "workers are forked from the fork server" in logs and "workers start cold" not in logs, logs[-3000:]
     return res, wall
 
 

@@ -27,7 +27,7 @@ import uuid
 
 import pytest
 
-from shardsafe.launch import LaunchConfig, LocalLauncher
+from shardsafe.launch import PRELOAD_MEGATRON, LaunchConfig, LocalLauncher
 from shardsafe.runcheck import compare_runs, losses_by_attempt, read_jsonl
 
 from .helpers import restores, trainer_logs
@@ -67,10 +67,13 @@ def run_megatron(run_dir, script_args, *, script=OWN_LOOP, nodes=2, nproc=2, inj
                  max_restarts=2, env=None):
     """One job under the local launcher; trainers write losses/final state into run_dir."""
     run_dir = str(run_dir)
+    # Protected runs fork their trainers from a pre-warmed server (shardsafe.prewarm: megatron.core is
+    # imported once per job, not per rank and attempt); the references start cold (and niced: the host
+    # is shared), so every bit-exact check also compares forked trainers with cold ones.
     cfg = LaunchConfig(nodes=nodes, nproc_per_node=nproc, job_id=f"mt{uuid.uuid4().hex[:8]}", run_dir=run_dir,
                        inject=inject, max_restarts=max_restarts, memory_budget_gb=0.5, start_holders=shardsafe,
-                       attempt_timeout_s=240, env=dict(env or {}))
-    nice = ["nice", "-n", "5"] if shutil.which("nice") else []   # the host is shared
+                       attempt_timeout_s=240, env=dict(env or {}), preload=PRELOAD_MEGATRON if shardsafe else ())
+    nice = ["nice", "-n", "5"] if shutil.which("nice") and not shardsafe else []
     cmd = [*nice, sys.executable, script, *script_args, "--out", run_dir]
     if shardsafe:
         cmd += ["--shardsafe", "--shardsafe-timeout-s", "30"]
@@ -210,9 +213,11 @@ def test_megatron_lm_under_shardsafe_launch(tmp_path, megatron_reference, monkey
     ref = megatron_reference("megatron_lm", lm_args(), script=MEGATRON_LM, env=lm_env())
     monkeypatch.setenv("PYTHONPATH", lm_env()["PYTHONPATH"])
     cfg = ElasticConfig(nodes=2, nproc_per_node=2, run_dir=str(tmp_path), inject="kill-rank:2@4", memory_budget_gb=0.5,
-                        max_restarts=2, keep_alive_s=2, keep_alive_misses=3, timeout_s=420)
+                        max_restarts=2, keep_alive_s=2, keep_alive_misses=3, timeout_s=420, preload=PRELOAD_MEGATRON)
     res = ElasticLauncher(cfg).run([MEGATRON_LM, *lm_args(), "--shardsafe", "--shardsafe-no-start-holder"])
     assert res.ok and res.attempts == 2, (res, trainer_logs(str(tmp_path))[-3000:])
+    agents = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("agent_*.log"))
+    assert "workers are forked from the fork server" in agents and "start cold" not in agents, agents[-3000:]
     assert res.failures[0]["rank"] == 2 and res.failures[0]["cause"] == "rank_exit"
     got = restores(tmp_path)
     assert got[0] == -1 and got[1] in (2, 3), got

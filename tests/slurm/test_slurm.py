@@ -23,6 +23,7 @@ import time
 
 import pytest
 
+from shardsafe.launch import PRELOAD_DEEPSPEED
 from shardsafe.runcheck import compare_runs, read_jsonl
 
 from ..fault.helpers import run_job
@@ -120,7 +121,9 @@ def test_sbatch_rank_kill_and_node_loss_continue_in_the_allocation(cluster, tmp_
                              "--shardsafe-json " + json.dumps({"persist_dir": str(tmp_path / "persist"),
                                                                "persist_every": STEPS, "persist_mbps": 0.5},
                                                               separators=(",", ":")),
-           "SS_INJECT": "kill-rank:1@4", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+           "SS_INJECT": "kill-rank:1@4", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           # workers forked from a fork server per node (shardsafe.prewarm); the reference below starts cold
+           "SS_PRELOAD": ",".join(PRELOAD_DEEPSPEED)}
     out_file = tmp_path / "job.out"
     sub = subprocess.run(["sbatch", "--parsable", "-N3", f"--output={out_file}", SBATCH], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
@@ -152,6 +155,8 @@ def test_sbatch_rank_kill_and_node_loss_continue_in_the_allocation(cluster, tmp_
     assert downed, f"attempt 1 never reached step 8:\n{diag()}"
     assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", f"{info}\n{diag()}"
 
+    agents = "".join(f.read_text(errors="replace") for f in (run_dir / "logs").glob("agent_*.log"))
+    assert "workers are forked from the fork server" in agents and "start cold" not in agents, diag()
     # every rank finished, and the job recorded its allocation (requeue-safe)
     assert sorted(os.listdir(run_dir / "markers")) == ["rank0.done", "rank1.done"]
     assert "restart_count=0" in (run_dir / "slurm_allocations.log").read_text()

@@ -1,0 +1,105 @@
+"""Restart cost: trainers forked from a pre-warmed fork server vs started cold (shardsafe.prewarm).
+
+    .venv/bin/python bench/restart_bench.py [--engine deepspeed|megatron] [--runs 5] [--steps 20] [--json]
+
+One job per run under the local launcher (2 simulated nodes x 2 ranks, one holder each, a snapshot every
+step): rank 3 SIGKILLs itself at step --kill-at, the group restarts and restores from the holders, and
+the job finishes. Runs alternate between cold starts (``preload=()``, the baseline) and forked starts
+(``PRELOAD_DEEPSPEED`` / ``PRELOAD_MEGATRON``), so drift on this shared machine hits both alike. Per run,
+from the event log:
+
+* recovery: failure detected -> the last rank's ``train_ready`` of the restarted attempt (restart,
+  imports, framework set-up and the restore from the holder);
+* first start: ``attempt_start`` of attempt 0 -> its last ``train_ready`` (for the forked mode this
+  excludes the fork server's imports, which run before it; they are reported separately);
+* wall: the whole job, fork server included.
+
+Medians over --runs of each mode; ratios are forked / cold (the baseline) of the same run of the script.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from shardsafe.launch import PRELOAD_DEEPSPEED, PRELOAD_MEGATRON, LaunchConfig, LocalLauncher  # noqa: E402
+from shardsafe.runcheck import read_jsonl  # noqa: E402
+
+
+def one_run(a: argparse.Namespace, preload: tuple[str, ...], k: int) -> dict:
+    d = tempfile.mkdtemp(prefix="restart-bench-")
+    try:
+        if a.engine == "deepspeed":
+            cmd = [sys.executable, os.path.join(ROOT, "examples", "ds_pretrain_gpt.py"), "--steps", str(a.steps),
+                   "--zero-stage", "2", "--dtype", "bf16", "--out", d]
+        else:
+            cmd = [sys.executable, os.path.join(ROOT, "examples", "megatron_pretrain_gpt.py"), "--steps", str(a.steps),
+                   "--tp", "2", "--bf16", "--shardsafe", "--out", d]
+        cfg = LaunchConfig(nodes=2, nproc_per_node=2, job_id=f"rb{os.getpid()}x{k}", run_dir=d, max_restarts=1,
+                           inject=f"kill-rank:3@{a.kill_at}", memory_budget_gb=1.0, preload=preload)
+        t0 = time.time()
+        res = LocalLauncher(cfg).run(cmd)
+        wall = time.time() - t0
+        if not res.ok or res.attempts != 2:
+            raise SystemExit(f"run failed ({res}); see {d}")
+        ev = read_jsonl(os.path.join(d, "events.jsonl"))
+
+        def last(kind: str, attempt: int) -> float:
+            return max(e["t"] for e in ev if e["kind"] == kind and int(e.get("attempt") or 0) == attempt)
+
+        detected = next(e["t"] for e in ev if e["kind"] == "failure_detected")
+        start0 = next(e["t"] for e in ev if e["kind"] == "attempt_start" and int(e.get("attempt") or 0) == 0)
+        pre = next((e["seconds"] for e in ev if e["kind"] == "prewarm_ready"), 0.0)
+        return {"recovery_s": last("train_ready", 1) - detected, "first_start_s": last("train_ready", 0) - start0,
+                "wall_s": wall, "prewarm_s": pre}
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", choices=["deepspeed", "megatron"], default="deepspeed")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--kill-at", type=int, default=8)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    preload = PRELOAD_DEEPSPEED if a.engine == "deepspeed" else PRELOAD_MEGATRON
+    got: dict[str, list[dict]] = {"cold": [], "forked": []}
+    for k in range(a.runs):
+        for mode in (("cold", "forked") if k % 2 == 0 else ("forked", "cold")):
+            r = one_run(a, () if mode == "cold" else preload, 2 * k + (mode == "forked"))
+            got[mode].append(r)
+            print(f"run {k} {mode:6s}: recovery {r['recovery_s']:.2f} s, first start {r['first_start_s']:.2f} s, "
+                  f"wall {r['wall_s']:.2f} s" + (f" (fork server ready in {r['prewarm_s']:.2f} s)" if r["prewarm_s"] else ""),
+                  file=sys.stderr, flush=True)
+    med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in got.items()}
+    out = {"engine": a.engine, "runs": a.runs, "steps": a.steps, "ranks": 4, "preload": list(preload),
+           "cold": med["cold"], "forked": med["forked"],
+           "recovery_ratio": med["forked"]["recovery_s"] / med["cold"]["recovery_s"],
+           "first_start_ratio": med["forked"]["first_start_s"] / med["cold"]["first_start_s"],
+           "wall_ratio": med["forked"]["wall_s"] / med["cold"]["wall_s"],
+           "load_average": os.getloadavg()[0]}
+    if a.json:
+        print(json.dumps(out))
+        return
+    print(f"restart bench: {a.engine}, 2 nodes x 2 ranks, {a.steps} steps, one rank SIGKILLed at step {a.kill_at}; "
+          f"medians of {a.runs} runs per mode (alternating); baseline = cold starts in the same run")
+    print(f"  preload: {','.join(preload)} (fork server ready in {med['forked']['prewarm_s']:.2f} s, before attempt 0)")
+    for key, label in (("recovery_s", "recovery (failure detected -> training again)"),
+                       ("first_start_s", "first start (attempt 0 -> training)"), ("wall_s", "job wall time")):
+        c, f = med["cold"][key], med["forked"][key]
+        print(f"  {label:48s} cold {c:6.2f} s   forked {f:6.2f} s   forked/cold {f / c:.2f}x  ({c / f:.1f}x faster)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""The fork server (shardsafe.prewarm): a forked trainer must look like one started cold.
+
+Real processes: a real server process imports its preloads and forks real children that run real
+scripts; exits, signals and a SIGKILLed server are the real thing. Whether a forked DeepSpeed trainer
+computes bit for bit what a cold one does is checked by every fault test (tests/fault: the protected
+runs are forked, the references start cold) and by ``shardsafe demo``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from shardsafe.launch import LaunchConfig, LocalLauncher
+from shardsafe.prewarm import ForkServer, PrewarmError
+
+PROBE = textwrap.dedent("""
+    import atexit, json, os, random, signal, sys
+    import numpy as np
+    out = os.environ["SHARDSAFE_TEST_OUT"]
+    atexit.register(lambda: print("atexit ran", flush=True))
+    info = {
+        "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__,
+        "file": __file__ if "__file__" in globals() else None,
+        "rank": os.environ.get("RANK"), "only": os.environ.get("SHARDSAFE_TEST_ONLY"),
+        "leader": os.getsid(0) == os.getpid() and os.getpgid(0) == os.getpid(),
+        "stdin": os.readlink("/proc/self/fd/0"),
+        "random": random.random(), "np": float(np.random.random()),
+        "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "sigpipe": signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN,
+        "fds": sorted(int(f) for f in os.listdir("/proc/self/fd")),
+        "pid": os.getpid(), "ppid": os.getppid(),
+    }
+    with open(out, "w") as f:
+        json.dump(info, f)
+    print("to stdout", flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    how = sys.argv[1]
+    if how == "raise":
+        raise RuntimeError("boom from the trainer")
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "sleep":
+        import time; time.sleep(60)
+    sys.exit(int(how))
+""")
+
+
+@pytest.fixture
+def server(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    s = ForkServer(["numpy", "numpy.random"], env=env, log_path=str(tmp_path / "prewarm.log")).start(timeout_s=120)
+    yield s
+    s.close()
+
+
+def _spawn(server, cmd, env, log, cwd=""):
+    """Fork ``cmd`` with stdout and stderr appended to ``log`` (the launcher keeps its own descriptor)."""
+    with open(log, "ab") as f:
+        return server.spawn(cmd, env=env, stdout=f.fileno(), stderr=f.fileno(), cwd=cwd)
+
+
+def _probe(tmp_path, name="probe.py"):
+    p = tmp_path / name
+    p.write_text(PROBE)
+    return str(p)
+
+
+def _cold(script, args, env, log, cwd):
+    with open(log, "ab") as f:
+        p = subprocess.Popen([sys.executable, script, *args], env=env, stdin=subprocess.DEVNULL, stdout=f,
+                             stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
+    return p.wait()
+
+
+def test_a_forked_trainer_looks_like_a_cold_one(tmp_path, server):
+    script = _probe(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    results = {}
+    for how in ("forked", "forked2", "cold"):
+        out, log = str(tmp_path / f"{how}.json"), str(tmp_path / f"{how}.log")
+        env = {**server.env, "RANK": "1", "SHARDSAFE_TEST_ONLY": "yes", "SHARDSAFE_TEST_OUT": out}
+        cmd = [sys.executable, script, "3"]
+        if how == "cold":
+            rc = _cold(script, ["3"], env, log, str(work))
+        else:
+            assert server.accepts(cmd, env) == ""
+            rc = _spawn(server, cmd, env, log, cwd=str(work)).wait(timeout=60)
+        assert rc == 3, open(log).read()
+        results[how] = json.load(open(out))
+        text = open(log).read()
+        assert "to stdout" in text and "to stderr" in text and "atexit ran" in text, text
+    f, f2, c = results["forked"], results["forked2"], results["cold"]
+    assert f["ppid"] == server.proc.pid and c["ppid"] == os.getpid()   # really forked, really cold
+    for key in ("argv", "path0", "cwd", "name", "file", "rank", "only", "leader", "stdin", "sigint", "sigterm",
+                "sigpipe"):
+        assert f[key] == c[key], (key, f[key], c[key])
+    assert f["leader"] and f["stdin"] == "/dev/null" and f["name"] == "__main__"
+    assert f["fds"] == c["fds"], (f["fds"], c["fds"])   # no descriptor of the server leaks into a trainer
+    # fresh seeds per trainer, as separate interpreters would have (numpy was imported by the server)
+    assert f["random"] != f2["random"] and f["np"] != f2["np"]
+
+
+def test_module_form_exit_codes_signals_and_exceptions(tmp_path, server):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "probe.py").write_text(PROBE)
+    env = {**server.env, "PYTHONPATH": str(tmp_path), "SHARDSAFE_TEST_OUT": str(tmp_path / "m.json")}
+    # PYTHONPATH differs from the server's: the module form needs a server started with it
+    assert "PYTHONPATH" in server.accepts([sys.executable, "-m", "mypkg.probe"], env)
+    s2 = ForkServer([], env=env, log_path=str(tmp_path / "p2.log")).start(timeout_s=60)
+    try:
+        out = str(tmp_path / "m.json")
+        p = _spawn(s2, [sys.executable, "-m", "mypkg.probe", "0"], env=env, log=str(tmp_path / "m.log"),
+                     cwd=str(tmp_path))
+        assert p.wait(timeout=60) == 0
+        info = json.load(open(out))
+        assert info["argv"][0] == str(pkg / "probe.py") and info["path0"] == str(tmp_path)
+        assert info["name"] == "__main__"
+    finally:
+        s2.close()
+    script = _probe(tmp_path)
+    # torchrun's form: python -u SCRIPT, stdout and stderr to separate files
+    with open(tmp_path / "u.out", "wb") as o, open(tmp_path / "u.err", "wb") as e:
+        p = server.spawn([sys.executable, "-u", script, "0"], env={**server.env, "SHARDSAFE_TEST_OUT": str(tmp_path / "u.json")},
+                         stdout=o.fileno(), stderr=e.fileno())
+    assert p.wait(timeout=60) == 0
+    assert json.load(open(tmp_path / "u.json"))["argv"] == [script, "0"]
+    assert "to stdout" in (tmp_path / "u.out").read_text() and "to stderr" not in (tmp_path / "u.out").read_text()
+    assert "to stderr" in (tmp_path / "u.err").read_text()
+    log = str(tmp_path / "raise.log")
+    p = _spawn(server, [sys.executable, script, "raise"], env={**server.env, "SHARDSAFE_TEST_OUT": str(tmp_path / "r.json")}, log=log)
+    assert p.wait(timeout=60) == 1
+    assert "RuntimeError: boom from the trainer" in open(log).read()
+    p = _spawn(server, [sys.executable, script, "kill"], env={**server.env, "SHARDSAFE_TEST_OUT": str(tmp_path / "k.json")},
+                     log=str(tmp_path / "k.log"))
+    assert p.wait(timeout=60) == -signal.SIGKILL
+    p = _spawn(server, [sys.executable, script, "sleep"], env={**server.env, "SHARDSAFE_TEST_OUT": str(tmp_path / "s.json")},
+                     log=str(tmp_path / "s.log"))
+    deadline = time.monotonic() + 30
+    while not os.path.exists(tmp_path / "s.json") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert p.poll() is None
+    os.killpg(p.pid, signal.SIGTERM)   # the launchers kill trainers by process group
+    assert p.wait(timeout=30) == -signal.SIGTERM
+
+
+def test_what_is_not_forked_says_why(tmp_path, server):
+    env = dict(server.env)
+    assert "not the interpreter" in server.accepts(["/usr/bin/python3-other", "x.py"], env)
+    assert "interpreter option '-X'" in server.accepts([sys.executable, "-X", "importtime", "x.py"], env)
+    assert server.accepts([sys.executable, "-u", "x.py"], env) == ""   # torchrun's form
+    assert "differs from the fork server's in OMP_NUM_THREADS" in server.accepts(
+        [sys.executable, "x.py"], {**env, "OMP_NUM_THREADS": "4"})
+    assert "NEW_VAR" in server.accepts([sys.executable, "x.py"], {**env, "NEW_VAR": "1"})
+    # per-rank variables are expected to differ
+    assert server.accepts([sys.executable, "x.py"], {**env, "RANK": "3", "MASTER_PORT": "1234",
+                                                     "SHARDSAFE_NODE": "node7"}) == ""
+
+
+def test_preload_errors(tmp_path):
+    with pytest.raises(PrewarmError, match="No module named 'no_such_module_xyz'"):
+        ForkServer(["no_such_module_xyz"], env=dict(os.environ), log_path=str(tmp_path / "a.log")).start(timeout_s=60)
+    # a submodule this version of a package lacks is skipped, and the log says so
+    s = ForkServer(["json", "json.no_such_submodule"], env=dict(os.environ), log_path=str(tmp_path / "b.log"))
+    s.start(timeout_s=60)
+    s.close()
+    assert "json.no_such_submodule does not exist in this version of json" in open(tmp_path / "b.log").read()
+
+
+def test_a_dead_server_kills_and_reports_its_trainers(tmp_path, server):
+    script = _probe(tmp_path)
+    p = _spawn(server, [sys.executable, script, "sleep"], env={**server.env, "SHARDSAFE_TEST_OUT": str(tmp_path / "s.json")},
+                     log=str(tmp_path / "s.log"))
+    deadline = time.monotonic() + 30
+    while not os.path.exists(tmp_path / "s.json") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.proc.kill()
+    assert p.wait(timeout=30) == -signal.SIGKILL
+    time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{p.pid}") or open(f"/proc/{p.pid}/stat").read().split()[2] == "Z"
+    assert not server.alive and "gone" in server.accepts([sys.executable, script], server.env)
+    with pytest.raises(PrewarmError):
+        _spawn(server, [sys.executable, script, "0"], env=server.env, log=str(tmp_path / "x.log"))
+
+
+RANK_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    with open(os.path.join(sys.argv[1], f"r{os.environ['RANK']}.json"), "w") as f:
+        json.dump({"ppid": os.getppid(), "attempt": os.environ["SHARDSAFE_ATTEMPT"]}, f)
+""")
+
+
+@pytest.mark.parametrize("prefix", [[], ["nice", "-n", "1"]], ids=["forked", "cold"])
+def test_local_launcher_forks_trainers_or_starts_them_cold(tmp_path, prefix, caplog):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    run_dir = tmp_path / "run"
+    cfg = LaunchConfig(nodes=2, nproc_per_node=2, job_id=f"pw{os.getpid()}", run_dir=str(run_dir),
+                       start_holders=False, max_restarts=0, preload=("json",))
+    launcher = LocalLauncher(cfg)
+    with caplog.at_level("WARNING", logger="shardsafe.launch"):
+        res = launcher.run([*prefix, sys.executable, str(script), str(run_dir)])
+    assert res.ok, res
+    parents = {json.load(open(run_dir / f"r{r}.json"))["ppid"] for r in range(4)}
+    kinds = [e["kind"] for e in map(json.loads, open(run_dir / "events.jsonl"))]
+    assert "prewarm_ready" in kinds
+    if prefix:
+        assert parents == {os.getpid()}
+        assert "trainers start cold: nice is not the interpreter the fork server runs" in caplog.text
+    else:
+        assert len(parents) == 1 and parents != {os.getpid()}   # all four forked by the one server
+        assert "start cold" not in caplog.text
