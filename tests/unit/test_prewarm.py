@@ -21,10 +21,13 @@ from shardsafe.launch import LaunchConfig, LocalLauncher
 from shardsafe.prewarm import ForkServer, PrewarmError
 
 PROBE = textwrap.dedent("""
-    import atexit, json, os, random, signal, sys
+    import atexit, gc, json, os, random, signal, sys
     import numpy as np
     out = os.environ["SHARDSAFE_TEST_OUT"]
     atexit.register(lambda: print("atexit ran", flush=True))
+    # never flushed nor closed: the interpreter's teardown writes it (the server's frozen heap must not stop that)
+    leak = open(out + ".leak", "w")
+    leak.write("written at teardown")
     info = {
         "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__,
         "file": __file__ if "__file__" in globals() else None,
@@ -36,7 +39,7 @@ PROBE = textwrap.dedent("""
         "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         "sigpipe": signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN,
         "fds": sorted(int(f) for f in os.listdir("/proc/self/fd")),
-        "pid": os.getpid(), "ppid": os.getppid(),
+        "pid": os.getpid(), "ppid": os.getppid(), "gc": gc.isenabled(),
     }
     with open(out, "w") as f:
         json.dump(info, f)
@@ -98,10 +101,11 @@ def test_a_forked_trainer_looks_like_a_cold_one(tmp_path, server):
         results[how] = json.load(open(out))
         text = open(log).read()
         assert "to stdout" in text and "to stderr" in text and "atexit ran" in text, text
+        assert open(out + ".leak").read() == "written at teardown", how
     f, f2, c = results["forked"], results["forked2"], results["cold"]
     assert f["ppid"] == server.proc.pid and c["ppid"] == os.getpid()   # really forked, really cold
     for key in ("argv", "path0", "cwd", "name", "file", "rank", "only", "leader", "stdin", "sigint", "sigterm",
-                "sigpipe"):
+                "sigpipe", "gc"):
         assert f[key] == c[key], (key, f[key], c[key])
     assert f["leader"] and f["stdin"] == "/dev/null" and f["name"] == "__main__"
     assert f["fds"] == c["fds"], (f["fds"], c["fds"])   # no descriptor of the server leaks into a trainer
