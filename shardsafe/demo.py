@@ -58,6 +58,8 @@ def summarize(run_dir: str, world: int) -> dict[str, Any]:
         "snapshot_stall_ms_median": round(statistics.median(stalls), 3) if stalls else None,
         "snapshots": len(stalls),
         "snapshots_committed": sum(1 for e in ev if e.get("kind") == "snapshot" and e.get("committed")),
+        "prewarm": next(({"preload": e.get("preload"), "seconds": e.get("seconds")} for e in ev
+                         if e.get("kind") == "prewarm_ready"), None),
     }
 
 
@@ -169,6 +171,12 @@ def cmd_demo(a: argparse.Namespace) -> int:
         print(f"  snapshot stall    : median {out['snapshot_stall_ms_median']} ms over {out['snapshots']} snapshots "
               f"({out['snapshots_committed']} committed)")
         print(f"  bit-identical     : {out['bit_identical']}" + ("" if out["bit_identical"] else f"  {out['mismatches']}"))
+        pw = out.get("prewarm")
+        starts = {k: (out.get("tor_breakdown") or {}).get(k, 0.0) for k in ("startup", "restart")}
+        print("  trainer starts    : " + (f"forked from a fork server that imported {','.join(pw['preload'])} "
+                                         f"once in {pw['seconds']:.2f} s" if pw else "cold (every trainer imports "
+                                         "its modules itself)")
+              + f"; startup {starts['startup']:.2f} s + restart {starts['restart']:.2f} s over all attempts")
         print(f"  wall time         : {time.time() - t0:.1f} s (reference {out['reference_wall_s']} s, "
               f"protected {out['wall_s']} s)")
         if "tor_t_obs" in out:

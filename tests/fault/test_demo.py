@@ -48,5 +48,6 @@ def test_demo_json(tmp_path, engine, steps):
     # the protected run's trainers were forked from the pre-warmed server, the reference's started cold
     events = [json.loads(ln) for ln in open(tmp_path / "run" / "events.jsonl")]
     assert any(e["kind"] == "prewarm_ready" for e in events)
+    assert out["prewarm"]["preload"] and out["prewarm"]["seconds"] > 0
     assert not any(e["kind"] == "prewarm_ready" for e in map(json.loads, open(tmp_path / "reference" / "events.jsonl")))
     assert "start cold" not in r.stderr, r.stderr[-3000:]
