@@ -679,7 +679,7 @@ class _AgentHooks:
         for p in procs:
             try:
                 if p.status() == psutil.STATUS_STOPPED:
-                    r = by_pid.get(p.pid, p.environ().get("RANK"))
+                    r = by_pid[p.pid] if p.pid in by_pid else p.environ().get("RANK")
                     if r is not None and str(r).isdigit():
                         hung.append(int(r))
             except (psutil.Error, OSError):
@@ -758,21 +758,13 @@ def _start_fork_server(opts: AgentOptions, hooks: _AgentHooks):
         log.warning("[agent %s] %s; workers start cold", opts.node, e)
         return None
     hooks.spare_pids.add(forks.proc.pid)
-    cold = {"why": ""}
 
     class ForkedHandler(SubprocessHandler):
         def _popen(self, args, env):
-            why = forks.accepts(args, env)
-            if not why:
-                try:
-                    return forks.spawn(args, env=env, stdout=self._stdout.fileno() if self._stdout else None,
-                                       stderr=self._stderr.fileno() if self._stderr else None)
-                except PrewarmError as e:
-                    why = str(e)
-            if why != cold["why"]:
-                log.warning("[agent %s] workers start cold: %s", opts.node, why)
-                cold["why"] = why
-            return super()._popen(args, env)
+            proc = forks.fork_or_cold(args, env=env, stdout=self._stdout.fileno() if self._stdout else None,
+                                      stderr=self._stderr.fileno() if self._stderr else None,
+                                      who=f"[agent {opts.node}] workers")
+            return proc if proc is not None else super()._popen(args, env)
 
     mp_api.get_subprocess_handler = lambda **kw: ForkedHandler(**kw)
     log.info("[agent %s] workers are forked from the fork server (pid %d, preloaded %s in %.2f s)", opts.node,

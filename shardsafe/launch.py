@@ -110,7 +110,6 @@ class LocalLauncher:
         self.holders: dict[str, subprocess.Popen] = {}
         self.t_start = time.time()
         self.forks: ForkServer | None = None
-        self._cold_why = ""
 
     # ---- holders ----------------------------------------------------------------------------------
     def paths(self, node: str) -> HolderPaths:
@@ -180,27 +179,12 @@ class LocalLauncher:
             with open(log_path, "ab") as out:
                 out.write(f"==== attempt {attempt} ====\n".encode())
                 out.flush()
-                proc = self._fork(cmd, env, out.fileno())
+                proc = self.forks and self.forks.fork_or_cold(cmd, env=env, stdout=out.fileno(), stderr=out.fileno())
                 if proc is None:
                     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                             stderr=subprocess.STDOUT, start_new_session=True)
             procs.append(proc)
         return procs
-
-    def _fork(self, cmd: list[str], env: dict[str, str], out: int) -> Any:
-        """A trainer forked from the pre-warmed server, or None (then it starts cold; the reason is logged once)."""
-        if self.forks is None:
-            return None
-        why = self.forks.accepts(cmd, env)
-        if not why:
-            try:
-                return self.forks.spawn(cmd, env=env, stdout=out, stderr=out)
-            except PrewarmError as e:
-                why = str(e)
-        if why != self._cold_why:
-            log.warning("trainers start cold: %s", why)
-            self._cold_why = why
-        return None
 
     def _node_fault(self, attempt: int):
         faults = parse(self.cfg.inject)

@@ -121,6 +121,7 @@ class ForkServer:
         self.dead_reason = ""
         self.ready_s = 0.0
         self._stdout = stdout
+        self._cold_why = ""
 
     @property
     def alive(self) -> bool:
@@ -179,6 +180,21 @@ class ForkServer:
         if differ:
             return f"its environment differs from the fork server's in {', '.join(differ[:5])}"
         return ""
+
+    def fork_or_cold(self, cmd: Sequence[str], *, env: Mapping[str, str], stdout: Optional[int] = None,
+                     stderr: Optional[int] = None, who: str = "trainers") -> Optional[ForkedProcess]:
+        """:meth:`spawn` if the server :meth:`accepts` ``cmd``; else None, and the caller starts it cold. Each
+        new reason for a cold start is logged once (``who`` names what starts cold in that line)."""
+        why = self.accepts(cmd, env)
+        if not why:
+            try:
+                return self.spawn(cmd, env=env, stdout=stdout, stderr=stderr)
+            except PrewarmError as e:
+                why = str(e)
+        if why != self._cold_why:
+            log.warning("%s start cold: %s", who, why)
+            self._cold_why = why
+        return None
 
     def spawn(self, cmd: Sequence[str], *, env: Mapping[str, str], stdout: Optional[int] = None,
               stderr: Optional[int] = None, cwd: str = "") -> ForkedProcess:

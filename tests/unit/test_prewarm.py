@@ -212,7 +212,7 @@ def test_local_launcher_forks_trainers_or_starts_them_cold(tmp_path, prefix, cap
     cfg = LaunchConfig(nodes=2, nproc_per_node=2, job_id=f"pw{os.getpid()}", run_dir=str(run_dir),
                        start_holders=False, max_restarts=0, preload=("json",))
     launcher = LocalLauncher(cfg)
-    with caplog.at_level("WARNING", logger="shardsafe.launch"):
+    with caplog.at_level("WARNING", logger="shardsafe.prewarm"):
         res = launcher.run([*prefix, sys.executable, str(script), str(run_dir)])
     assert res.ok, res
     parents = {json.load(open(run_dir / f"r{r}.json"))["ppid"] for r in range(4)}
