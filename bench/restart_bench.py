@@ -12,6 +12,8 @@ from the event log:
   imports, framework set-up and the restore from the holder);
 * first start: ``attempt_start`` of attempt 0 -> its last ``train_ready`` (for the forked mode this
   excludes the fork server's imports, which run before it; they are reported separately);
+* exit: the last iteration -> the launcher's ``attempt_end`` of the finishing attempt (the trainers'
+  end: final state, process group, interpreter teardown);
 * wall: the whole job, fork server included.
 
 Medians over --runs of each mode; ratios are forked / cold (the baseline) of the same run of the script.
@@ -58,8 +60,9 @@ def one_run(a: argparse.Namespace, preload: tuple[str, ...], k: int) -> dict:
         detected = next(e["t"] for e in ev if e["kind"] == "failure_detected")
         start0 = next(e["t"] for e in ev if e["kind"] == "attempt_start" and int(e.get("attempt") or 0) == 0)
         pre = next((e["seconds"] for e in ev if e["kind"] == "prewarm_ready"), 0.0)
+        done = next(e["t"] for e in ev if e["kind"] == "attempt_end" and e.get("cause") == "finished")
         return {"recovery_s": last("train_ready", 1) - detected, "first_start_s": last("train_ready", 0) - start0,
-                "wall_s": wall, "prewarm_s": pre}
+                "exit_s": done - last("iteration", 1), "wall_s": wall, "prewarm_s": pre}
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
@@ -87,6 +90,7 @@ def main() -> None:
            "cold": med["cold"], "forked": med["forked"],
            "recovery_ratio": med["forked"]["recovery_s"] / med["cold"]["recovery_s"],
            "first_start_ratio": med["forked"]["first_start_s"] / med["cold"]["first_start_s"],
+           "exit_ratio": med["forked"]["exit_s"] / med["cold"]["exit_s"],
            "wall_ratio": med["forked"]["wall_s"] / med["cold"]["wall_s"],
            "load_average": os.getloadavg()[0]}
     if a.json:
@@ -96,7 +100,8 @@ def main() -> None:
           f"medians of {a.runs} runs per mode (alternating); baseline = cold starts in the same run")
     print(f"  preload: {','.join(preload)} (fork server ready in {med['forked']['prewarm_s']:.2f} s, before attempt 0)")
     for key, label in (("recovery_s", "recovery (failure detected -> training again)"),
-                       ("first_start_s", "first start (attempt 0 -> training)"), ("wall_s", "job wall time")):
+                       ("first_start_s", "first start (attempt 0 -> training)"),
+                       ("exit_s", "exit (last iteration -> attempt end)"), ("wall_s", "job wall time")):
         c, f = med["cold"][key], med["forked"][key]
         print(f"  {label:48s} cold {c:6.2f} s   forked {f:6.2f} s   forked/cold {f / c:.2f}x  ({c / f:.1f}x faster)")
 

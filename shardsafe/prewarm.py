@@ -8,7 +8,7 @@ the demo's recovery time (docs/tor.md "startup"). The fork server pays the impor
 failure, and forks the trainers of every attempt from that warm image: the imported code is shared
 copy-on-write (the server imports with the garbage collector off and freezes its heap, so the trainers'
 collections never write to those pages), and a restart skips straight to the training script
-(bench/restart_bench.py: recovery 0.6 s instead of 7.9 s here).
+(bench/restart_bench.py: recovery 0.6 s instead of 8.0 s here).
 
 The server is a child of the launcher that talks JSON over an anonymous AF_UNIX SOCK_SEQPACKET socket
 pair (private to the launcher: no path, no pickle; one message per datagram, the trainer's stdout and
@@ -103,13 +103,12 @@ class ForkedProcess:
 class ForkServer:
     """Launcher-side handle of one fork server. ``start()`` blocks until the preloads are imported.
 
-    ``stdout``/``stderr``: where the server's own output goes (and a trainer's, when its spawn passes none);
-    None inherits the launcher's."""
+    The server's own output (and a trainer's, when its spawn passes no descriptors) goes to ``log_path``,
+    or, without one, wherever the launcher's goes."""
 
     MAX_MESSAGE = 200_000   # a spawn request (its environment) must fit one datagram of the socket pair
 
-    def __init__(self, preload: Sequence[str], *, env: Mapping[str, str], log_path: str = "",
-                 stdout: Optional[int] = None):
+    def __init__(self, preload: Sequence[str], *, env: Mapping[str, str], log_path: str = ""):
         self.preload = [m for m in preload if m]
         self.env = dict(env)
         self.log_path = log_path
@@ -120,7 +119,6 @@ class ForkServer:
         self._next_id = 0
         self.dead_reason = ""
         self.ready_s = 0.0
-        self._stdout = stdout
         self._cold_why = ""
 
     @property
@@ -135,8 +133,7 @@ class ForkServer:
                "--fd", str(theirs.fileno())]
         logf = open(self.log_path, "ab") if self.log_path else None
         try:
-            out = logf if logf is not None else self._stdout
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=self.env,
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=self.env,
                                          pass_fds=(theirs.fileno(),), start_new_session=True)
         finally:
             theirs.close()
