@@ -61,9 +61,18 @@ class PersistentStore:
         t0 = time.perf_counter()
         vdir = self.version_dir(version)
         try:
-            os.makedirs(vdir, mode=0o700, exist_ok=True)
             bin_path, json_path = self.paths(version, rank)
-            _write_file(bin_path, payload, mbps)
+            for attempt in range(3):
+                os.makedirs(vdir, mode=0o700, exist_ok=True)
+                try:
+                    _write_file(bin_path, payload, mbps)
+                    break
+                except FileNotFoundError:
+                    # Another rank's holder pruned this (older) version and removed its directory, empty
+                    # between our makedirs and our first file: make it again. Our own files never vanish
+                    # (prune removes only its own rank's), so a second miss is something else.
+                    if attempt == 2 or os.path.isdir(vdir):
+                        raise
             _write_file(json_path, memoryview(json.dumps(manifest).encode()), 0.0)
             fd = os.open(vdir, os.O_RDONLY)
             try:

@@ -354,3 +354,24 @@ def test_a_free_slot_is_given_back_when_another_rank_needs_the_budget(holder, tm
     pipe.close()
     assert _held(c) == ([3, 4], 2) and len(_mapped_slots(0)) == 2
     other.close()
+
+
+def test_flush_survives_another_holders_prune_removing_the_empty_version_dir(tmp_path, monkeypatch):
+    """Rank 1's holder prunes an old version (its files, then the directory once empty) in the instant
+    between rank 0's makedirs of that version and rank 0's first file: rank 0's flush still lands."""
+    import shardsafe.persist as persist
+    store = PersistentStore(str(tmp_path / "persist"), "job")
+    real, raced = persist._write_file, []
+
+    def racing_write(path, data, mbps):
+        if not raced:
+            raced.append(path)
+            os.rmdir(os.path.dirname(path))   # what the other holder's prune does to an empty dir
+        return real(path, data, mbps)
+
+    monkeypatch.setattr(persist, "_write_file", racing_write)
+    payload = bytes(range(256)) * 17
+    store.write(version=4, rank=0, payload=memoryview(payload), manifest={"version": 4, "rank": 0})
+    assert raced and store.rank_versions(0) == [4]
+    with open(store.paths(4, 0)[0], "rb") as f:
+        assert f.read() == payload
