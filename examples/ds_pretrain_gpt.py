@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--z3-persistence", type=int, default=1000)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--step-sleep", type=float, default=0.0, help="sleep per step (simulate a slower model)")
+    p.add_argument("--step-sleep-after", type=int, default=0, help="--step-sleep only in steps after this one")
     p.add_argument("--out", default=os.environ.get("SHARDSAFE_RUN_DIR", ""), help="where losses and final state go")
     p.add_argument("--save-dir", default="", help="plain engine.save_checkpoint here at --save-at (vanilla DeepSpeed)")
     p.add_argument("--save-at", type=int, default=0, help="global step after which --save-dir is written")
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.step()
         if a.save_dir and engine.global_steps == a.save_at:
             engine.save_checkpoint(a.save_dir)
-        if a.step_sleep:
+        if a.step_sleep and engine.global_steps > a.step_sleep_after:
             time.sleep(a.step_sleep)
         if events is not None:
             dt = time.perf_counter() - t0

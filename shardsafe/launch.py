@@ -91,6 +91,8 @@ class LaunchResult:
     attempts: int
     failures: list[dict[str, Any]]
     wall_s: float
+    forked_starts: int = 0    # trainers forked from the fork server (every attempt)
+    cold_starts: int = 0      # trainers started as fresh processes
 
 
 class _NoEvents:
@@ -98,8 +100,20 @@ class _NoEvents:
         pass
 
 
+def trainer_env(cfg: LaunchConfig) -> dict[str, str]:
+    """What every trainer of a LocalLauncher job gets before its per-rank variables (and what its fork
+    server imports with)."""
+    return {**os.environ, **cfg.env, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+
+
 class LocalLauncher:
-    def __init__(self, cfg: LaunchConfig):
+    def __init__(self, cfg: LaunchConfig, *, fork_server: ForkServer | None = None):
+        """``fork_server``: an already launched :class:`ForkServer` to fork the trainers from, kept open
+        after the job (several jobs on one host share its imports; the caller closes it). Its preload
+        and environment are the caller's business: a trainer it does not accept starts cold."""
+        if fork_server is not None and cfg.preload:
+            raise ValueError("LocalLauncher: pass either LaunchConfig.preload (the launcher starts its own fork "
+                             "server) or fork_server (a shared one), not both")
         self.cfg = cfg
         os.makedirs(cfg.run_dir, exist_ok=True)
         try:
@@ -109,7 +123,9 @@ class LocalLauncher:
             self.events = _NoEvents()
         self.holders: dict[str, subprocess.Popen] = {}
         self.t_start = time.time()
-        self.forks: ForkServer | None = None
+        self.forks: ForkServer | None = fork_server
+        self._shared_forks = fork_server is not None
+        self.starts = {"forked": 0, "cold": 0}
 
     # ---- holders ----------------------------------------------------------------------------------
     def paths(self, node: str) -> HolderPaths:
@@ -143,14 +159,14 @@ class LocalLauncher:
         self.holders.clear()
 
     # ---- workers ----------------------------------------------------------------------------------
-    def _shared_env(self) -> dict[str, str]:
+    def shared_env(self) -> dict[str, str]:
         """The environment every trainer gets (the fork server imports with exactly this one)."""
-        return {**os.environ, **self.cfg.env, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+        return trainer_env(self.cfg)
 
     def _launch_fork_server(self) -> None:
         """Start the fork server's imports; they overlap the holders' start (see :meth:`_fork_server_ready`)."""
         c = self.cfg
-        self.forks = ForkServer(c.preload, env=self._shared_env(), log_path=os.path.join(c.run_dir, "prewarm.log"))
+        self.forks = ForkServer(c.preload, env=self.shared_env(), log_path=os.path.join(c.run_dir, "prewarm.log"))
         self.forks.launch()
 
     def _fork_server_ready(self) -> None:
@@ -167,7 +183,7 @@ class LocalLauncher:
         procs = []
         for rank in range(world):
             node_idx, local = divmod(rank, c.nproc_per_node)
-            env = {**self._shared_env(),
+            env = {**self.shared_env(),
                    "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
                    "LOCAL_WORLD_SIZE": str(c.nproc_per_node), "GROUP_RANK": str(node_idx),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -180,6 +196,7 @@ class LocalLauncher:
                 out.write(f"==== attempt {attempt} ====\n".encode())
                 out.flush()
                 proc = self.forks and self.forks.fork_or_cold(cmd, env=env, stdout=out.fileno(), stderr=out.fileno())
+                self.starts["cold" if proc is None else "forked"] += 1
                 if proc is None:
                     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -275,10 +292,11 @@ class LocalLauncher:
                 break
         finally:
             self.stop_holders()
-            if self.forks is not None:
+            if self.forks is not None and not self._shared_forks:
                 self.forks.close()
             self.events.emit("job_end", ok=ok)
-        return LaunchResult(ok=ok, attempts=attempt + 1, failures=failures, wall_s=time.time() - t0)
+        return LaunchResult(ok=ok, attempts=attempt + 1, failures=failures, wall_s=time.time() - t0,
+                            forked_starts=self.starts["forked"], cold_starts=self.starts["cold"])
 
 
 class _EventTail:

@@ -1,6 +1,13 @@
 import pytest
 
-from .helpers import run_job
+from .helpers import close_fork_servers, run_job
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _shared_fork_servers():
+    """The fork servers the package's protected runs share (helpers.launch) end with the package."""
+    yield
+    close_fork_servers()
 
 
 @pytest.fixture(scope="session")

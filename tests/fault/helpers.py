@@ -1,9 +1,12 @@
 """Run the tiny DeepSpeed GPT under the local launcher (real processes, real SIGKILL) and compare."""
+import dataclasses
 import os
 import sys
+import tempfile
 import uuid
 
-from shardsafe.launch import PRELOAD_DEEPSPEED, LaunchConfig, LocalLauncher
+from shardsafe.launch import PRELOAD_DEEPSPEED, LaunchConfig, LocalLauncher, trainer_env
+from shardsafe.prewarm import ForkServer
 from shardsafe.runcheck import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,13 +22,49 @@ def run_job(run_dir, *, stage, dtype, steps, nodes=2, nproc=1, inject="", extra=
         preload = PRELOAD_DEEPSPEED if shardsafe else ()
     cfg = LaunchConfig(nodes=nodes, nproc_per_node=nproc, job_id=job_id or f"t{uuid.uuid4().hex[:8]}",
                        run_dir=str(run_dir), inject=inject, max_restarts=max_restarts, memory_budget_gb=budget_gb,
-                       start_holders=start_holders and shardsafe, attempt_timeout_s=300, preload=tuple(preload))
-    launcher = LocalLauncher(cfg)
+                       start_holders=start_holders and shardsafe, attempt_timeout_s=300)
     cmd = [sys.executable, SCRIPT, "--steps", str(steps), "--zero-stage", str(stage), "--dtype", dtype,
            "--out", str(run_dir), *extra] + ([] if shardsafe else ["--no-shardsafe"])
+    return launch(cfg, cmd, preload=preload, watcher=watcher)
+
+
+# One fork server per (preload, trainer environment) for the whole tests/fault package, as successive jobs on
+# one node could share one: each protected run forks its trainers from it instead of paying the server's
+# imports again (2.5-4 s per run on this machine). pytest changes PYTEST_CURRENT_TEST for every test; the
+# trainers of a shared server get one fixed value, else every run would differ from the server's environment.
+_FORK_SERVERS: dict = {}
+_PINNED_ENV = {"PYTEST_CURRENT_TEST": "shardsafe tests (shared fork server)"}
+
+
+def launch(cfg: LaunchConfig, cmd, *, preload=(), watcher=None):
+    """Run one job under the LocalLauncher. With a preload its trainers are forked from the package's shared
+    fork server for that preload and environment, and every one of them must have been (no cold start)."""
+    server = None
+    if preload:
+        cfg = dataclasses.replace(cfg, env={**cfg.env, **_PINNED_ENV}, preload=())
+        env = trainer_env(cfg)
+        key = (tuple(preload), tuple(sorted(env.items())))
+        server = _FORK_SERVERS.get(key)
+        if server is None or not server.alive:
+            log_dir = tempfile.mkdtemp(prefix="shardsafe-forks-")
+            server = ForkServer(preload, env=env, log_path=os.path.join(log_dir, "prewarm.log")).launch()
+            server.wait_ready()
+            _FORK_SERVERS[key] = server
+    launcher = LocalLauncher(cfg, fork_server=server)
     if watcher is not None:
         watcher(launcher)
-    return launcher.run(cmd)
+    res = launcher.run(cmd)
+    if server is not None:
+        assert res.cold_starts == 0 and res.forked_starts > 0, (
+            f"{res.cold_starts} trainers started cold, {res.forked_starts} forked; see the warning logged by "
+            "shardsafe.prewarm for why")
+    return res
+
+
+def close_fork_servers() -> None:
+    for server in _FORK_SERVERS.values():
+        server.close()
+    _FORK_SERVERS.clear()
 
 
 def restores(run_dir):

@@ -27,10 +27,10 @@ import uuid
 
 import pytest
 
-from shardsafe.launch import PRELOAD_MEGATRON, LaunchConfig, LocalLauncher
+from shardsafe.launch import PRELOAD_MEGATRON, LaunchConfig
 from shardsafe.runcheck import compare_runs, losses_by_attempt, read_jsonl
 
-from .helpers import restores, trainer_logs
+from .helpers import launch, restores, trainer_logs
 
 pytestmark = pytest.mark.slow
 
@@ -72,12 +72,12 @@ def run_megatron(run_dir, script_args, *, script=OWN_LOOP, nodes=2, nproc=2, inj
     # is shared), so every bit-exact check also compares forked trainers with cold ones.
     cfg = LaunchConfig(nodes=nodes, nproc_per_node=nproc, job_id=f"mt{uuid.uuid4().hex[:8]}", run_dir=run_dir,
                        inject=inject, max_restarts=max_restarts, memory_budget_gb=0.5, start_holders=shardsafe,
-                       attempt_timeout_s=240, env=dict(env or {}), preload=PRELOAD_MEGATRON if shardsafe else ())
+                       attempt_timeout_s=240, env=dict(env or {}))
     nice = ["nice", "-n", "5"] if shutil.which("nice") and not shardsafe else []
     cmd = [*nice, sys.executable, script, *script_args, "--out", run_dir]
     if shardsafe:
         cmd += ["--shardsafe", "--shardsafe-timeout-s", "30"]
-    return LocalLauncher(cfg).run(cmd)
+    return launch(cfg, cmd, preload=PRELOAD_MEGATRON if shardsafe else ())
 
 
 def lm_env() -> dict[str, str]:

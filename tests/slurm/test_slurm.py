@@ -113,11 +113,11 @@ def test_sbatch_rank_kill_and_node_loss_continue_in_the_allocation(cluster, tmp_
     run_dir, holders = tmp_path / "run", tmp_path / "holders"
     env = {**cluster, "SS_PYTHON": sys.executable, "SS_RUN_DIR": str(run_dir), "SS_HOLDER_DIR": str(holders),
            "SS_MEMORY_BUDGET_GB": "0.5", "SS_KEEP_ALIVE_S": "2", "SS_HANG_TIMEOUT": "120", "SS_GRACE": "2",
-           # --step-sleep keeps steps 9..12 running long enough for SLURM to act on the downed node:
-           # without it a quiet machine finished the job before the node failure reached it.
+           # --step-sleep keeps steps 8..12 running long enough for SLURM to act on the node downed after
+           # step 8: without it a quiet machine finished the job before the node failure reached it.
            # The last version (and only it) is flushed to disk at 0.5 MB/s: about 11 s, longer than the
            # cluster's KillWait, so only a graceful holder stop gets it there.
-           "SS_SCRIPT_ARGS": f"--steps {STEPS} --zero-stage 2 --dtype bf16 --running-tor-every 2 --step-sleep 1.5 "
+           "SS_SCRIPT_ARGS": f"--steps {STEPS} --zero-stage 2 --dtype bf16 --running-tor-every 2 --step-sleep 1.5 --step-sleep-after 7 "
                              "--shardsafe-json " + json.dumps({"persist_dir": str(tmp_path / "persist"),
                                                                "persist_every": STEPS, "persist_mbps": 0.5},
                                                               separators=(",", ":")),

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from shardsafe.launch import LaunchConfig, LocalLauncher
+from shardsafe.launch import LaunchConfig, LocalLauncher, trainer_env
 from shardsafe.prewarm import ForkServer, PrewarmError
 
 PROBE = textwrap.dedent("""
@@ -224,3 +224,36 @@ def test_local_launcher_forks_trainers_or_starts_them_cold(tmp_path, prefix, cap
     else:
         assert len(parents) == 1 and parents != {os.getpid()}   # all four forked by the one server
         assert "start cold" not in caplog.text
+    assert (res.forked_starts, res.cold_starts) == ((0, 4) if prefix else (4, 0))
+
+
+def test_jobs_share_a_fork_server_the_caller_owns(tmp_path):
+    """LocalLauncher(fork_server=): trainers of successive jobs fork from one server, which outlives
+    each job (its owner closes it); a trainer the server does not accept starts cold and is counted."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = trainer_env(LaunchConfig(nodes=1, nproc_per_node=2, job_id="x", run_dir=str(tmp_path / "x")))
+    server = ForkServer(("json",), env=env).launch()
+    try:
+        server.wait_ready()
+        seen = []
+        for job in ("a", "b"):
+            run_dir = tmp_path / job
+            cfg = LaunchConfig(nodes=1, nproc_per_node=2, job_id=f"pw{job}{os.getpid()}", run_dir=str(run_dir),
+                               start_holders=False, max_restarts=0)
+            res = LocalLauncher(cfg, fork_server=server).run([sys.executable, str(script), str(run_dir)])
+            assert res.ok and (res.forked_starts, res.cold_starts) == (2, 0), res
+            assert server.alive
+            seen += [json.load(open(run_dir / f"r{r}.json"))["ppid"] for r in range(2)]
+            kinds = [e["kind"] for e in map(json.loads, open(run_dir / "events.jsonl"))]
+            assert "prewarm_ready" not in kinds   # the server's imports were paid before this job
+        assert set(seen) == {server.proc.pid}
+        cfg = LaunchConfig(nodes=1, nproc_per_node=2, job_id=f"pwc{os.getpid()}", run_dir=str(tmp_path / "c"),
+                           start_holders=False, max_restarts=0, env={"SOMETHING_ELSE": "1"})
+        res = LocalLauncher(cfg, fork_server=server).run([sys.executable, str(script), str(tmp_path / "c")])
+        assert res.ok and (res.forked_starts, res.cold_starts) == (0, 2), res
+    finally:
+        server.close()
+    with pytest.raises(ValueError, match="not both"):
+        LocalLauncher(LaunchConfig(nodes=1, nproc_per_node=1, job_id="y", run_dir=str(tmp_path / "y"),
+                                   preload=("json",)), fork_server=server)
