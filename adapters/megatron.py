@@ -912,6 +912,11 @@ class HolderRuntime:
     def pipeline(self) -> Any:
         return self.core.pipeline
 
+    @property
+    def stall_total_s(self) -> float:
+        """Seconds the training loop has spent blocked by snapshots so far (see shardsafe.runtime)."""
+        return self.core.stall_total_s
+
     def try_restore(self, adapter: "MegatronStateAdapter") -> Optional[int]:
         """Collective. The restored iteration, or None on a fresh start.
 
@@ -1011,6 +1016,12 @@ class Protection:
     def last_stall_s(self) -> float:
         """Seconds the last optimizer step waited for the snapshot copy."""
         return float(getattr(self.runtime, "last_stall_s", 0.0) or 0.0)
+
+    @property
+    def stall_total_s(self) -> float:
+        """Seconds the training loop has spent blocked by snapshots so far (waits and captures): an
+        iteration's TOR `seconds` are its wall time minus this counter's growth over it (docs/tor.md)."""
+        return float(getattr(self.runtime, "stall_total_s", 0.0) or 0.0)
 
     def after_step(self, iteration: Optional[int] = None) -> None:
         """Call after every optimizer step (and scheduler step / counter updates) with the iteration just

@@ -215,8 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     if events is not None and rank == 0 and a.running_tor_every > 0 and hasattr(events, "path"):
         from shardsafe.tor import RunningTor
         running = RunningTor(events, every=a.running_tor_every)
+    runtime = engine.shardsafe.runtime if engine.shardsafe else None
     while engine.global_steps < a.steps:
         t0 = time.perf_counter()
+        stall0 = runtime.stall_total_s if runtime is not None else 0.0
         total = 0.0
         for i in range(a.gas):
             x, y = batch(a.seed, engine.micro_steps, dp_rank, a.micro_batch, a.seq, a.vocab)
@@ -236,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.step_sleep and engine.global_steps > a.step_sleep_after:
             time.sleep(a.step_sleep)
         if events is not None:
-            dt = time.perf_counter() - t0
+            # TOR: an iteration's seconds exclude the snapshot stall (the wait for the copy inside
+            # engine.step() and the capture after it), which the snapshot events report.
+            dt = max(0.0, time.perf_counter() - t0 - (runtime.stall_total_s - stall0))
             events.emit("iteration", iteration=engine.global_steps, seconds=dt)
             if running is not None:
                 running.update(engine.global_steps, dt)

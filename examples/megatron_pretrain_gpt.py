@@ -334,6 +334,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     saved, replay_ref = None, []
     while tr.iteration < args.steps:
         t0 = time.perf_counter()
+        stall0 = prot.stall_total_s if prot is not None else 0.0
         out = tr.train_step()        # optimizer.step() first waits for the pending snapshot copy
         if prot is not None:
             prot.after_step(tr.iteration)
@@ -344,7 +345,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             losses.flush()
         if events is not None:
             events.emit("iteration", iteration=tr.iteration,
-                        seconds=max(0.0, time.perf_counter() - t0 - prot.last_stall_s))
+                        seconds=max(0.0, time.perf_counter() - t0 - (prot.stall_total_s - stall0)))
         if saved is not None:
             replay_ref.append(out)
         print(f"[r{rank} it{tr.iteration}] loss={out['loss']} grad_norm={out['grad_norm']:.6f} lr={out['lr']:.3e}",

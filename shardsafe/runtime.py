@@ -126,6 +126,12 @@ class Runtime:
             log.info("[rank 0] %s (%.3f s)", self.restored.message, self.restored.seconds)
         return self.restored
 
+    @property
+    def stall_total_s(self) -> float:
+        """Seconds the training loop has spent blocked by snapshots so far (subtract the growth over an
+        iteration from its `seconds`: docs/tor.md)."""
+        return self.pipeline.stall_total_s
+
     def before_step(self, step: int) -> float:
         """Call before the optimizer step ``step`` mutates the state. Returns the stall in seconds."""
         self.injector.before_step(step)

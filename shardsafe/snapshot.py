@@ -102,6 +102,9 @@ class SnapshotPipeline:
         self.parity = parity   # exchange.ParityExchange or None
         self.flush_to_disk = flush   # called with each committed version (the runtime decides which go to disk)
         self.history: list[SnapshotStats] = []
+        # Every second the training loop spent blocked here (submit + wait_copied), for loops that time their
+        # iterations: an iteration's `seconds` excludes the stall (docs/tor.md), which is reported apart.
+        self.stall_total_s = 0.0
         self.last_committed = -1
         self._q: "queue.Queue[_Job | None]" = queue.Queue()
         self._inflight: Optional[_Job] = None
@@ -120,7 +123,9 @@ class SnapshotPipeline:
         if prev is not None:
             # A previous snapshot still in flight blocks this one: that wait is its stall too.
             prev.done.wait()
-            prev.stats.stall_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            prev.stats.stall_s += dt
+            self.stall_total_s += dt
             self._report(prev)
         t0 = time.perf_counter()
         tensors = {n: (t.detach() if t.is_contiguous() else t.detach().contiguous()) for n, t in state.tensors.items()}
@@ -129,7 +134,9 @@ class SnapshotPipeline:
         if any(t.is_cuda for t in tensors.values()):
             job.cuda_ready = torch.cuda.Event()
             job.cuda_ready.record()
-        job.stats.stall_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        job.stats.stall_s += dt
+        self.stall_total_s += dt
         self._inflight = job
         self._q.put(job)
 
@@ -146,6 +153,7 @@ class SnapshotPipeline:
             job.cuda_done = None
         dt = time.perf_counter() - t0
         job.stats.stall_s += dt
+        self.stall_total_s += dt
         return dt
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -131,3 +131,24 @@ def test_meta_json_round_trip_rejects_objects():
     assert mf.from_jsonable(mf.to_jsonable(m)) == m
     with pytest.raises(mf.ManifestError):
         mf.to_jsonable({"f": object()})
+
+
+def test_stall_counter_is_the_sum_of_the_reported_stalls(client):
+    """`stall_total_s` (what training loops subtract from an iteration's TOR seconds) accumulates exactly
+    the blocking time the snapshot events report: captures, waits for the copy, waits for an earlier job."""
+    events = []
+    pipe = SnapshotPipeline(client, rank=0, world_size=1, node="n0", agreement=LocalAgreement(),
+                            on_event=lambda kind, **f: events.append((kind, f)))
+    src = ToyAdapter(3)
+    before = []
+    for v in (1, 2, 3):
+        before.append(pipe.stall_total_s)
+        pipe.submit(v, src.capture())   # v=2, 3: may wait for the previous job (its stall)
+        if v != 2:
+            pipe.wait_copied()
+    assert pipe.flush(timeout=30)
+    pipe.close()
+    stalls = [f["stall_s"] for kind, f in events if kind == "snapshot"]
+    assert len(stalls) == 3 and all(s > 0 for s in stalls)
+    assert before[0] == 0.0 and before[1] > 0.0 and before[2] > before[1]
+    assert pipe.stall_total_s == pytest.approx(sum(stalls), rel=0, abs=1e-9)
