@@ -486,7 +486,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     a = ap.parse_args(argv)
     req = serve([m.strip() for m in a.preload.split(",") if m.strip()], socket.socket(fileno=a.fd))
     if req is None:
-        return
+        # The server itself owns nothing that needs an orderly interpreter shutdown (no files of its own, no
+        # device, its children reaped), and tearing down torch and DeepSpeed's modules took ~0.3 s that every
+        # job's end waited for (the launchers wait for the server's exit).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     # From here on this process is the trainer; exceptions and SystemExit end it like a cold interpreter.
     del a
     _run_child(req)

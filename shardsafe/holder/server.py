@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import select
 import signal
 import socket
 import threading
@@ -63,6 +64,9 @@ class Holder:
         self.lock = threading.RLock()
         self._next_slot = 1
         self._stop = threading.Event()
+        # Wakes the accept loop at once when a stop is requested (it otherwise polls every 0.5 s for the
+        # idle exit): the launchers wait for the holder's exit at the end of every job.
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._clients = 0
         self._last_activity = time.monotonic()
         self.started = time.time()
@@ -428,7 +432,7 @@ class Holder:
                 raise HolderError("job", f"this holder serves job {self.paths.job_id!r}, not {req.get('job_id')!r}")
             return {"node": self.paths.node, "pid": os.getpid()}, []
         if op == "shutdown":
-            self._stop.set()
+            self.request_stop()
             # Queued flushes are written before the holder exits (the newest committed version is
             # usually among them): the caller must give it that long instead of killing it.
             with self.lock:
@@ -475,6 +479,14 @@ class Holder:
                 self._clients -= 1
             conn.close()
 
+    def request_stop(self) -> None:
+        """Stop serving (thread- and signal-safe): the accept loop wakes at once, queued flushes drain."""
+        self._stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass   # already woken
+
     def serve(self, ready: Callable[[], None] | None = None) -> None:
         self.paths.ensure_dir()
         try:
@@ -491,7 +503,7 @@ class Holder:
         srv.listen(256)
         srv.settimeout(0.5)
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self._stop.set())
+            signal.signal(sig, lambda *_: self.request_stop())
         self._emit("holder_start", budget=self.budget, pid=os.getpid())
         flusher = threading.Thread(target=self._flush_loop, name="shardsafe-flush", daemon=True)
         flusher.start()
@@ -503,14 +515,17 @@ class Holder:
             ready()
         try:
             while not self._stop.is_set():
-                try:
-                    conn, _ = srv.accept()
-                except socket.timeout:
+                readable, _, _ = select.select([srv, self._wake_r], [], [], 0.5)
+                if srv not in readable:
                     if (self.idle_exit_s > 0 and self._clients == 0
                             and time.monotonic() - self._last_activity > self.idle_exit_s):
                         log.info("no client for %.0f s: exiting", self.idle_exit_s)
                         break
                     continue
+                try:
+                    conn, _ = srv.accept()
+                except (socket.timeout, BlockingIOError):
+                    continue   # the client gave up between select and accept
                 conn.settimeout(None)
                 threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
         finally:
