@@ -28,11 +28,11 @@ def run_job(run_dir, *, stage, dtype, steps, nodes=2, nproc=1, inject="", extra=
     return launch(cfg, cmd, preload=preload, watcher=watcher)
 
 
-# One fork server per (preload, trainer environment) for the whole tests/fault package, as successive jobs on
+# One fork server per preload and trainer environment for the whole tests/fault package, as successive jobs on
 # one node could share one: each protected run forks its trainers from it instead of paying the server's
 # imports again (2.5-4 s per run on this machine). pytest changes PYTEST_CURRENT_TEST for every test; the
 # trainers of a shared server get one fixed value, else every run would differ from the server's environment.
-_FORK_SERVERS: dict = {}
+_FORK_SERVERS: list = []
 _PINNED_ENV = {"PYTEST_CURRENT_TEST": "shardsafe tests (shared fork server)"}
 
 
@@ -43,13 +43,14 @@ def launch(cfg: LaunchConfig, cmd, *, preload=(), watcher=None):
     if preload:
         cfg = dataclasses.replace(cfg, env={**cfg.env, **_PINNED_ENV}, preload=())
         env = trainer_env(cfg)
-        key = (tuple(preload), tuple(sorted(env.items())))
-        server = _FORK_SERVERS.get(key)
-        if server is None or not server.alive:
+        # a server with this preload that would fork these trainers (its own rule: same interpreter, same
+        # environment but for the per-rank and SHARDSAFE_* variables)
+        server = next((s for s in _FORK_SERVERS if s.preload == list(preload) and not s.accepts(cmd, env)), None)
+        if server is None:
             log_dir = tempfile.mkdtemp(prefix="shardsafe-forks-")
             server = ForkServer(preload, env=env, log_path=os.path.join(log_dir, "prewarm.log")).launch()
             server.wait_ready()
-            _FORK_SERVERS[key] = server
+            _FORK_SERVERS.append(server)
     launcher = LocalLauncher(cfg, fork_server=server)
     if watcher is not None:
         watcher(launcher)
@@ -62,7 +63,7 @@ def launch(cfg: LaunchConfig, cmd, *, preload=(), watcher=None):
 
 
 def close_fork_servers() -> None:
-    for server in _FORK_SERVERS.values():
+    for server in _FORK_SERVERS:
         server.close()
     _FORK_SERVERS.clear()
 
