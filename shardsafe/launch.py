@@ -159,14 +159,10 @@ class LocalLauncher:
         self.holders.clear()
 
     # ---- workers ----------------------------------------------------------------------------------
-    def shared_env(self) -> dict[str, str]:
-        """The environment every trainer gets (the fork server imports with exactly this one)."""
-        return trainer_env(self.cfg)
-
     def _launch_fork_server(self) -> None:
         """Start the fork server's imports; they overlap the holders' start (see :meth:`_fork_server_ready`)."""
         c = self.cfg
-        self.forks = ForkServer(c.preload, env=self.shared_env(), log_path=os.path.join(c.run_dir, "prewarm.log"))
+        self.forks = ForkServer(c.preload, env=trainer_env(c), log_path=os.path.join(c.run_dir, "prewarm.log"))
         self.forks.launch()
 
     def _fork_server_ready(self) -> None:
@@ -183,7 +179,7 @@ class LocalLauncher:
         procs = []
         for rank in range(world):
             node_idx, local = divmod(rank, c.nproc_per_node)
-            env = {**self.shared_env(),
+            env = {**trainer_env(c),
                    "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
                    "LOCAL_WORLD_SIZE": str(c.nproc_per_node), "GROUP_RANK": str(node_idx),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),

@@ -67,9 +67,9 @@ def run_megatron(run_dir, script_args, *, script=OWN_LOOP, nodes=2, nproc=2, inj
                  max_restarts=2, env=None):
     """One job under the local launcher; trainers write losses/final state into run_dir."""
     run_dir = str(run_dir)
-    # Protected runs fork their trainers from a pre-warmed server (shardsafe.prewarm: megatron.core is
-    # imported once per job, not per rank and attempt); the references start cold (and niced: the host
-    # is shared), so every bit-exact check also compares forked trainers with cold ones.
+    # Protected runs fork their trainers from a pre-warmed server shared by the package (helpers.launch:
+    # megatron.core is imported once, not per job, rank and attempt); the references start cold (and
+    # niced: the host is shared), so every bit-exact check also compares forked trainers with cold ones.
     cfg = LaunchConfig(nodes=nodes, nproc_per_node=nproc, job_id=f"mt{uuid.uuid4().hex[:8]}", run_dir=run_dir,
                        inject=inject, max_restarts=max_restarts, memory_budget_gb=0.5, start_holders=shardsafe,
                        attempt_timeout_s=240, env=dict(env or {}))
