@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from .._probes import installed_version
+
 pytestmark = pytest.mark.slow
 
 KEYS = {"engine", "zero_stage", "steps", "failures_injected", "restores", "restore_tier", "lost_iterations",
@@ -21,15 +23,11 @@ KEYS = {"engine", "zero_stage", "steps", "failures_injected", "restores", "resto
         "rebuild_seconds", "tor", "tor_breakdown", "tor_accounted"}
 
 
-def _megatron_core() -> bool:
-    r = subprocess.run([sys.executable, "-c", "import megatron.core"], capture_output=True)
-    return r.returncode == 0
-
-
 @pytest.mark.parametrize("engine, steps", [
     ("deepspeed", 30),
-    pytest.param("megatron", 20, marks=pytest.mark.skipif(not _megatron_core(), reason="megatron-core is not installed "
-                                                                                        "in this venv (docs/megatron.md)")),
+    pytest.param("megatron", 20, marks=pytest.mark.skipif(
+        not installed_version("megatron-core", "megatron.core"),
+        reason="megatron-core is not installed in this venv (docs/megatron.md)")),
 ])
 def test_demo_json(tmp_path, engine, steps):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}

@@ -26,22 +26,29 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 
 import numpy as np
 import pytest
 import torch
 
+from shardsafe.launch import PRELOAD_MEGATRON, LaunchConfig
 from shardsafe.runcheck import effective_losses
 
-from .test_megatron_resume import LM_ARGS, MCORE_017, MEGATRON_LM, ROOT, needs_lm
+from .helpers import launch, trainer_logs
+from .test_megatron_resume import LM_ARGS, MEGATRON_LM, ROOT, lm_env, needs_lm, run_megatron
 
 pytestmark = [pytest.mark.slow, needs_lm]
 ITERS, AT = 6, 4
 
 
+def _trainer_env() -> dict[str, str]:
+    """What the trainers get on top of this environment: megatron-core 0.17.1 first, NaN-filled torch.empty."""
+    return {"SHARDSAFE_TEST_FILL_EMPTY": "1", **lm_env()}
+
+
 def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", SHARDSAFE_TEST_FILL_EMPTY="1",
-               PYTHONPATH=os.pathsep.join(p for p in (MCORE_017, os.environ.get("PYTHONPATH", "")) if p))
+    env = dict(os.environ, OMP_NUM_THREADS="1", **_trainer_env())
     env.pop("SHARDSAFE_RUN_DIR", None)
     return env
 
@@ -105,20 +112,26 @@ def _checkpoint_items(ckpt_dir, scratch) -> dict:
 def _export_and_compare(tmp_path, args_file: str, *, plain_runs_to_the_end: bool = False) -> tuple:
     """Plain run with ``--save`` at iteration AT, protected run, export of its flushed iteration AT, and
     the item-for-item comparison. ``plain_runs_to_the_end``: the plain run goes on to ITERS (Megatron
-    saves at AT on its save interval, and at the end), so it is also the uninterrupted reference."""
+    saves at AT on its save interval, and at the end), so it is also the uninterrupted reference.
+
+    The plain run and the export replay are the commands a user runs (``torchrun``, started cold); the
+    protected run goes through the local launcher (2 simulated nodes x 2 ranks, one holder each), its
+    trainers forked from the package's fork server like every protected run in tests/fault."""
     vanilla, disk, exported = tmp_path / "vanilla", tmp_path / "persist", tmp_path / "exported"
     base = _command(args_file) + ["--exit-interval", str(AT)]
     plain = _command(args_file) if plain_runs_to_the_end else base
     p = _run(plain + ["--save", str(vanilla), "--save-interval", str(AT), "--out", str(tmp_path / "plain")],
              tmp_path / "plain.log")
     assert p.returncode == 0, (tmp_path / "plain.log").read_text()[-3000:]
-    shardsafe = ["--shardsafe", "--shardsafe-persist-dir", str(disk), "--shardsafe-persist-every", "2",
-                 "--shardsafe-job-id", "mexp", "--shardsafe-parity-group-size", "1",
-                 "--shardsafe-holder-dir", str(tmp_path / "holders")]
-    p = _run(base + shardsafe + ["--out", str(tmp_path / "protected")], tmp_path / "protected.log")
-    assert p.returncode == 0, (tmp_path / "protected.log").read_text()[-3000:]
-    # Holders of the protected run are still up (they keep the snapshots): the export must read the disk.
-    p = subprocess.run([sys.executable, "-m", "shardsafe.cli", "export", "--format", "megatron", str(disk / "mexp"),
+    protected = tmp_path / "protected"
+    res = run_megatron(protected, [f"@{args_file}", "--train-iters", str(ITERS), "--exit-interval", str(AT),
+                                   "--shardsafe-persist-dir", str(disk), "--shardsafe-persist-every", "2",
+                                   "--shardsafe-parity-group-size", "1"],
+                       script=MEGATRON_LM, max_restarts=0, env=_trainer_env())
+    assert res.ok, trainer_logs(str(protected))[-3000:]
+    (job,) = os.listdir(disk)
+    # The protected run's holders are gone with its job: the export starts its own and must read the disk.
+    p = subprocess.run([sys.executable, "-m", "shardsafe.cli", "export", "--format", "megatron", str(disk / job),
                         str(exported), "--", *base], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"shardsafe: exported iteration {AT} to {exported}" in p.stdout, p.stdout[-3000:]
@@ -166,9 +179,14 @@ def test_megatron_export_fp16_optimizer_equals_plain_save_and_continues_bit_exac
                          .replace("--hidden-dropout 0.1", "--hidden-dropout 0.0")
                          .replace("--attention-dropout 0.1", "--attention-dropout 0.0"))
     _, exported = _export_and_compare(tmp_path, str(args_file), plain_runs_to_the_end=True)
-    p = _run(_command(str(args_file)) + ["--load", str(exported), "--out", str(tmp_path / "from_export")],
-             tmp_path / "from_export.log")
-    assert p.returncode == 0, (tmp_path / "from_export.log").read_text()[-3000:]
+    # A vanilla Megatron-LM run (no shardsafe flags) forked from the package's fork server: it is not the
+    # reference (the cold plain run is), so it may start warm.
+    from_export = tmp_path / "from_export"
+    cfg = LaunchConfig(nodes=2, nproc_per_node=2, job_id=f"mx{uuid.uuid4().hex[:8]}", run_dir=str(from_export),
+                       max_restarts=0, start_holders=False, attempt_timeout_s=300, env=_trainer_env())
+    res = launch(cfg, [sys.executable, MEGATRON_LM, f"@{args_file}", "--train-iters", str(ITERS),
+                       "--load", str(exported), "--out", str(from_export)], preload=PRELOAD_MEGATRON)
+    assert res.ok, trainer_logs(str(from_export))[-3000:]
     for r in range(4):
         ref = effective_losses(str(tmp_path / "plain"), r)   # ran 1..ITERS without a failure
         assert sorted(ref) == list(range(1, ITERS + 1)), sorted(ref)

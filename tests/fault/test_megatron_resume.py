@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import subprocess
 import sys
 import uuid
 
@@ -30,6 +29,7 @@ import pytest
 from shardsafe.launch import PRELOAD_MEGATRON, LaunchConfig
 from shardsafe.runcheck import compare_runs, losses_by_attempt, read_jsonl
 
+from .._probes import installed_version
 from .helpers import launch, restores, trainer_logs
 
 pytestmark = pytest.mark.slow
@@ -47,14 +47,7 @@ STEPS = 7
 LAYOUTS = {"tp2_dp2": ["--tp", "2"], "tp1_pp2_dp2": ["--pp", "2"], "tp2_pp2": ["--tp", "2", "--pp", "2", "--bf16"]}
 
 
-def _megatron_core_here() -> str | None:
-    """The megatron-core version the trainers import with this interpreter (None: not installed)."""
-    r = subprocess.run([sys.executable, "-c", "import megatron.core as m; print(m.__version__)"],
-                       capture_output=True, text=True)
-    return r.stdout.strip() if r.returncode == 0 else None
-
-
-MCORE = _megatron_core_here()
+MCORE = installed_version("megatron-core", "megatron.core")
 needs_mcore = pytest.mark.skipif(MCORE is None, reason="megatron-core is not installed in this venv "
                                                        "(pip install megatron-core==0.16.1, docs/megatron.md)")
 needs_lm = pytest.mark.skipif(not os.path.isdir(os.path.join(MCORE_017, "megatron", "training")),
