@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Optional
 
-from shardsafe.config import ConfigError, ShardsafeConfig
+from shardsafe.config import PARITY_TRANSPORTS, ConfigError, ShardsafeConfig
 
 GROUP_TITLE = "shardsafe"
 
@@ -28,6 +28,7 @@ _FIELDS = (
     "node",
     "parity_shards",
     "parity_group_size",
+    "parity_transport",
     "timeout_s",
     "run_dir",
     "persist_dir",
@@ -74,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "parity_shards": f"m: parity-group members that may be lost (default {d['parity_shards'].default}).",
         "parity_group_size": "n: members per parity group, data-parallel peers on different nodes "
                              "(default 0 = the data-parallel size capped at 8; 1 disables parity).",
+        "parity_transport": "How parity stripes move and are encoded: host (gloo from the holders' memory, "
+                            "ISA-L) or device (NCCL between GPUs, CUDA kernels) (default host).",
         "timeout_s": f"Seconds a holder request or agreement may take before the snapshot is skipped "
                      f"(default {d['timeout_s'].default}).",
         "run_dir": "Directory for the TOR event log events.jsonl (default SHARDSAFE_RUN_DIR, or none).",
@@ -87,7 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                               "parity_group_size": int, "timeout_s": float, "persist_every": int,
                                               "persist_keep": int, "persist_mbps": float}
     for f in _FIELDS:
-        g.add_argument(_flag(f), dest=_dest(f), type=types.get(f, str), default=None, help=helps[f])
+        extra = {"choices": PARITY_TRANSPORTS} if f == "parity_transport" else {}
+        g.add_argument(_flag(f), dest=_dest(f), type=types.get(f, str), default=None, help=helps[f], **extra)
     return parser
 
 

@@ -37,6 +37,9 @@ def default_holder_dir() -> str:
     return os.path.join(base, f"shardsafe-{os.getuid()}")
 
 
+PARITY_TRANSPORTS = ("host", "device")
+
+
 @dataclass(kw_only=True)
 class ShardsafeConfig:
     enabled: bool = True
@@ -59,6 +62,10 @@ class ShardsafeConfig:
     """m: members of a parity group that may be lost (Reed-Solomon parity shares)."""
     parity_group_size: int = 0
     """n: members per parity group (0 = the data-parallel size capped at 8; 1 disables parity)."""
+    parity_transport: str = "host"
+    """How stripes move and are encoded: "host" (from the holders' shared memory over gloo, ISA-L on the CPU;
+    works everywhere) or "device" (staged into GPU memory, moved over NCCL, CUDA kernels; parity copied back
+    into the holder). "device" needs CUDA, NCCL and the built kernels (docs/parity.md)."""
     timeout_s: float = 60.0
     """How long a holder request or the background agreement may take before the snapshot is skipped."""
     run_dir: str = ""
@@ -83,6 +90,9 @@ class ShardsafeConfig:
             raise ConfigError(f"shardsafe.parity_shards (m) must be >= 1; got {self.parity_shards}.")
         if self.parity_group_size < 0:
             raise ConfigError(f"shardsafe.parity_group_size (n) must be >= 0; got {self.parity_group_size}.")
+        if self.parity_transport not in PARITY_TRANSPORTS:
+            raise ConfigError(f"shardsafe.parity_transport must be one of {', '.join(map(repr, PARITY_TRANSPORTS))}; "
+                              f"got {self.parity_transport!r}.")
         if self.persist_every < 1 or self.persist_keep < 1:
             raise ConfigError(f"shardsafe.persist_every and persist_keep must be >= 1; got {self.persist_every} and "
                               f"{self.persist_keep}.")

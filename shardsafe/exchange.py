@@ -82,15 +82,35 @@ class ParityExchange:
         backend: codec backend ("auto": ISA-L, else the numpy reference).
     """
 
-    def __init__(self, plan: ParityGroups, rank: int, *, timeout_s: float = 60.0, backend: str = "auto"):
+    def __init__(self, plan: ParityGroups, rank: int, *, timeout_s: float = 60.0, backend: str = "auto",
+                 transport: str = "host", device: "torch.device | None" = None):
         import torch.distributed as dist
         self.plan, self.rank = plan, rank
+        self.group: ParityGroup = plan.group_of(rank)
+        if transport not in ("host", "device"):
+            raise ExchangeError(f"parity transport must be 'host' or 'device'; got {transport!r}")
+        if transport == "device":
+            # Checked before any group is created: a rank that cannot take part must not leave the others
+            # waiting in new_group.
+            device = device if device is not None else DevicePath.default_device()
+            DevicePath.check(device, self.group.k, self.group.m)
         self.pg = None
         for g in plan:   # new_group is collective over the whole world: every rank creates every group
             pg = dist.new_group(ranks=list(g.members), backend="gloo", timeout=timedelta(seconds=timeout_s))
             if rank in g.members:
                 self.pg = pg
-        self.group: ParityGroup = plan.group_of(rank)
+        # "device": the stripes of encode move over a second group of the same members (NCCL on GPU); votes,
+        # manifests and the rebuild after a node loss stay on the gloo group above.
+        self.device_path: DevicePath | None = None
+        if transport == "device":
+            xpg = None
+            for g in plan:
+                pg = dist.new_group(ranks=list(g.members), backend="nccl" if device.type == "cuda" else "gloo",
+                                    timeout=timedelta(seconds=timeout_s))
+                if rank in g.members:
+                    xpg = pg
+            self.device_path = DevicePath(device, xpg, k=self.group.k, m=self.group.m)
+        self.transport = transport
         self.codec = get_codec(k=self.group.k, m=self.group.m, backend=backend)
         self._staging: torch.Tensor | None = None
         self.last_error = ""
@@ -174,6 +194,31 @@ class ParityExchange:
             self.last_error = self.last_error or "a member of the parity group could not store parity"
             return False
         data = _data_chunks(data_mm, g.k, cs)
+        pview = np.frombuffer(pmm, dtype=np.uint8, count=g.m * cs)
+        t_sent = time.perf_counter()
+        if self.device_path is not None:
+            sums, t_wait = self.device_path.move_and_encode(g, me, data, pview, cs)
+        else:
+            sums, t_wait = self._move_and_encode_host(data, pview, cs)
+        t_xfer = time.perf_counter()
+        man = self._parity_manifest(version, cs, pmax, sums, {str(r): json.loads(b) for r, b in zip(g.members, blobs)})
+        client.seal(rank=me, version=version, manifest=man, kind="parity")
+        t_end = time.perf_counter()
+        # Where parity time goes: votes + manifests + slot (prepare), blocks moving while earlier ones are
+        # encoded (transfer_s; of it, recv_wait_s waiting for blocks, the rest encode + hash), the seal.
+        # (The device path's transfer_s also holds its host-device copies.)
+        # wait_s (inside prepare_s): the first collective, i.e. waiting for the group's slowest member's copy.
+        self.timings = {"prepare_s": t_sent - t0, "wait_s": t_voted - t0, "slot_s": t_slot - t_voted,
+                        "manifests_s": t_sent - t_slot, "transfer_s": t_xfer - t_sent, "recv_wait_s": t_wait,
+                        "encode_s": t_xfer - t_sent - t_wait, "seal_s": t_end - t_xfer}
+        return True
+
+    def _move_and_encode_host(self, data: list[torch.Tensor], pview: np.ndarray, cs: int) -> tuple[list[str], float]:
+        """The "host" transport: chunks move from the data slot over gloo into a host staging buffer and are
+        encoded by the CPU codec straight into the parity slot ``pview``. Returns (xxh3 of each parity
+        share, seconds spent waiting for blocks)."""
+        import torch.distributed as dist
+        g, me = self.group, self.rank
         stage = self._staging_for(g.m * g.k * cs).view(g.m, g.k, cs)
         # Chunks move in blocks, and each block is encoded (and hashed) as soon as its k pieces are in,
         # while later blocks are still on the wire: RS works column by column, so block-wise parity
@@ -187,10 +232,8 @@ class ParityExchange:
                     sends.append(dist.isend(data[c][a:z], dst=pref.rank, group=self.pg, tag=stripe.codeword * nb + b))
             recvs.append([dist.irecv(stage[j, p, a:z], src=dref.rank, group=self.pg, tag=stripe.codeword * nb + b)
                           for j, stripe in enumerate(g.parity_stripes(me)) for p, dref in enumerate(stripe.data)])
-        t_sent = time.perf_counter()
         stripes = g.parity_stripes(me)
         hashers = [xxhash.xxh3_64() for _ in stripes]
-        pview = np.frombuffer(pmm, dtype=np.uint8, count=g.m * cs)
         t_wait = 0.0
         for b, (a, z) in enumerate(blocks):
             tw = time.perf_counter()
@@ -203,18 +246,7 @@ class ParityExchange:
                 hashers[j].update(out)
         for r in sends:
             r.wait()
-        t_xfer = time.perf_counter()
-        sums = [format(h.intdigest(), "016x") for h in hashers]   # == manifest.hash_bytes of each parity slot
-        man = self._parity_manifest(version, cs, pmax, sums, {str(r): json.loads(b) for r, b in zip(g.members, blobs)})
-        client.seal(rank=me, version=version, manifest=man, kind="parity")
-        t_end = time.perf_counter()
-        # Where parity time goes: votes + manifests + slot (prepare), blocks moving while earlier ones are
-        # encoded (transfer_s; of it, recv_wait_s waiting for blocks, the rest encode + hash), the seal.
-        # wait_s (inside prepare_s): the first collective, i.e. waiting for the group's slowest member's copy.
-        self.timings = {"prepare_s": t_sent - t0, "wait_s": t_voted - t0, "slot_s": t_slot - t_voted,
-                        "manifests_s": t_sent - t_slot, "transfer_s": t_xfer - t_sent, "recv_wait_s": t_wait,
-                        "encode_s": t_xfer - t_sent - t_wait, "seal_s": t_end - t_xfer}
-        return True
+        return [format(h.intdigest(), "016x") for h in hashers], t_wait   # == manifest.hash_bytes of each share
 
     # ---- rebuild at restore -------------------------------------------------------------------------
     def rebuild(self, *, version: int, client: HolderClient | None, lost: Iterable[int]) -> tuple[bool, int, str]:
@@ -367,6 +399,126 @@ class ParityExchange:
                     client.drop(rank=self.rank, version=version, kind=kind)
             except Exception as e:   # the holder's state stays "sealed": restorable, just not protected from reuse
                 log.warning("[rank %d] %s of rebuilt version %d: %s", self.rank, "commit" if restored else "drop", version, e)
+
+
+class DevicePath:
+    """The "device" parity transport of :meth:`ParityExchange.encode`: each block of a member's data chunks is
+    copied from its data slot into GPU memory, moved to the group's parity holders over NCCL (one batched
+    group call per block, so no pair of ranks waits on the other's order), encoded there by the CUDA
+    kernels, and the parity is copied back into the holder's parity slot, all on a side stream. Two blocks
+    are in flight: block b+1 moves while block b is encoded. Parity is byte for byte that of the host
+    transport (same code, same padding, same blocks); only the path of the bytes differs.
+
+    Device memory: two sets of block buffers, 2 * (k + m*k + m) * block bytes (about 128 MiB for k=7, m=1 and
+    4 MiB blocks), plus 2 * m * block bytes of pinned host memory; allocated at the first snapshot, reused.
+
+    Args:
+        device: ``torch.device("cuda", i)``. ``torch.device("cpu")`` runs the same pipeline on CPU tensors over
+            gloo with the CPU codec: the test double that tests/dist runs where there is no GPU.
+        pg: the process group of the parity group's members for the transfers (NCCL for a CUDA device).
+        k, m: the group's code.
+        block: bytes per block.
+    """
+
+    def __init__(self, device: "torch.device", pg: Any, *, k: int, m: int, block: int = 0):
+        self.device, self.pg, self.k, self.m = device, pg, k, m
+        self.block = block or _BLOCK
+        self.cuda = device.type == "cuda"
+        self.codec = get_codec(k=k, m=m, backend="cuda" if self.cuda else "auto")
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self._bufs: list[dict[str, torch.Tensor]] = []
+
+    @staticmethod
+    def default_device() -> "torch.device":
+        if not torch.cuda.is_available():
+            raise ExchangeError("parity_transport 'device' needs a CUDA device, and torch sees none here; "
+                                "use parity_transport 'host'")
+        return torch.device("cuda", torch.cuda.current_device())
+
+    @staticmethod
+    def check(device: "torch.device", k: int, m: int) -> None:
+        """Raise ExchangeError naming what is missing for the device transport on ``device``."""
+        import torch.distributed as dist
+        if device.type != "cuda":
+            return   # the CPU test double: gloo and the CPU codec
+        if not torch.cuda.is_available():
+            raise ExchangeError("parity_transport 'device' needs a CUDA device, and torch sees none here; "
+                                "use parity_transport 'host'")
+        if not dist.is_nccl_available():
+            raise ExchangeError("parity_transport 'device' moves stripes over NCCL, and this torch has no NCCL; "
+                                "use parity_transport 'host'")
+        try:
+            get_codec(k=k, m=m, backend="cuda")
+        except Exception as e:
+            raise ExchangeError(f"parity_transport 'device' encodes with the CUDA kernels, which cannot be used "
+                                f"here ({e}); build them (pip install without SHARDSAFE_SKIP_CUDA_BUILD, nvcc on "
+                                "PATH) or use parity_transport 'host'") from None
+
+    def _buffers(self, nj: int) -> list[dict[str, torch.Tensor]]:
+        if not self._bufs or self._bufs[0]["recv"].shape[0] != nj:
+            B = self.block
+            self._bufs = [{"send": torch.empty(self.k, B, dtype=torch.uint8, device=self.device),
+                           "recv": torch.empty(nj, self.k, B, dtype=torch.uint8, device=self.device),
+                           "par": torch.empty(nj, B, dtype=torch.uint8, device=self.device),
+                           "host": torch.empty(nj, B, dtype=torch.uint8, pin_memory=self.cuda)}
+                          for _ in range(2)]
+        return self._bufs
+
+    def _encode(self, frags: dict[int, torch.Tensor], j: int, out: torch.Tensor) -> None:
+        if self.cuda:   # enqueued on the current (side) stream
+            self.codec.reconstruct(frags, [self.k + j], out=[out])
+        else:
+            self.codec.reconstruct({p: t.numpy() for p, t in frags.items()}, [self.k + j], out=[out.numpy()])
+
+    def move_and_encode(self, g: ParityGroup, me: int, data: list[torch.Tensor], pview: np.ndarray,
+                        cs: int) -> tuple[list[str], float]:
+        """Move this member's k data chunks (host tensors in its data slot) to their parity holders and encode
+        the m shares it holds into ``pview`` (its parity slot). Returns (xxh3 of each share, seconds spent
+        waiting for blocks)."""
+        import contextlib
+
+        import torch.distributed as dist
+        # One entry per (codeword, peer): ordered by codeword on both sides, so the sends from A to B and
+        # B's receives from A pair up in the same order (NCCL matches point-to-point traffic by order).
+        outs = sorted((stripe.codeword, c, pref.rank) for c, stripe in enumerate(g.data_stripes(me))
+                      for pref in stripe.parity)
+        ins = sorted((stripe.codeword, j, p, dref.rank) for j, stripe in enumerate(g.parity_stripes(me))
+                     for p, dref in enumerate(stripe.data))
+        nj = len(g.parity_stripes(me))
+        blocks = _blocks(cs, self.block)
+        bufs = self._buffers(nj)
+        hashers = [xxhash.xxh3_64() for _ in range(nj)]
+
+        def post(b: int) -> list:
+            a, z = blocks[b]
+            w, buf = z - a, bufs[b % 2]
+            for c in range(len(data)):   # H2D (async from the registered data slot) on the side stream
+                buf["send"][c, :w].copy_(data[c][a:z], non_blocking=self.cuda)
+            ops = [dist.P2POp(dist.isend, buf["send"][c, :w], peer, group=self.pg) for _, c, peer in outs]
+            ops += [dist.P2POp(dist.irecv, buf["recv"][j, p, :w], peer, group=self.pg) for _, j, p, peer in ins]
+            return dist.batch_isend_irecv(ops) if ops else []
+
+        t_wait = 0.0
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            works = post(0)
+            for b, (a, z) in enumerate(blocks):
+                w, buf = z - a, bufs[b % 2]
+                tw = time.perf_counter()
+                for work in works:   # NCCL: the side stream waits; gloo: the host waits
+                    work.wait()
+                t_wait += time.perf_counter() - tw
+                # Block b+1 goes on the wire while b is encoded; its buffers were block b-1's, which is done.
+                works = post(b + 1) if b + 1 < len(blocks) else []
+                for j in range(nj):
+                    self._encode({p: buf["recv"][j, p, :w] for p in range(self.k)}, j, buf["par"][j, :w])
+                    buf["host"][j, :w].copy_(buf["par"][j, :w], non_blocking=self.cuda)
+                if self.cuda:
+                    self.stream.synchronize()
+                for j in range(nj):
+                    out = pview[j * cs + a: j * cs + z]
+                    np.copyto(out, buf["host"][j, :w].numpy())
+                    hashers[j].update(out)
+        return [format(h.intdigest(), "016x") for h in hashers], t_wait
 
 
 _BLOCK = 4 << 20   # bytes per transfer block: large enough for gloo's throughput, small enough to overlap

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from .config import ConfigError, ShardsafeConfig
 from .persist import PersistentStore
-from .exchange import ParityExchange, gather_places, plan_parity
+from .exchange import ExchangeError, ParityExchange, gather_places, plan_parity
 from .topology import TopologyError
 from .faults import Injector, current_attempt
 from .holder.client import HolderClient, HolderUnavailable, connect_or_start
@@ -79,7 +79,10 @@ class Runtime:
             except TopologyError as e:
                 raise ConfigError(f"shardsafe parity settings cannot be placed on this job: {e}") from None
             if plan is not None:
-                self.exchange = ParityExchange(plan, rank, timeout_s=cfg.timeout_s)
+                try:
+                    self.exchange = ParityExchange(plan, rank, timeout_s=cfg.timeout_s, transport=cfg.parity_transport)
+                except ExchangeError as e:
+                    raise ConfigError(f"shardsafe.{e}") from None   # "parity_transport 'device' needs ..."
                 g = self.exchange.group
                 if rank == 0:
                     log.info("[rank 0] parity on: %d group(s), RS(k=%d, m=%d) per group; group of rank 0: ranks %s on "

@@ -42,8 +42,12 @@ class Shard:
 
 @pytest.fixture
 def holders(tmp_path):
+    yield from _holders(tmp_path, WORLD)
+
+
+def _holders(tmp_path, n):
     procs = []
-    for r in range(WORLD):
+    for r in range(n):
         p = HolderPaths(str(tmp_path), "pjob", f"n{r}")
         proc = subprocess.Popen(holder_command(p, budget_gb=0.1), stdout=subprocess.PIPE)
         assert proc.stdout.readline().startswith(b"holder ready")
@@ -185,3 +189,54 @@ def test_more_losses_than_parity_is_a_clear_error(holders):
     for o in out:
         msg = o["error"]
         assert "nodes ['n1', 'n2']" in msg and "parity_shards >= 2" in msg and "disk checkpoint" in msg, msg
+
+
+# ---- the "device" transport (NCCL + CUDA kernels on a GPU) through its CPU test double ------------------
+
+def _device_double(rank, world, root, m, device="cpu"):
+    """Version 1 encoded by the host transport, version 2 (the same data) by the device transport's pipeline,
+    in 64 KiB blocks so that many are in flight. Then node n1 is lost and version 2 is rebuilt from the
+    device-made parity. ``device="cpu"``: the pipeline on CPU tensors over gloo, the test double used here;
+    tests/gpu/test_device_transport_gpu.py runs the same on one GPU per rank with NCCL."""
+    import torch.distributed as dist
+    client = HolderClient(HolderPaths(root, "pjob", f"n{rank}"), timeout_s=10).connect()
+    places = gather_places(rank, world, f"n{rank}", rank)
+    plan = plan_parity(places, group_size=0, parity_shards=m)
+    host = ParityExchange(plan, rank, timeout_s=10)
+    dev = ParityExchange(plan, rank, timeout_s=10, transport="device", device=torch.device(device))
+    dev.device_path.block = 64 << 10
+    n = 300_007 + 100_000 * (rank % 3)   # uneven payloads: padding and a short first slot on rank 0
+    for version, ex in ((1, host), (2, dev)):
+        pipe = SnapshotPipeline(client, rank=rank, world_size=world, node=f"n{rank}", agreement=GlooAgreement(),
+                                parity=ex)
+        pipe.submit(version, Shard(rank, 7, n).capture())
+        assert pipe.flush(timeout=30), pipe.history[-1].error
+        pipe.close()
+    shares = {}
+    for version in (1, 2):
+        man, pmm = client.open(rank=rank, version=version, kind="parity")
+        shares[version] = (bytes(pmm), man["xxh3"], man["codewords"], man["chunk_size"])
+        pmm.close()
+    dist.barrier()
+    if rank == 1:   # the replacement node's holder is empty
+        client.drop(rank=rank, kind="data")
+        client.drop(rank=rank, kind="parity")
+    dist.barrier()
+    live = Shard(rank, 0, n)
+    res = restore_from_holder(live, client, rank=rank, coll=Collectives(None, world), exchange=host,
+                              nodes=[p.node for p in places])
+    return {"same_parity": shares[1] == shares[2], "blocks": -(-shares[2][3] // (64 << 10)),
+            "version": res.version, "tier": res.tier, "equal": live.equals(Shard(rank, 7, n)),
+            "rebuilt": res.rebuilt_bytes}
+
+
+@pytest.mark.parametrize("world, m", [(3, 1), (4, 2)])
+def test_device_transport_double_makes_the_host_transports_parity(tmp_path, world, m):
+    """With 4 members and m=2 a member sends two pieces of each block to the same peer, so the pairing of
+    sends and receives by order (how NCCL matches them; gloo with one tag too) is exercised."""
+    for root in _holders(tmp_path, world):
+        out = run_ranks(world, _device_double, root, m, timeout_s=120, pg_timeout_s=10)
+    assert all(o["same_parity"] for o in out), out   # byte for byte, checksums and codewords too
+    assert all(o["blocks"] > 2 for o in out), out
+    assert [o["version"] for o in out] == [2] * world and all(o["equal"] for o in out), out
+    assert [o["tier"] for o in out] == ["parity"] * world and out[1]["rebuilt"] > 0

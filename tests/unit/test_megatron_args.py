@@ -54,6 +54,13 @@ def test_persistent_tier_flags_reach_the_config():
     assert config_from_args(parse("--shardsafe")).persist_dir == ShardsafeConfig().persist_dir
 
 
+def test_parity_transport_flag_takes_host_or_device():
+    assert config_from_args(parse("--shardsafe")).parity_transport == "host"
+    assert config_from_args(parse("--shardsafe", "--shardsafe-parity-transport", "device")).parity_transport == "device"
+    with pytest.raises(SystemExit):   # argparse names the choices
+        parse("--shardsafe-parity-transport", "nccl")
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--shardsafe-interval", "0"], "--shardsafe-interval"),
     (["--shardsafe-interval", "-3"], "--shardsafe-interval"),
