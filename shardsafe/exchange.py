@@ -455,7 +455,7 @@ class DevicePath:
                                 "PATH) or use parity_transport 'host'") from None
 
     def _buffers(self, nj: int) -> list[dict[str, torch.Tensor]]:
-        if not self._bufs or self._bufs[0]["recv"].shape[0] != nj:
+        if not self._bufs or self._bufs[0]["recv"].shape[0] != nj or self._bufs[0]["send"].shape[1] != self.block:
             B = self.block
             self._bufs = [{"send": torch.empty(self.k, B, dtype=torch.uint8, device=self.device),
                            "recv": torch.empty(nj, self.k, B, dtype=torch.uint8, device=self.device),
