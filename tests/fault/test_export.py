@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from shardsafe.launch import PRELOAD_DEEPSPEED
 from shardsafe.manifest import load_tensors
 from shardsafe.runcheck import effective_losses
 
@@ -90,10 +91,11 @@ def test_export_equals_vanilla_checkpoint_and_resumes_bit_exact(tmp_path, stage)
         _cmp(a, b, f, diffs)
         assert not diffs, diffs[:10]
 
-    # A fresh, unprotected job loads the export with plain engine.load_checkpoint and goes on.
+    # A fresh, unprotected job loads the export with plain engine.load_checkpoint and goes on. It is not the
+    # reference (the cold plain run is), so its trainers may fork from the package's fork server.
     cont = tmp_path / "continued"
     res = run_job(cont, stage=stage, dtype="bf16", steps=STEPS, shardsafe=False, max_restarts=0,
-                  extra=["--load", str(out)])
+                  extra=["--load", str(out)], preload=PRELOAD_DEEPSPEED)
     assert res.ok, f"continued run failed; see {cont}"
     for r in range(2):
         got, ref_l = effective_losses(str(cont), r), effective_losses(str(ref), r)
