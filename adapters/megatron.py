@@ -936,7 +936,9 @@ class HolderRuntime:
         self.core.after_step(iteration, adapter)
 
     def on_exit(self, iteration: int, adapter: "MegatronStateAdapter") -> None:
-        self.flush()
+        """Megatron-LM decided to exit after ``iteration``: a final snapshot of it (when the interval skipped
+        it), committed, and flushed to the persistent tier when one is set (Runtime.on_exit)."""
+        self.core.on_exit(iteration, adapter)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until the last submitted snapshot is sealed and voted on; True if it committed."""
@@ -1028,6 +1030,12 @@ class Protection:
         completed (default: ``get_iteration()``); snapshots every ``interval`` iterations, asynchronously."""
         if self.runtime is not None:
             self.runtime.after_step(int(self.adapter.get_iteration() if iteration is None else iteration), self.adapter)
+
+    def on_exit(self, iteration: Optional[int] = None) -> None:
+        """Call when the loop stops early after ``iteration`` (a signal, a time limit): snapshots it if the
+        interval skipped it, waits for the commit, and flushes it to the persistent tier when one is set."""
+        if self.runtime is not None:
+            self.runtime.on_exit(int(self.adapter.get_iteration() if iteration is None else iteration), self.adapter)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait for the last snapshot to be sealed and committed (e.g. before a planned exit)."""

@@ -18,7 +18,7 @@ from .persist import PersistentStore
 from .exchange import ExchangeError, ParityExchange, gather_places, plan_parity
 from .topology import TopologyError
 from .faults import Injector, current_attempt
-from .holder.client import HolderClient, HolderUnavailable, connect_or_start
+from .holder.client import HolderClient, HolderError, HolderUnavailable, connect_or_start
 from .holder.paths import HolderPaths
 from .restore import Collectives, RestoreResult, restore_from_holder
 from .snapshot import GlooAgreement, LocalAgreement, SnapshotPipeline
@@ -95,10 +95,16 @@ class Runtime:
         self.persist = PersistentStore(cfg.persist_dir, cfg.job_id) if cfg.persist_dir else None
         self.restored: RestoreResult | None = None
 
+    def _flush_due(self, version: int) -> bool:
+        return (version // self.cfg.interval) % self.cfg.persist_every == 0
+
     def _flush_to_disk(self, version: int) -> None:
         """Every persist_every-th snapshot: the holder writes it to disk in the background."""
-        if (version // self.cfg.interval) % self.cfg.persist_every != 0 or self.pipeline.client is None:
+        if not self._flush_due(version) or self.pipeline.client is None:
             return
+        self._request_flush(version)
+
+    def _request_flush(self, version: int) -> None:
         self.pipeline.client.flush(rank=self.rank, version=version, dir=self.cfg.persist_dir, job_id=self.cfg.job_id,
                                    keep=self.cfg.persist_keep, mbps=self.cfg.persist_mbps)
 
@@ -144,6 +150,23 @@ class Runtime:
         if step % self.cfg.interval != 0:
             return
         self.pipeline.submit(step, adapter.capture())
+
+    def on_exit(self, step: int, adapter: StateAdapter) -> None:
+        """The job is leaving after ``step`` (the framework's exit signal, exit interval or duration). Snapshot
+        that step if the interval skipped it (else the work since the last snapshot is lost), wait for it to
+        commit, and with a persistent tier have it flushed whatever persist_every says: the holders may go
+        with the job. Every rank calls it for the same step (Megatron-LM decides to exit collectively)."""
+        if step % self.cfg.interval != 0:
+            self.pipeline.submit(step, adapter.capture())
+        committed = self.pipeline.flush(self.cfg.timeout_s)
+        if not (committed and self.cfg.persist_dir and self.pipeline.last_committed == step):
+            return
+        if self._flush_due(step) or self.pipeline.client is None:
+            return   # already requested by the commit
+        try:
+            self._request_flush(step)
+        except (HolderError, HolderUnavailable) as e:
+            log.warning("[rank %d] final snapshot %d not flushed to %s: %s", self.rank, step, self.cfg.persist_dir, e)
 
     def close(self) -> None:
         self.pipeline.close()

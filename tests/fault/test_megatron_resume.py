@@ -198,6 +198,29 @@ def test_megatron_lm_pretrain_kill_and_resume(tmp_path, megatron_reference):
 
 
 @needs_lm
+def test_megatron_lm_exit_seals_a_final_snapshot(tmp_path, megatron_reference):
+    """--shardsafe-interval 3 with Megatron-LM's --exit-interval 4: the job leaves after iteration 4, which
+    the interval skipped. Its final snapshot is committed and flushed to the persistent tier (persist_every
+    10 would flush neither 3 nor 4), so the next job of the same id, whose holders start empty, restores
+    iteration 4 from disk and finishes bit-exact."""
+    ref = megatron_reference("megatron_lm", lm_args(), script=MEGATRON_LM, env=lm_env())
+    disk, job = tmp_path / "persist", f"mx{uuid.uuid4().hex[:8]}"
+    flags = ["--shardsafe", "--shardsafe-timeout-s", "30", "--shardsafe-interval", "3",
+             "--shardsafe-persist-dir", str(disk), "--out", str(tmp_path)]
+    for extra in (["--exit-interval", "4"], []):
+        cfg = LaunchConfig(nodes=2, nproc_per_node=2, job_id=job, run_dir=str(tmp_path), max_restarts=0,
+                           memory_budget_gb=0.5, attempt_timeout_s=240, env=lm_env())
+        res = launch(cfg, [sys.executable, MEGATRON_LM, *lm_args(*extra), *flags], preload=PRELOAD_MEGATRON)
+        assert res.ok and res.attempts == 1, (res, trainer_logs(str(tmp_path))[-3000:])
+    assert sorted(os.listdir(disk / job)) == [f"v{4:012d}"]   # the final snapshot, and only it
+    ends = [e for e in events(tmp_path) if e.get("kind") == "restore_end"]
+    assert [e["version"] for e in ends] == [-1] * 4 + [4] * 4 and {e["tier"] for e in ends[4:]} == {"persistent"}, ends
+    for r in range(4):   # the second job went on from iteration 5: nothing was computed twice
+        assert losses_by_attempt(str(tmp_path), r) == {0: [1, 2, 3, 4, 5, 6]}
+    assert_bit_identical(tmp_path, ref, steps=6)
+
+
+@needs_lm
 def test_megatron_lm_under_shardsafe_launch(tmp_path, megatron_reference, monkeypatch):
     """The same job under `shardsafe launch` (torch elastic agents on 2 simulated nodes, the launcher's
     holders): torchrun restarts the worker group after the SIGKILL, the ranks restore from the
