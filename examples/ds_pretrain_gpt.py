@@ -88,7 +88,8 @@ def ds_config(a: argparse.Namespace, world: int) -> dict:
     if a.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif a.dtype == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": a.fp16_scale_power,
+                       "loss_scale_window": a.fp16_scale_window, "hysteresis": a.fp16_hysteresis}
     if a.zero_stage == 3:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = a.z3_persistence
     if not a.no_shardsafe:
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--gas", type=int, default=1, help="gradient accumulation steps")
+    p.add_argument("--fp16-scale-power", type=int, default=8, help="fp16: initial loss scale 2**N")
+    p.add_argument("--fp16-scale-window", type=int, default=1000, help="fp16: good steps before the scale grows")
+    p.add_argument("--fp16-hysteresis", type=int, default=2, help="fp16: overflows tolerated before it shrinks")
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--interval", type=int, default=1, help="shardsafe snapshot interval")
     p.add_argument("--budget-gb", type=float, default=0.0)
@@ -229,8 +233,11 @@ def main(argv: list[str] | None = None) -> int:
                 # Logged before the optimizer step: the step's snapshot may commit right after it, and a
                 # kill between that commit and a later write would lose this line for good. A step
                 # replayed after a restore writes its line again (the last one counts).
-                losses.write(json.dumps({"step": engine.global_steps + 1, "loss": float(total).hex(),
-                                         "attempt": attempt}) + "\n")
+                rec = {"step": engine.global_steps + 1, "loss": float(total).hex(), "attempt": attempt}
+                scaler = getattr(engine.optimizer, "loss_scaler", None)
+                if a.dtype == "fp16" and scaler is not None:
+                    rec["loss_scale"] = float(scaler.cur_scale)   # the scale this step's backward used
+                losses.write(json.dumps(rec) + "\n")
                 losses.flush()
             engine.step()
         if a.save_dir and engine.global_steps == a.save_at:

@@ -6,6 +6,8 @@ it is halfway through copying snapshot 11 into the holder. Every effective loss,
 attempt computed, and every rank's final state (fp32 masters, Adam moments and step, low-precision
 params, RNG) must be torch.equal to an uninterrupted run of plain DeepSpeed.
 """
+import os
+
 import pytest
 
 from shardsafe.runcheck import compare_runs, read_jsonl
@@ -53,12 +55,29 @@ def test_one_node_lp_params_from_the_holder(tmp_path, reference, stage, dtype):
 
 
 def test_fp16_with_dynamic_loss_scaler(tmp_path, reference, monkeypatch):
-    """fp16 + ZeRO-2: the loss scaler's state (scale, overflow counters) is part of the snapshot.
-    DeepSpeed refuses fp16 on this CPU; the example's test-only switch lifts that refusal."""
+    """fp16 + ZeRO-2: the loss scaler's state (scale, overflow and growth counters, hysteresis) is part of
+    the snapshot. A 2**20 initial scale overflows and a 3-step window grows it again, so the scale moves
+    both ways during the run; every step's scale after each restore must be the reference's, as must every
+    loss (skipped steps included). DeepSpeed refuses fp16 on this CPU; the example's test-only switch lifts
+    that refusal."""
     monkeypatch.setenv("SHARDSAFE_TEST_FORCE_FP16", "1")
-    ref = reference(2, "fp16", STEPS)
-    res = run_job(tmp_path, stage=2, dtype="fp16", steps=STEPS, inject="kill-rank:1@6;kill-copy:0@11")
+    scaler = ["--fp16-scale-power", "20", "--fp16-scale-window", "3", "--fp16-hysteresis", "1"]
+    ref = reference(2, "fp16", STEPS, extra=scaler)
+    # Restarts mid-window (after versions 6-7 and 11), where a scaler started afresh would grow at other steps.
+    res = run_job(tmp_path, stage=2, dtype="fp16", steps=STEPS, inject="kill-rank:1@8;kill-copy:0@12", extra=scaler)
     assert res.ok and res.attempts == 3, res
-    assert restores(tmp_path)[2] == 10
+    assert restores(tmp_path)[2] == 11
     cmp = compare_runs(str(tmp_path), str(ref), 2, STEPS)
     assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)
+    want = _scales(ref)
+    moves = [b / a for a, b in zip(want[1:], want[2:])]
+    assert any(x < 1 for x in moves) and any(x > 1 for x in moves), want   # overflowed and grew back
+    assert _scales(tmp_path) == want
+
+
+def _scales(run_dir) -> list:
+    """Rank 0's loss scale per step, the last record of each step (a replayed step logs again)."""
+    got = {}
+    for rec in read_jsonl(os.path.join(str(run_dir), "losses_rank0.jsonl")):
+        got[int(rec["step"])] = rec["loss_scale"]
+    return [None] + [got[s] for s in range(1, STEPS + 1)]
