@@ -54,6 +54,19 @@ def test_one_node_lp_params_from_the_holder(tmp_path, reference, stage, dtype):
     assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches, cmp.replayed_losses_equal)
 
 
+def test_gradient_accumulation_resumes_bit_exact(tmp_path, reference):
+    """Three micro-batches per optimizer step (ZeRO-2 bf16): snapshots are taken at accumulation boundaries
+    only, and the restarted ranks go on with the next boundary's micro-batches (the engine's micro-step
+    counter, hence the data position, comes back with the snapshot); bit-exact."""
+    gas = ["--gas", "3"]
+    ref = reference(2, "bf16", STEPS, extra=gas)
+    res = run_job(tmp_path, stage=2, dtype="bf16", steps=STEPS, inject="kill-rank:1@6;kill-copy:0@11", extra=gas)
+    assert res.ok and res.attempts == 3, res
+    assert restores(tmp_path)[2] == 10
+    cmp = compare_runs(str(tmp_path), str(ref), 2, STEPS)
+    assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches, cmp.replayed_losses_equal)
+
+
 def test_fp16_with_dynamic_loss_scaler(tmp_path, reference, monkeypatch):
     """fp16 + ZeRO-2: the loss scaler's state (scale, overflow and growth counters, hysteresis) is part of
     the snapshot. A 2**20 initial scale overflows and a 3-step window grows it again, so the scale moves
