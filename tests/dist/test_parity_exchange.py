@@ -45,11 +45,11 @@ def holders(tmp_path):
     yield from _holders(tmp_path, WORLD)
 
 
-def _holders(tmp_path, n):
+def _holders(tmp_path, n, budgets_gb=None):
     procs = []
     for r in range(n):
         p = HolderPaths(str(tmp_path), "pjob", f"n{r}")
-        proc = subprocess.Popen(holder_command(p, budget_gb=0.1), stdout=subprocess.PIPE)
+        proc = subprocess.Popen(holder_command(p, budget_gb=(budgets_gb or [0.1] * n)[r]), stdout=subprocess.PIPE)
         assert proc.stdout.readline().startswith(b"holder ready")
         procs.append(proc)
     yield str(tmp_path)
@@ -240,3 +240,30 @@ def test_device_transport_double_makes_the_host_transports_parity(tmp_path, worl
     assert all(o["blocks"] > 2 for o in out), out
     assert [o["version"] for o in out] == [2] * world and all(o["equal"] for o in out), out
     assert [o["tier"] for o in out] == ["parity"] * world and out[1]["rebuilt"] > 0
+
+
+def _parity_slot_refused(rank, world, root):
+    client = HolderClient(HolderPaths(root, "pjob", f"n{rank}"), timeout_s=10).connect()
+    places = gather_places(rank, world, f"n{rank}", rank)
+    ex = ParityExchange(plan_parity(places, group_size=0, parity_shards=1), rank, timeout_s=10)
+    pipe = SnapshotPipeline(client, rank=rank, world_size=world, node=f"n{rank}", agreement=GlooAgreement(), parity=ex)
+    pipe.submit(1, Shard(rank, 1).capture())
+    pipe.flush(timeout=30)
+    pipe.close()
+    held = client.list(rank)[str(rank)]
+    return {"committed": pipe.history[-1].committed, "error": pipe.history[-1].error,
+            "sealed": [s["version"] for s in held["data"] if s["state"] == "sealed"],
+            "committed_slots": [(k, s["version"]) for k in ("data", "parity") for s in held.get(k, []) if s["committed"]]}
+
+
+def test_a_version_without_its_parity_is_not_committed_anywhere(tmp_path):
+    """Node n2's holder has room for its data (a 2 MiB slot) but not for its parity share as well: the group
+    votes no together, and the version is committed on no rank (data and parity slots alike), with the
+    reason on every rank; the data stays sealed for a restore that needs no parity."""
+    for root in _holders(tmp_path, WORLD, budgets_gb=[0.1, 0.1, 2.5 / 1024]):
+        out = run_ranks(WORLD, _parity_slot_refused, root, timeout_s=120, pg_timeout_s=10)
+    assert [o["committed"] for o in out] == [False] * WORLD, out
+    assert all(o["committed_slots"] == [] for o in out), out
+    assert "parity slot" in out[2]["error"] and "budget" in out[2]["error"], out[2]
+    assert all("could not store parity" in o["error"] for o in out[:2]), out
+    assert [o["sealed"] for o in out] == [[1]] * WORLD, out
