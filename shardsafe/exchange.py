@@ -401,6 +401,9 @@ class ParityExchange:
                 log.warning("[rank %d] %s of rebuilt version %d: %s", self.rank, "commit" if restored else "drop", version, e)
 
 
+_NO_CUDA = "parity_transport 'device' needs a CUDA device, and torch sees none here; use parity_transport 'host'"
+
+
 class DevicePath:
     """The "device" parity transport of :meth:`ParityExchange.encode`: each block of a member's data chunks is
     copied from its data slot into GPU memory, moved to the group's parity holders over NCCL (one batched
@@ -409,7 +412,7 @@ class DevicePath:
     are in flight: block b+1 moves while block b is encoded. Parity is byte for byte that of the host
     transport (same code, same padding, same blocks); only the path of the bytes differs.
 
-    Device memory: two sets of block buffers, 2 * (k + m*k + m) * block bytes (about 128 MiB for k=7, m=1 and
+    Device memory: two sets of block buffers, 2 * (k + m*k + m) * block bytes (120 MiB for k=7, m=1 and
     4 MiB blocks), plus 2 * m * block bytes of pinned host memory; allocated at the first snapshot, reused.
 
     Args:
@@ -431,8 +434,7 @@ class DevicePath:
     @staticmethod
     def default_device() -> "torch.device":
         if not torch.cuda.is_available():
-            raise ExchangeError("parity_transport 'device' needs a CUDA device, and torch sees none here; "
-                                "use parity_transport 'host'")
+            raise ExchangeError(_NO_CUDA)
         return torch.device("cuda", torch.cuda.current_device())
 
     @staticmethod
@@ -442,8 +444,7 @@ class DevicePath:
         if device.type != "cuda":
             return   # the CPU test double: gloo and the CPU codec
         if not torch.cuda.is_available():
-            raise ExchangeError("parity_transport 'device' needs a CUDA device, and torch sees none here; "
-                                "use parity_transport 'host'")
+            raise ExchangeError(_NO_CUDA)
         if not dist.is_nccl_available():
             raise ExchangeError("parity_transport 'device' moves stripes over NCCL, and this torch has no NCCL; "
                                 "use parity_transport 'host'")
