@@ -432,9 +432,10 @@ class Holder:
                 raise HolderError("job", f"this holder serves job {self.paths.job_id!r}, not {req.get('job_id')!r}")
             return {"node": self.paths.node, "pid": os.getpid()}, []
         if op == "shutdown":
-            self.request_stop()
-            # Queued flushes are written before the holder exits (the newest committed version is
-            # usually among them): the caller must give it that long instead of killing it.
+            # The stop itself is requested by _serve_conn once this reply is sent: the accept loop wakes at
+            # once and the process may exit before a reply still to be sent. Queued flushes are written before
+            # the holder exits (the newest committed version is usually among them): the caller must give it
+            # that long instead of killing it.
             with self.lock:
                 return {"pending_flushes": self._flush_pending}, []
         raise HolderError("bad_request", f"unknown op {op!r}")
@@ -474,6 +475,8 @@ class Holder:
                     if req.get("op") == "open":
                         for fd in out_fds:
                             os.close(fd)
+                    if req.get("op") == "shutdown":
+                        self.request_stop()
         finally:
             with self.lock:
                 self._clients -= 1

@@ -150,3 +150,32 @@ def test_status_cli(holder):
     txt = subprocess.run([sys.executable, "-m", "shardsafe.cli", "status", "--holder-dir", p.root, "--job-id",
                           p.job_id], capture_output=True, text=True, check=True).stdout
     assert "rank 2 data: v3 sealed" in txt
+
+
+def test_shutdown_is_answered_before_the_holder_stops(tmp_path, monkeypatch):
+    """The holder requests its own stop only once the reply to `shutdown` is out: a stop wakes the accept loop
+    at once and the process may exit before a reply still to be sent (a CI run saw the client's 'holder went
+    away during shutdown'). In process, so the order can be observed: serve() runs here, the client in a thread."""
+    import threading
+
+    from shardsafe.holder import server as srv
+    h = srv.Holder(HolderPaths(str(tmp_path / "h"), "job", "n0"), budget_bytes=1 << 20)
+    stopped_at_reply = []
+    real_send = srv.send_msg
+
+    def send(conn, msg, fds=()):
+        if "pending_flushes" in msg:
+            stopped_at_reply.append(h._stop.is_set())
+        return real_send(conn, msg, fds)
+
+    monkeypatch.setattr(srv, "send_msg", send)
+    got = []
+    t = threading.Thread(target=lambda: got.append(HolderClient(h.paths, timeout_s=5).connect().shutdown()))
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}   # serve() installs its own
+    try:
+        h.serve(ready=t.start)
+    finally:
+        for s, fn in handlers.items():
+            signal.signal(s, fn)
+    t.join(5)
+    assert got == [0] and stopped_at_reply == [False]
