@@ -33,6 +33,7 @@ import torch
 import xxhash
 
 from . import manifest as mf
+from .config import PARITY_TRANSPORTS
 from .holder.client import HolderClient
 from .parity import get_codec
 from .topology import ParityGroup, ParityGroups, RankPlace, build_parity_groups
@@ -87,8 +88,8 @@ class ParityExchange:
         import torch.distributed as dist
         self.plan, self.rank = plan, rank
         self.group: ParityGroup = plan.group_of(rank)
-        if transport not in ("host", "device"):
-            raise ExchangeError(f"parity transport must be 'host' or 'device'; got {transport!r}")
+        if transport not in PARITY_TRANSPORTS:
+            raise ExchangeError(f"parity transport must be one of {PARITY_TRANSPORTS}; got {transport!r}")
         if transport == "device":
             # Checked before any group is created: a rank that cannot take part must not leave the others
             # waiting in new_group.
@@ -110,7 +111,6 @@ class ParityExchange:
                 if rank in g.members:
                     xpg = pg
             self.device_path = DevicePath(device, xpg, k=self.group.k, m=self.group.m)
-        self.transport = transport
         self.codec = get_codec(k=self.group.k, m=self.group.m, backend=backend)
         self._staging: torch.Tensor | None = None
         self.last_error = ""
@@ -161,7 +161,6 @@ class ParityExchange:
                ok: bool) -> bool:
         """Compute and store this member's parity shares for ``version``. Every member calls it,
         also when its own snapshot failed (``ok=False``): the group then skips together."""
-        import torch.distributed as dist
         g, me = self.group, self.rank
         self.last_error = ""
         t0 = time.perf_counter()
