@@ -23,7 +23,8 @@ tensors, and a fresh optimizer's missing per-param state is allocated one tensor
 Runtime wiring: :class:`HolderRuntime` puts :class:`shardsafe.runtime.Runtime` (node holder, async
 snapshot pipeline, Reed-Solomon parity across DP peers on distinct nodes, restore) behind the
 adapter; :func:`wrap_optimizer_step` makes every optimizer step wait for the pending snapshot copy.
-Two ways in, both fork-free: :func:`protect` for a megatron-core loop of your own, and
+Two ways in, both fork-free: :func:`protect` (or the two calls :func:`restore` once and
+:func:`snapshot` after every step) for a megatron-core loop of your own, and
 ``pretrain`` / ``install_hooks`` for Megatron-LM's loop (wraps module globals of
 ``megatron.training.training``).
 """
@@ -43,6 +44,7 @@ from .megatron_args import add_arguments, compose_extra_args_provider, config_fr
 
 __all__ = [
     "MegatronStateAdapter", "SnapshotMismatch", "Runtime", "HolderRuntime", "Protection", "protect",
+    "restore", "snapshot", "close", "Restored", "protection_of",
     "snapshot_state", "apply_state", "rank_coordinates", "parity_coordinates", "check_supported",
     "wrap_optimizer_step", "install_hooks", "pretrain", "add_arguments", "config_from_args", "FORMAT",
 ]
@@ -1127,6 +1129,178 @@ def protect(model_chunks: Any, optimizer: Any, scheduler: Any, cfg: Any, *,
         from shardsafe.restore import RestoreResult
         restored = RestoreResult()
     return Protection(adapter, runtime, restored, undo)
+
+
+# --------------------------------------------------------------------------------------------------
+# Core API as two calls: restore(...) once, snapshot(...) after every optimizer step
+# --------------------------------------------------------------------------------------------------
+
+class Restored:
+    """What :func:`restore` returns.
+
+    Attributes:
+        iteration: the restored iteration, or None on a fresh start (nothing to restore, or restore disabled).
+        counters: the restored loop counters (the ``counters`` given to :func:`snapshot`); ``{}`` on a fresh start.
+        tier / seconds / message: where it came from (``memory``, ``parity``, ``persistent``, ``none``), how long
+            it took, and a sentence for the log.
+        result: the full ``shardsafe.restore.RestoreResult``.
+        protection: the :class:`Protection` behind the calls (events, stall counters, flush).
+    """
+
+    def __init__(self, iteration: Optional[int], counters: Mapping[str, Any], protection: "Protection") -> None:
+        self.iteration, self.counters, self.protection = iteration, dict(counters), protection
+        self.result = protection.restored
+        self.tier = str(getattr(self.result, "tier", "none"))
+        self.seconds = float(getattr(self.result, "seconds", 0.0) or 0.0)
+        self.message = str(getattr(self.result, "message", ""))
+
+    def __repr__(self) -> str:
+        return f"Restored(iteration={self.iteration}, tier={self.tier!r}, seconds={self.seconds:.3f})"
+
+
+class _Session:
+    """One optimizer's protection behind :func:`restore` / :func:`snapshot` / :func:`close`."""
+
+    def __init__(self, model_chunks: list, optimizer: Any, scheduler: Any) -> None:
+        self.model_chunks, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
+        self.iteration = 0
+        self.interval = 1
+        self.counters: dict[str, Any] = {}
+        self.protection: Optional[Protection] = None
+
+    def set_iteration(self, i: int) -> None:
+        self.iteration = int(i)
+
+    def set_counters(self, c: Mapping[str, Any]) -> None:
+        self.counters = dict(c)
+
+
+# Keyed by id(optimizer); the session holds the optimizer, so an id cannot be reused while it is registered.
+_SESSIONS: dict[int, _Session] = {}
+
+
+def _chunks(model_chunks: Any) -> list:
+    return list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+
+
+def _session_for(model_chunks: Any, optimizer: Any, scheduler: Any, call: str) -> _Session:
+    s = _SESSIONS.get(id(optimizer))
+    if s is None:
+        raise RuntimeError(f"shardsafe.adapters.megatron.{call}: no protection for this optimizer. Call "
+                           "restore(model_chunks, optimizer, scheduler, cfg) once on every rank before the "
+                           "first snapshot (it connects to the holder, sets up parity and restores when a "
+                           "snapshot exists; pass a config with restore disabled, --shardsafe-no-restore, to "
+                           "only set up).")
+    chunks = _chunks(model_chunks)
+    if len(chunks) != len(s.model_chunks) or any(a is not b for a, b in zip(chunks, s.model_chunks)) \
+            or scheduler is not s.scheduler:
+        raise ValueError(f"shardsafe.adapters.megatron.{call}: the model chunks or the scheduler are not the "
+                         "objects restore() was given for this optimizer; pass the same objects (the snapshot "
+                         "references their tensors), or close(optimizer) and restore() again for new ones.")
+    return s
+
+
+def restore(model_chunks: Any, optimizer: Any, scheduler: Any, cfg: Any, *,
+            extra: Optional[MutableMapping[str, Any]] = None,
+            runtime_factory: Callable[[ShardsafeConfig], Any] = default_runtime_factory) -> Restored:
+    """Set up protection for this rank's model/optimizer/scheduler and restore the newest snapshot, in place.
+
+    Collective: every rank calls it once, after ``initialize_model_parallel``, the model seed and the
+    model, optimizer and scheduler exist, before the first optimizer step (build data iterators before
+    it: anything drawing from an RNG in between shifts the restored streams). It is :func:`protect`
+    with the iteration and counters kept for you: the state comes back from the cheapest complete tier
+    (node holder memory, parity rebuild across DP peers on other nodes, the persistent directory),
+    verified, written into the existing tensors (never through ``load_state_dict``), and
+    ``optimizer.step`` is wrapped so each step first waits for the pending snapshot copy. Then call
+    :func:`snapshot` after every optimizer step, and :func:`close` at the end::
+
+        r = restore(model_chunks, optimizer, scheduler, config_from_args(args), extra=my_json_state)
+        it = r.iteration or 0; samples = r.counters.get("consumed_train_samples", 0)
+        while it < train_iters:
+            train_step(); it += 1; samples += global_batch
+            snapshot(model_chunks, optimizer, scheduler, it, counters={"consumed_train_samples": samples})
+        close(optimizer)
+
+    Args:
+        cfg: ``ShardsafeConfig``, a parsed namespace with the ``--shardsafe*`` flags, or a dict of config keys.
+        extra: user state; JSON values are written back into this mapping, tensors copied in place.
+        runtime_factory: builds the runtime from the config (default: the holder runtime).
+    Returns:
+        :class:`Restored` (``iteration`` None on a fresh start).
+    Raises:
+        RuntimeError: restore() was already called for this optimizer (close() it first).
+        ConfigError, shardsafe.restore.RestoreError: as :func:`protect`.
+    """
+    if id(optimizer) in _SESSIONS:
+        raise RuntimeError("shardsafe.adapters.megatron.restore: this optimizer is already protected (restore() "
+                           "was called for it before); call close(optimizer) first to start over.")
+    conf = _as_config(cfg)
+    s = _Session(_chunks(model_chunks), optimizer, scheduler)
+    s.interval = conf.interval
+    prot = protect(s.model_chunks, optimizer, scheduler, conf, get_iteration=lambda: s.iteration,
+                   set_iteration=s.set_iteration, get_counters=lambda: dict(s.counters),
+                   set_counters=s.set_counters, extra=extra, runtime_factory=runtime_factory)
+    s.protection = prot
+    _SESSIONS[id(optimizer)] = s
+    version = int(getattr(prot.restored, "version", -1))
+    return Restored(s.iteration if version >= 0 else None, s.counters if version >= 0 else {}, prot)
+
+
+def snapshot(model_chunks: Any, optimizer: Any, scheduler: Any, iteration: int,
+             extra: Optional[MutableMapping[str, Any]] = None, *,
+             counters: Optional[Mapping[str, Any]] = None, final: bool = False) -> bool:
+    """Snapshot this rank's state after the optimizer step of ``iteration``, asynchronously (collective).
+
+    Call on every rank after every optimizer step (and the scheduler step), with the iteration just
+    completed; the configured interval decides which iterations are captured (default 1: all). Capture
+    takes references and JSON metadata (milliseconds); a worker copies the tensors into the node
+    holder's shared memory, checksums, seals, encodes parity inside the DP parity group and commits;
+    the next ``optimizer.step()`` waits only if that copy is still running. A failed snapshot (holder
+    gone, budget) is logged and recorded, never raised: training goes on.
+
+    Args:
+        iteration: the iteration whose optimizer step just completed (1-based, as Megatron counts).
+        extra: user state to capture from now on (default: the mapping given to :func:`restore`).
+        counters: flat ``{name: number}`` loop counters to restore with the state (consumed samples, ...);
+            kept until replaced.
+        final: the loop stops after this iteration (a signal, a time limit): snapshot it even if the
+            interval skips it, wait until it commits, and flush it to the persistent tier when one is set.
+    Returns:
+        True if this iteration was captured, False if the interval skipped it or shardsafe is disabled.
+    Raises:
+        RuntimeError: :func:`restore` was not called for this optimizer. ValueError: other model chunks or
+            scheduler than restore() was given.
+    """
+    s = _session_for(model_chunks, optimizer, scheduler, "snapshot")
+    prot = s.protection
+    assert prot is not None
+    s.iteration = int(iteration)
+    if counters is not None:
+        s.counters = dict(counters)
+    if extra is not None:
+        prot.adapter.extra = extra
+    if not prot.enabled:
+        return False
+    prot.after_step(s.iteration)           # the runtime applies the interval
+    if final:
+        prot.on_exit(s.iteration)          # snapshots it if the interval skipped it; waits for the commit
+        return True
+    return s.iteration % s.interval == 0
+
+
+def close(optimizer: Any) -> None:
+    """Wait for the last snapshot to commit, unwrap ``optimizer.step``, disconnect from the holder (which keeps
+    the snapshots for a restart). Idempotent; call at the end of training on every rank."""
+    s = _SESSIONS.pop(id(optimizer), None)
+    if s is not None and s.protection is not None:
+        s.protection.close()
+
+
+def protection_of(optimizer: Any) -> Optional[Protection]:
+    """The :class:`Protection` behind :func:`restore`/:func:`snapshot` for this optimizer (events, stall
+    counters, flush), or None when it is not protected."""
+    s = _SESSIONS.get(id(optimizer))
+    return s.protection if s is not None else None
 
 
 # --------------------------------------------------------------------------------------------------

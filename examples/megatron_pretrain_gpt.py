@@ -9,7 +9,9 @@ sample ``s`` depend only on ``--data-seed`` and ``s``, so the data position is t
 
 With ``--shardsafe`` (and the other ``--shardsafe-*`` flags, docs/megatron.md) the loop is protected by
 ``shardsafe.adapters.megatron.protect``: snapshots into the node's holder after every optimizer step,
-restore at start after a crash (the first rank on a node starts its holder if none runs)::
+restore at start after a crash (the first rank on a node starts its holder if none runs);
+``--core-api functions`` drives the same runtime through the two-call API instead
+(``restore(...)`` once, ``snapshot(..., iteration)`` after every step, ``close(optimizer)``)::
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/megatron_pretrain_gpt.py \
         @configs/megatron/tiny_gpt_tp2_dp2.args --steps 8 --shardsafe --out /tmp/ss-run
@@ -265,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=60.0, help="gloo/NCCL collective timeout")
     p.add_argument("--out", default=os.environ.get("SHARDSAFE_RUN_DIR", ""),
                    help="write losses_rank{R}.jsonl and final_rank{R}.{bin,json} here (default SHARDSAFE_RUN_DIR)")
+    p.add_argument("--core-api", choices=("protect", "functions"), default="protect",
+                   help="with --shardsafe: protect() (default) or the restore()/snapshot()/close() calls")
     p.add_argument("--demo-rollback", type=int, default=0, metavar="K",
                    help="snapshot after step K, train on, roll back in process and replay; check bit-identity")
     return add_arguments(p)
@@ -321,9 +325,17 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         # Collective: holder, parity plan, restore. A restored run continues from the snapshot's
         # iteration; counters (the data position) and RNGs come back with it.
-        prot = protect(tr.model_chunks, tr.optimizer, tr.scheduler, ss_cfg, get_iteration=lambda: tr.iteration,
-                       set_iteration=set_iteration, get_counters=lambda: dict(tr.counters),
-                       set_counters=lambda c: tr.counters.update(c))
+        if args.core_api == "functions":
+            from shardsafe.adapters.megatron import restore
+            got = restore(tr.model_chunks, tr.optimizer, tr.scheduler, ss_cfg)
+            if got.iteration is not None:
+                tr.iteration = got.iteration
+                tr.counters.update(got.counters)
+            prot = got.protection
+        else:
+            prot = protect(tr.model_chunks, tr.optimizer, tr.scheduler, ss_cfg, get_iteration=lambda: tr.iteration,
+                           set_iteration=set_iteration, get_counters=lambda: dict(tr.counters),
+                           set_counters=lambda c: tr.counters.update(c))
         r = prot.restored
         print(f"[r{rank}] shardsafe: {r.message} (tier {r.tier}, {r.seconds:.3f} s)", flush=True)
     adapter = prot.adapter if prot is not None else tr.adapter()
@@ -336,7 +348,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         t0 = time.perf_counter()
         stall0 = prot.stall_total_s if prot is not None else 0.0
         out = tr.train_step()        # optimizer.step() first waits for the pending snapshot copy
-        if prot is not None:
+        if prot is not None and args.core_api == "functions":
+            from shardsafe.adapters.megatron import snapshot
+            # The last iteration is sealed even when the interval skips it (final=True waits for its commit).
+            snapshot(tr.model_chunks, tr.optimizer, tr.scheduler, tr.iteration, counters=tr.counters,
+                     final=tr.iteration >= args.steps)
+        elif prot is not None:
             prot.after_step(tr.iteration)
         loss = pipeline_loss(tr, out["loss"])
         if losses is not None:
@@ -357,7 +374,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.out:
         from shardsafe.manifest import save_tensors
         save_tensors(os.path.join(args.out, f"final_rank{rank}"), final_state(tr, adapter))
-    if prot is not None:
+    if prot is not None and args.core_api == "functions":
+        from shardsafe.adapters.megatron import close
+        close(tr.optimizer)
+    elif prot is not None:
         prot.close()
     if saved is not None:
         adapter.apply(*saved)

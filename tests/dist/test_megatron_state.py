@@ -281,3 +281,95 @@ def test_persistent_buffers_are_copied_and_restored():
     assert r["names"] == ["buf/c0.module.expert_bias"], r["names"]   # the non-persistent one is not state
     assert r["cloned"] and r["restored"]
     assert any("persistent module buffers differ" in p for p in r["problems"]), r["problems"]
+
+
+# ---- the two-call core API: restore() once, snapshot() after every step, close() ----------------------
+
+class _RecordingRuntime:
+    """Stands in for the holder runtime (tests/fault/test_megatron_resume.py runs the real one through the
+    same calls): keeps CPU copies of what the interval captures, and applies the newest one on restore."""
+
+    def __init__(self, cfg, saved: dict) -> None:
+        self.cfg, self.saved, self.calls, self.restored = cfg, saved, [], None
+
+    def try_restore(self, adapter):
+        from shardsafe.restore import RestoreResult
+        if self.saved:
+            version = max(self.saved)
+            adapter.apply(*self.saved[version])
+            self.restored = RestoreResult(version=version, tier="memory")
+        else:
+            self.restored = RestoreResult()
+        return self.restored.version if self.restored.version >= 0 else None
+
+    def after_step(self, iteration, adapter):
+        self.calls.append(("after_step", iteration))
+        if iteration % self.cfg.interval == 0:
+            self.saved[iteration] = ex.cpu_copy(adapter.capture())
+
+    def on_exit(self, iteration, adapter):
+        self.calls.append(("on_exit", iteration))
+        if iteration % self.cfg.interval != 0:
+            self.saved[iteration] = ex.cpu_copy(adapter.capture())
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+def _run_core_functions(rank: int, world: int) -> dict:
+    from shardsafe.adapters import megatron as sm
+    tr = _start(dict(tp=1, pp=1))
+    saved, runtimes, out = {}, [], {}
+
+    def factory(cfg):
+        runtimes.append(_RecordingRuntime(cfg, saved))
+        return runtimes[-1]
+
+    def error(fn, *a, **k) -> str:
+        try:
+            fn(*a, **k)
+        except Exception as e:  # noqa: BLE001 - the message is what is checked
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    chunks, opt, sched = tr.model_chunks, tr.optimizer, tr.scheduler
+    out["before_restore"] = error(sm.snapshot, chunks, opt, sched, 1)
+    got = sm.restore(chunks, opt, sched, {"interval": 2}, runtime_factory=factory)
+    out["fresh"] = (got.iteration, got.counters, got.tier)
+    out["twice"] = error(sm.restore, chunks, opt, sched, {"interval": 2}, runtime_factory=factory)
+    out["other_scheduler"] = error(sm.snapshot, chunks, opt, object(), 1)
+    taken = []
+    for _ in range(3):
+        tr.train_step()
+        taken.append(sm.snapshot(chunks, opt, sched, tr.iteration, counters=dict(tr.counters),
+                                 final=tr.iteration == 3))
+    out["taken"] = taken
+    out["calls"] = list(runtimes[0].calls)
+    expect = ex.cpu_copy(tr.adapter().capture())[0]
+    sm.close(opt)
+    sm.close(opt)   # idempotent
+    out["closed"] = runtimes[0].calls[-1] == ("close",) and len(runtimes[0].calls) == len(out["calls"]) + 1
+    out["step_unwrapped"] = "step" not in vars(opt)
+    tr.train_step()  # moves every piece of state on; restore must bring iteration 3 back
+    got = sm.restore(chunks, opt, sched, {"interval": 2}, runtime_factory=factory)
+    out["restored"] = (got.iteration, got.counters, got.tier)
+    now = ex.cpu_copy(tr.adapter().capture())[0]
+    out["state_equal"] = sorted(k for k in expect if not torch.equal(expect[k], now[k]))
+    out["gbs"] = tr.gbs
+    sm.close(opt)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_core_functions_restore_snapshot_close_contract():
+    r = run_ranks(1, _run_core_functions)[0]
+    assert r["before_restore"].startswith("RuntimeError") and "Call restore(model_chunks" in r["before_restore"]
+    assert r["fresh"] == [None, {}, "none"]   # results come back through JSON: tuples are lists
+    assert r["twice"].startswith("RuntimeError") and "already protected" in r["twice"]
+    assert r["other_scheduler"].startswith("ValueError") and "not the objects restore() was given" in r["other_scheduler"]
+    # interval 2: iteration 2 is captured; 3 is the last one (final=True), sealed by on_exit
+    assert r["taken"] == [False, True, True]
+    assert r["calls"] == [["after_step", 1], ["after_step", 2], ["after_step", 3], ["on_exit", 3]]
+    assert r["closed"] and r["step_unwrapped"]
+    assert r["restored"] == [3, {"consumed_train_samples": 3 * r["gbs"]}, "memory"]
+    assert r["state_equal"] == [], r["state_equal"]

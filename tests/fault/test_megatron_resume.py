@@ -177,6 +177,27 @@ def test_node_loss_rebuilt_from_parity(tmp_path, megatron_reference):
     assert_bit_identical(tmp_path, ref)
 
 
+@needs_mcore
+def test_core_functions_restore_snapshot_close(tmp_path, megatron_reference):
+    """The two-call core API (``restore`` once, ``snapshot(..., iteration)`` after every step, ``close``;
+    examples/megatron_pretrain_gpt.py --core-api functions) on TP2xDP2 with --shardsafe-interval 2: a rank
+    killed before a seeded step comes back from an even iteration with its counters, the last iteration
+    (7, skipped by the interval) is sealed by ``final=True`` on every rank, and the run is bit-exact."""
+    args = [*LAYOUTS["tp2_dp2"], "--steps", str(STEPS)]
+    ref = megatron_reference("tp2_dp2", args)
+    rank, at = seeded_fault("core-functions", 4, STEPS - 1)
+    res = run_megatron(tmp_path, args + ["--core-api", "functions", "--shardsafe-interval", "2"],
+                       inject=f"kill-rank:{rank}@{at}")
+    assert res.ok and res.attempts == 2 and res.failures[0]["rank"] == rank, (res, trainer_logs(str(tmp_path))[-3000:])
+    got = restores(tmp_path)
+    assert got[0] == -1 and got[1] % 2 == 0 and at - 3 <= got[1] <= at - 1, (got, at)
+    assert_resumed_after(tmp_path, 1, got[1])
+    sealed = {(e["rank"], e["version"]) for e in events(tmp_path) if e.get("kind") == "snapshot" and e.get("committed")}
+    assert {v for _, v in sealed} <= {2, 4, 6, STEPS}, sealed
+    assert {r for r, v in sealed if v == STEPS} == {0, 1, 2, 3}, sealed
+    assert_bit_identical(tmp_path, ref)
+
+
 # ---- Megatron-LM's pretrain (megatron-core 0.17.1 from the side folder) -----------------------------
 
 @needs_lm
