@@ -19,7 +19,9 @@ optimizer and scheduler). Printed: medians of --repeats runs, each ratio naming 
     DistOpt param all-gather) vs the load with a warm page cache and a cold one (files fsync'ed, then
     evicted with posix_fadvise(DONTNEED)).
 
-Times are the slowest rank's (a job waits for it). Needs megatron-core (0.16.1 here) and psutil.
+Times are the slowest rank's (a job waits for it). Needs megatron-core (0.16.1 here) and psutil. On a GPU
+machine every rank takes one GPU (NCCL; scripts/gpu_check.sh phase 7 runs it with ``--ranks`` = the GPU count)
+and every timed region ends with a device synchronize.
 """
 from __future__ import annotations
 
@@ -53,8 +55,15 @@ def worker(a: argparse.Namespace) -> None:
     from shardsafe.config import ShardsafeConfig
 
     torch.set_num_threads(1)
-    ex.init_distributed(600.0)
+    ex.init_distributed(600.0)   # NCCL on GPUs (one per rank), gloo with the CPU shims otherwise
     rank = dist.get_rank()
+    # Collectives of the bench itself go where the backend wants them (NCCL: CUDA tensors); timed regions end
+    # with a device synchronize, so asynchronous kernels and copies are inside the time they belong to.
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
     run = ex.TinyGPT(tp=1, pp=1, bf16=True, num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                      vocab_size=a.vocab, seq_length=a.seq, micro_batch_size=1, num_microbatches=1, dropout=0.0,
                      timeout_s=600.0)
@@ -71,18 +80,22 @@ def worker(a: argparse.Namespace) -> None:
     pipe = prot.runtime.pipeline
 
     def mx(v: float) -> float:   # the job waits for its slowest rank
-        t = torch.tensor([v], dtype=torch.float64)
+        t = torch.tensor([v], dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
+    leaves = getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])   # e.g. DistributedOptimizer[AdamW]
+    opt_name = ", ".join(f"{type(o).__name__}[{type(getattr(o, 'optimizer', o)).__name__}]" for o in leaves)
     res: dict = {"params": sum(p.numel() for c in tr.model_chunks for p in c.parameters()),
-                 "ranks": dist.get_world_size()}
+                 "ranks": dist.get_world_size(), "optimizer": opt_name,
+                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
     # -- stall: real training steps, a snapshot after every step, its copy overlapped with the next step --
     n = a.warmup + a.repeats + 1
     step_s, submit_s, wait_s = [], [], []
     for _ in range(n):
         t0 = time.perf_counter()
         tr.train_step()               # optimizer.step() first waits for the previous snapshot's copy
+        sync()
         t1 = time.perf_counter()
         prot.after_step(tr.iteration)  # capture (references + metadata) and submit
         submit_s.append(time.perf_counter() - t1)
@@ -148,6 +161,7 @@ def worker(a: argparse.Namespace) -> None:
             path = paths[durable] = os.path.join(base, f"r{i}{'d' if durable else 'p'}")
             if rank == 0:
                 os.makedirs(path)
+            sync()
             dist.barrier()
             t0 = time.perf_counter()
             strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), dp_group)
@@ -162,20 +176,25 @@ def worker(a: argparse.Namespace) -> None:
         load(paths[True])
         if i == 0:
             checks["megatron_load_restores_state"] = equal(skip_step=True)
+        sync()
         dist.barrier()
         t0 = time.perf_counter()
         load(paths[True])
+        sync()
         load_warm.append(mx(time.perf_counter() - t0))
         fsync_tree(paths[True])
         evict_tree(paths[True])
         dist.barrier()
         t0 = time.perf_counter()
         load(paths[True])
+        sync()
         load_cold.append(mx(time.perf_counter() - t0))
         overwrite()
+        sync()
         dist.barrier()
         t0 = time.perf_counter()
         version = prot.runtime.try_restore(prot.adapter)
+        sync()
         restore.append(mx(time.perf_counter() - t0))
         assert version is not None, prot.runtime.restored.message
         checks["shardsafe_restore_bit_exact"] &= equal(skip_step=False)
@@ -187,7 +206,7 @@ def worker(a: argparse.Namespace) -> None:
             for p in paths.values():
                 shutil.rmtree(p, ignore_errors=True)
         dist.barrier()
-    flags = torch.tensor([int(v) for v in checks.values()], dtype=torch.int64)
+    flags = torch.tensor([int(v) for v in checks.values()], dtype=torch.int64, device=dev)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     res["checks"] = {k: bool(f) for k, f in zip(checks, flags.tolist())}
     res.update(save_pagecache_s=save_pc, save_durable_s=save_durable, load_warm_s=load_warm, load_cold_s=load_cold,
@@ -210,7 +229,8 @@ def report(res: dict, a: argparse.Namespace) -> dict:
     return {
         "model": f"GPTModel local spec, hidden={a.hidden} layers={a.layers} heads={a.heads} vocab={a.vocab} "
                  f"seq={a.seq}, {res['params'] / 1e6:.1f} M params",
-        "layout": f"DP{res['ranks']} (TP1 PP1), DistributedOptimizer, bf16 params, fp32 main params, torch Adam",
+        "layout": f"DP{res['ranks']} (TP1 PP1), {res.get('optimizer', 'DistributedOptimizer')}, bf16 params, fp32 main "
+                  f"params, on {res.get('device', 'cpu')}",
         "state_bytes_per_rank": nbytes, "state_bytes_total": nbytes * res["ranks"], "ckpt_bytes": res.get("ckpt_bytes"),
         "repeats": a.repeats, "step_s_median": round(med(res["step_s"]), 3),
         "copy_s_median": round(med(res["copy_s"]), 4),

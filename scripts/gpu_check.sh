@@ -15,6 +15,7 @@
 #                      copy, bit-identity vs the CPU reference; JSON on stdout and in
 #                      "$OUT/gpu_results.json" when $OUT is set
 #   6. snapshot pipeline checks (added by the snapshot owner)
+#   7. Megatron: bench/megatron_bench.py on the GPUs (stall and restore vs dist_checkpointing save/load)
 # Exit status: 0 if every phase passed, else 1 (see the summary at the end).
 set -uo pipefail
 # The GPU machine reaches no package index: never let pip wait on the network there.
@@ -181,6 +182,25 @@ phase_snapshot() {
 }
 export -f phase_snapshot
 run_phase "6 snapshot pipeline (GPU path)" phase_snapshot
+
+# --- Megatron: snapshot stall / restore vs dist_checkpointing on the GPU ---------------------------
+# bench/megatron_bench.py on this machine's GPUs (one rank each, NCCL): the same state and baseline as the
+# CPU runs in bench/RESULTS.md (torch_dist save made durable, load warm and cold), restore = H2D from the
+# holder's memory. MEGATRON_BENCH_ARGS scales the model (e.g. "--hidden 1536 --layers 12").
+phase_megatron_bench() {
+  if ! PYTHONPATH="$REPO" "$PY" -c "import megatron.core, psutil" 2>/dev/null; then
+    echo "SKIPPED: megatron-core or psutil is not importable by $PY (pip install megatron-core psutil)"
+    return 0
+  fi
+  local ranks; ranks="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"; [ "${ranks:-0}" -ge 1 ] || ranks=1
+  local out="${OUT_DIR:-/tmp}/megatron_bench.json"
+  mkdir -p "$(dirname "$out")"
+  # shellcheck disable=SC2086  # MEGATRON_BENCH_ARGS is a list of flags
+  PYTHONPATH="$REPO" "$PY" bench/megatron_bench.py --ranks "$ranks" --repeats 5 ${MEGATRON_BENCH_ARGS:-} --json \
+    | tee "$out"
+}
+export -f phase_megatron_bench
+run_phase "7 Megatron bench vs dist_checkpointing (GPU)" phase_megatron_bench
 
 # --- summary --------------------------------------------------------------------------------------
 banner "summary"
