@@ -67,7 +67,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                     **({"vp_stage": vp_stage} if vp_stage is not None else {}))
 
 
-def datasets_provider(train_val_test_num_samples, *_: Any, **__: Any):
+def datasets_provider(train_val_test_num_samples, *_: Any, vp_stage: Optional[int] = None, **__: Any):
+    """Mock datasets; with virtual pipeline stages Megatron-LM builds one loader per model chunk (and requires
+    the ``vp_stage`` keyword), every chunk's over the same samples."""
     from megatron.training import get_args
     args = get_args()
     return (MockGPTDataset(int(train_val_test_num_samples[0]), args.seq_length, args.padded_vocab_size, args.seed),

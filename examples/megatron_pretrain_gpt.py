@@ -52,6 +52,7 @@ class TinyGPT:
     """Model, layout and optimizer settings of the tiny run (the data-parallel size is world / (tp*pp))."""
     tp: int = 1
     pp: int = 1
+    vpp: int = 1      # virtual pipeline stages (model chunks) per pipeline rank: interleaved 1F1B when > 1
     bf16: bool = False
     distributed_optimizer: bool = True
     num_layers: int = 2
@@ -82,6 +83,7 @@ def initialize_parallel(run: TinyGPT) -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     ps.initialize_model_parallel(tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
+                                 virtual_pipeline_model_parallel_size=run.vpp if run.vpp > 1 else None,
                                  # timedelta(minutes=...) accepts fractions: keep gloo sub-groups as short as the
                                  # default group, so a broken test fails in seconds, not 30 minutes
                                  distributed_timeout_minutes=run.timeout_s / 60.0)
@@ -117,22 +119,29 @@ class Trainer:
         cfg = TransformerConfig(
             num_layers=run.num_layers, hidden_size=run.hidden_size, num_attention_heads=run.num_attention_heads,
             tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp, pipeline_dtype=dtype,
+            virtual_pipeline_model_parallel_size=run.vpp if run.vpp > 1 else None,
             bf16=run.bf16, params_dtype=dtype, use_cpu_initialization=True,
             hidden_dropout=run.dropout, attention_dropout=run.dropout,
             gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
             bias_activation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         )
-        model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=run.vocab_size,
-                         max_sequence_length=run.seq_length, pre_process=ps.is_pipeline_first_stage(),
-                         post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)
-        if torch.cuda.is_available():   # as Megatron-LM's get_model does (a no-op under the CPU shims)
-            model.cuda(torch.cuda.current_device())
-        if run.bf16:
-            model = Float16Module(cfg, model)
         ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=run.distributed_optimizer,
                                                 grad_reduce_in_fp32=True)
-        model = DDP(cfg, ddp_cfg, model)
-        self.model_chunks = [model]
+        # One model chunk per virtual stage, as Megatron-LM's get_model builds them: chunk i of pipeline rank r
+        # holds layer block i * pp + r; only the very first / last chunk has the embedding / the output layer.
+        self.model_chunks = []
+        for i in range(run.vpp):
+            vp = i if run.vpp > 1 else None
+            model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=run.vocab_size,
+                             max_sequence_length=run.seq_length,
+                             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                             share_embeddings_and_output_weights=True, **({"vp_stage": vp} if vp is not None else {}))
+            if torch.cuda.is_available():   # as Megatron-LM's get_model does (a no-op under the CPU shims)
+                model.cuda(torch.cuda.current_device())
+            if run.bf16:
+                model = Float16Module(cfg, model)
+            self.model_chunks.append(DDP(cfg, ddp_cfg, model, disable_bucketing=i > 0))
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=run.lr, min_lr=run.min_lr, weight_decay=run.weight_decay,
                             bf16=run.bf16, params_dtype=dtype, clip_grad=run.clip_grad,
@@ -148,7 +157,8 @@ class Trainer:
             lr_decay_style="cosine", start_wd=run.weight_decay, end_wd=run.weight_decay,
             wd_incr_steps=run.lr_decay_steps * self.gbs, wd_incr_style="constant")
         cfg.finalize_model_grads_func = finalize_model_grads
-        cfg.no_sync_func = model.no_sync
+        no_sync = [c.no_sync for c in self.model_chunks]
+        cfg.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         cfg.grad_scale_func = self.optimizer.scale_loss
         self.config = cfg
         self.fb = get_forward_backward_func()
@@ -195,7 +205,9 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = self.fb(forward_step_func=self._forward_step, data_iterator=self._micro_batches(),
+        # Interleaved schedules take one iterator per model chunk (each chunk's forward reads its own).
+        data = [self._micro_batches() for _ in self.model_chunks] if len(self.model_chunks) > 1 else self._micro_batches()
+        losses = self.fb(forward_step_func=self._forward_step, data_iterator=data,
                          model=self.model_chunks, num_microbatches=self.run.num_microbatches,
                          seq_length=self.run.seq_length, micro_batch_size=self.run.micro_batch_size,
                          forward_only=False)
@@ -252,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.convert_arg_line_to_args = lambda line: line.split("#")[0].split()  # @file: several flags per line
     p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
+    p.add_argument("--virtual-pipeline-model-parallel-size", "--vpp", dest="vpp", type=int, default=1,
+                   help="model chunks per pipeline rank (interleaved schedule; --num-layers divisible by pp * vpp)")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
     p.add_argument("--num-layers", type=int, default=2)
@@ -307,7 +321,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if os.environ.get("SHARDSAFE_RUN_DIR"):
         from shardsafe.tor import EventLog   # process start, before the slow framework imports
         EventLog(os.environ["SHARDSAFE_RUN_DIR"], source="trainer", rank=rank, attempt=_attempt()).emit("trainer_start")
-    run = TinyGPT(tp=args.tp, pp=args.pp, bf16=args.bf16, distributed_optimizer=args.distributed_optimizer,
+    run = TinyGPT(tp=args.tp, pp=args.pp, vpp=args.vpp, bf16=args.bf16, distributed_optimizer=args.distributed_optimizer,
                   num_layers=args.num_layers, hidden_size=args.hidden_size,
                   num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
                   seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,

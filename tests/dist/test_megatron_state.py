@@ -38,7 +38,9 @@ from _fork_ranks import load_tensors, run_ranks, save_tensors  # noqa: E402
 
 N_BEFORE, M_AFTER = 3, 3
 
-LAYOUTS = {"tp2_dp2": dict(tp=2, pp=1), "tp1_pp2_dp2": dict(tp=1, pp=2), "tp2_pp2": dict(tp=2, pp=2)}
+LAYOUTS = {"tp2_dp2": dict(tp=2, pp=1), "tp1_pp2_dp2": dict(tp=1, pp=2), "tp2_pp2": dict(tp=2, pp=2),
+           # interleaved pipeline: two model chunks per pipeline rank (layers 1+3 / 2+4 of 4)
+           "tp1_pp2_vpp2_dp2": dict(tp=1, pp=2, vpp=2, num_layers=4)}
 
 
 def _start(run_kw: dict) -> "ex.Trainer":
@@ -73,7 +75,7 @@ def _run_a(rank: int, world: int, run_kw: dict, out: str) -> dict:
     save_tensors(f"{out}/rollback{rank}", _final_state(tr))
     from shardsafe.adapters.megatron import rank_coordinates
     return {"ref": ref, "replay": replay, "rolled": rolled, "gbs": tr.gbs, "opt": type(tr.optimizer).__name__,
-            "coords": rank_coordinates()}
+            "coords": rank_coordinates(), "chunks": len(tr.model_chunks), "schedule": tr.fb.__name__}
 
 
 def _run_b(rank: int, world: int, run_kw: dict, out: str) -> dict:
@@ -113,9 +115,12 @@ def _check(run_kw: dict, tmp_path) -> None:
     # rank_coordinates: Megatron's default order tp-cp-ep-dp-pp, so TP peers are adjacent world ranks
     tp, pp = run_kw["tp"], run_kw["pp"]
     dp = 4 // (tp * pp)
+    vpp = run_kw.get("vpp", 1)
     for rank, r in enumerate(a):
         c = r["coords"]
         assert (c["rank"], c["world_size"], c["tp_size"], c["pp_size"], c["dp_size"]) == (rank, 4, tp, pp, dp)
+        assert (r["chunks"], c["vpp_size"]) == (vpp, vpp)
+        assert r["schedule"].endswith("_with_interleaving") == (vpp > 1), r["schedule"]
         assert (c["tp"], c["dp"], c["pp"]) == (rank % tp, (rank // tp) % dp, rank // (tp * dp))
         assert rank in c["dp_ranks"] and len(c["dp_ranks"]) == dp and len(c["tp_ranks"]) == tp
         assert all(a[o]["coords"]["tp"] == c["tp"] and a[o]["coords"]["pp"] == c["pp"] for o in c["dp_ranks"])

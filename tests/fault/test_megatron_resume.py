@@ -9,7 +9,7 @@ state, RNGs, model params), must be ``torch.equal`` to an uninterrupted run with
 (``shardsafe.runcheck.compare_runs``).
 
 Own loop (examples/megatron_pretrain_gpt.py, megatron-core of this venv): TP2xDP2, TP1xPP2xDP2,
-TP2xPP2 on 2 nodes x 2 ranks, and node loss on TP2xDP2 (DP peers on different nodes: parity).
+TP2xPP2, TP1xPP2(x2 virtual)xDP2 on 2 nodes x 2 ranks, and node loss on TP2xDP2 (DP peers on different nodes: parity).
 Megatron-LM's ``pretrain`` (examples/megatron_lm_pretrain_gpt.py) needs ``megatron.training``
 (megatron-core >= 0.17): the trainers get ``PYTHONPATH=.venv/mcore-0.17.1`` themselves. Bad
 arguments fail on every rank before the first iteration, with a message naming the flag.
@@ -44,7 +44,9 @@ MCORE_017 = os.environ.get("SHARDSAFE_TEST_MCORE_LM") or os.path.join(ROOT, ".ve
 SEED = int(os.environ.get("SHARDSAFE_FAULT_SEED", "20261129"))
 STEPS = 7
 
-LAYOUTS = {"tp2_dp2": ["--tp", "2"], "tp1_pp2_dp2": ["--pp", "2"], "tp2_pp2": ["--tp", "2", "--pp", "2", "--bf16"]}
+LAYOUTS = {"tp2_dp2": ["--tp", "2"], "tp1_pp2_dp2": ["--pp", "2"], "tp2_pp2": ["--tp", "2", "--pp", "2", "--bf16"],
+           # interleaved pipeline, two model chunks per rank
+           "tp1_pp2_vpp2_dp2": ["--pp", "2", "--vpp", "2", "--num-layers", "4", "--bf16"]}
 
 
 MCORE = installed_version("megatron-core", "megatron.core")
@@ -150,7 +152,8 @@ def test_kill_rank_resumes_bit_exact(tmp_path, megatron_reference, layout):
     assert any(e.get("kind") == "snapshot" and e.get("committed") for e in events(tmp_path))
     # DP peers on one node (TP1 PP2 DP2: DP groups {0,1}, {2,3}): their shards come from the holder;
     # across nodes (TP2 DP2: {0,2}, {1,3}) Megatron's all-gather; DP1: nothing to gather.
-    want = {"tp2_dp2": "all-gather", "tp1_pp2_dp2": "from the node's holder", "tp2_pp2": "local"}[layout]
+    want = {"tp2_dp2": "all-gather", "tp1_pp2_dp2": "from the node's holder", "tp2_pp2": "local",
+            "tp1_pp2_vpp2_dp2": "from the node's holder"}[layout]
     assert {e["notes"]["model_params"] for e in events(tmp_path)
             if e.get("kind") == "restore_end" and e.get("version", -1) >= 0} == {want}
     assert_bit_identical(tmp_path, ref)
@@ -261,17 +264,24 @@ def test_megatron_lm_exit_seals_a_final_snapshot(tmp_path, megatron_reference):
     assert_bit_identical(tmp_path, ref, steps=6)
 
 
+# Megatron-LM with interleaved pipeline parallelism: TP1 x PP2 (2 virtual stages: two model chunks per rank,
+# one data loader per chunk) x DP2.
+LM_VPP = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+          "--num-layers-per-virtual-pipeline-stage", "1"]
+
+
 @needs_lm
 def test_megatron_lm_under_shardsafe_launch(tmp_path, megatron_reference, monkeypatch):
-    """The same job under `shardsafe launch` (torch elastic agents on 2 simulated nodes, the launcher's
-    holders): torchrun restarts the worker group after the SIGKILL, the ranks restore from the
-    holders, and the run is bit-exact to plain Megatron-LM."""
+    """Megatron-LM with virtual pipeline stages (LM_VPP) under `shardsafe launch` (torch elastic agents on 2
+    simulated nodes, the launcher's holders): torchrun restarts the worker group after the SIGKILL, the
+    ranks restore both model chunks from the holders (DP peers share a node: the model params come from
+    the holder, no all-gather), and the run is bit-exact to plain Megatron-LM."""
     from shardsafe.elastic import ElasticConfig, ElasticLauncher
-    ref = megatron_reference("megatron_lm", lm_args(), script=MEGATRON_LM, env=lm_env())
+    ref = megatron_reference("megatron_lm_vpp", lm_args(*LM_VPP), script=MEGATRON_LM, env=lm_env())
     monkeypatch.setenv("PYTHONPATH", lm_env()["PYTHONPATH"])
     cfg = ElasticConfig(nodes=2, nproc_per_node=2, run_dir=str(tmp_path), inject="kill-rank:2@4", memory_budget_gb=0.5,
                         max_restarts=2, keep_alive_s=2, keep_alive_misses=3, timeout_s=420, preload=PRELOAD_MEGATRON)
-    res = ElasticLauncher(cfg).run([MEGATRON_LM, *lm_args(), "--shardsafe", "--shardsafe-no-start-holder"])
+    res = ElasticLauncher(cfg).run([MEGATRON_LM, *lm_args(*LM_VPP), "--shardsafe", "--shardsafe-no-start-holder"])
     assert res.ok and res.attempts == 2, (res, trainer_logs(str(tmp_path))[-3000:])
     agents = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("agent_*.log"))
     assert "workers are forked from the fork server" in agents and "start cold" not in agents, agents[-3000:]
@@ -279,6 +289,8 @@ def test_megatron_lm_under_shardsafe_launch(tmp_path, megatron_reference, monkey
     got = restores(tmp_path)
     assert got[0] == -1 and got[1] in (2, 3), got
     assert restore_tiers(tmp_path)[1] == {"memory"}
+    assert {e["notes"]["model_params"] for e in events(tmp_path)
+            if e.get("kind") == "restore_end" and e.get("version", -1) >= 0} == {"from the node's holder"}
     assert_resumed_after(tmp_path, 1, got[1])
     assert_bit_identical(tmp_path, ref, steps=6)
 
