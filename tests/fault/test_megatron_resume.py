@@ -265,14 +265,15 @@ def test_megatron_lm_exit_seals_a_final_snapshot(tmp_path, megatron_reference):
 
 
 # Megatron-LM with interleaved pipeline parallelism: TP1 x PP2 (2 virtual stages: two model chunks per rank,
-# one data loader per chunk) x DP2.
+# one data loader per chunk) x DP2, gradient reduce-scatter and param all-gather overlapped with compute (the
+# flags production DistributedOptimizer runs use).
 LM_VPP = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
-          "--num-layers-per-virtual-pipeline-stage", "1"]
+          "--num-layers-per-virtual-pipeline-stage", "1", "--overlap-grad-reduce", "--overlap-param-gather"]
 
 
 @needs_lm
 def test_megatron_lm_under_shardsafe_launch(tmp_path, megatron_reference, monkeypatch):
-    """Megatron-LM with virtual pipeline stages (LM_VPP) under `shardsafe launch` (torch elastic agents on 2
+    """Megatron-LM with virtual pipeline stages and overlapped DP communication (LM_VPP) under `shardsafe launch` (torch elastic agents on 2
     simulated nodes, the launcher's holders): torchrun restarts the worker group after the SIGKILL, the
     ranks restore both model chunks from the holders (DP peers share a node: the model params come from
     the holder, no all-gather), and the run is bit-exact to plain Megatron-LM."""
