@@ -144,6 +144,15 @@ def install() -> None:
     torch.cuda.max_memory_reserved = lambda *a, **k: 0
     torch.Tensor.cuda = lambda self, *a, **k: self
 
+    # megatron-core 0.16's MoE router reads a module global that only exists when Transformer Engine
+    # imported (moe_utils.te_general_gemm: NameError without TE); its torch.mm fallback is what runs here.
+    try:
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+    except ImportError:
+        pass
+
     _MODE = _CudaToCpu()
     _MODE.__enter__()  # kept referenced in _MODE: the mode stays active for the process lifetime
     _INSTALLED = True

@@ -53,6 +53,8 @@ class TinyGPT:
     tp: int = 1
     pp: int = 1
     vpp: int = 1      # virtual pipeline stages (model chunks) per pipeline rank: interleaved 1F1B when > 1
+    num_experts: int = 0   # > 0: MoE MLPs (top-2 router, allgather dispatcher); experts sharded over ep ranks
+    ep: int = 1
     bf16: bool = False
     distributed_optimizer: bool = True
     num_layers: int = 2
@@ -84,6 +86,7 @@ def initialize_parallel(run: TinyGPT) -> None:
 
     ps.initialize_model_parallel(tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
                                  virtual_pipeline_model_parallel_size=run.vpp if run.vpp > 1 else None,
+                                 expert_model_parallel_size=run.ep,
                                  # timedelta(minutes=...) accepts fractions: keep gloo sub-groups as short as the
                                  # default group, so a broken test fails in seconds, not 30 minutes
                                  distributed_timeout_minutes=run.timeout_s / 60.0)
@@ -120,6 +123,9 @@ class Trainer:
             num_layers=run.num_layers, hidden_size=run.hidden_size, num_attention_heads=run.num_attention_heads,
             tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp, pipeline_dtype=dtype,
             virtual_pipeline_model_parallel_size=run.vpp if run.vpp > 1 else None,
+            expert_model_parallel_size=run.ep,
+            **(dict(num_moe_experts=run.num_experts, moe_router_topk=2, moe_token_dispatcher_type="allgather",
+                    moe_aux_loss_coeff=1e-2, moe_grouped_gemm=False) if run.num_experts else {}),
             bf16=run.bf16, params_dtype=dtype, use_cpu_initialization=True,
             hidden_dropout=run.dropout, attention_dropout=run.dropout,
             gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
@@ -132,7 +138,8 @@ class Trainer:
         self.model_chunks = []
         for i in range(run.vpp):
             vp = i if run.vpp > 1 else None
-            model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=run.vocab_size,
+            model = GPTModel(cfg, get_gpt_layer_local_spec(num_experts=run.num_experts or None),
+                             vocab_size=run.vocab_size,
                              max_sequence_length=run.seq_length,
                              pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                              post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
@@ -266,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
     p.add_argument("--virtual-pipeline-model-parallel-size", "--vpp", dest="vpp", type=int, default=1,
                    help="model chunks per pipeline rank (interleaved schedule; --num-layers divisible by pp * vpp)")
+    p.add_argument("--num-experts", type=int, default=0, help="MoE MLPs with this many experts (0 = dense)")
+    p.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=int, default=1)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
     p.add_argument("--num-layers", type=int, default=2)
@@ -321,7 +330,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if os.environ.get("SHARDSAFE_RUN_DIR"):
         from shardsafe.tor import EventLog   # process start, before the slow framework imports
         EventLog(os.environ["SHARDSAFE_RUN_DIR"], source="trainer", rank=rank, attempt=_attempt()).emit("trainer_start")
-    run = TinyGPT(tp=args.tp, pp=args.pp, vpp=args.vpp, bf16=args.bf16, distributed_optimizer=args.distributed_optimizer,
+    run = TinyGPT(tp=args.tp, pp=args.pp, vpp=args.vpp, num_experts=args.num_experts, ep=args.ep, bf16=args.bf16, distributed_optimizer=args.distributed_optimizer,
                   num_layers=args.num_layers, hidden_size=args.hidden_size,
                   num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
                   seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,

@@ -40,7 +40,9 @@ N_BEFORE, M_AFTER = 3, 3
 
 LAYOUTS = {"tp2_dp2": dict(tp=2, pp=1), "tp1_pp2_dp2": dict(tp=1, pp=2), "tp2_pp2": dict(tp=2, pp=2),
            # interleaved pipeline: two model chunks per pipeline rank (layers 1+3 / 2+4 of 4)
-           "tp1_pp2_vpp2_dp2": dict(tp=1, pp=2, vpp=2, num_layers=4)}
+           "tp1_pp2_vpp2_dp2": dict(tp=1, pp=2, vpp=2, num_layers=4),
+           # MoE: 4 experts over 2 expert-parallel ranks; a dense and an expert DistributedOptimizer (ChainedOptimizer)
+           "moe_dp4_ep2": dict(tp=1, pp=1, num_experts=4, ep=2)}
 
 
 def _start(run_kw: dict) -> "ex.Trainer":
@@ -73,9 +75,10 @@ def _run_a(rank: int, world: int, run_kw: dict, out: str) -> dict:
               "consumed": tr.counters["consumed_train_samples"]}
     replay = [tr.train_step() for _ in range(M_AFTER)]
     save_tensors(f"{out}/rollback{rank}", _final_state(tr))
-    from shardsafe.adapters.megatron import rank_coordinates
+    from shardsafe.adapters.megatron import leaf_optimizers, rank_coordinates
     return {"ref": ref, "replay": replay, "rolled": rolled, "gbs": tr.gbs, "opt": type(tr.optimizer).__name__,
-            "coords": rank_coordinates(), "chunks": len(tr.model_chunks), "schedule": tr.fb.__name__}
+            "coords": rank_coordinates(), "chunks": len(tr.model_chunks), "schedule": tr.fb.__name__,
+            "leaves": [type(leaf).__name__ for leaf in leaf_optimizers(tr.optimizer)]}
 
 
 def _run_b(rank: int, world: int, run_kw: dict, out: str) -> dict:
@@ -120,6 +123,9 @@ def _check(run_kw: dict, tmp_path) -> None:
         c = r["coords"]
         assert (c["rank"], c["world_size"], c["tp_size"], c["pp_size"], c["dp_size"]) == (rank, 4, tp, pp, dp)
         assert (r["chunks"], c["vpp_size"]) == (vpp, vpp)
+        want = ["DistributedOptimizer"] * (2 if run_kw.get("num_experts") else 1) \
+            if run_kw.get("distributed_optimizer", True) else r["leaves"]
+        assert r["leaves"] == want and c["ep_size"] == run_kw.get("ep", 1), (r["leaves"], c)
         assert r["schedule"].endswith("_with_interleaving") == (vpp > 1), r["schedule"]
         assert (c["tp"], c["dp"], c["pp"]) == (rank % tp, (rank // tp) % dp, rank // (tp * dp))
         assert rank in c["dp_ranks"] and len(c["dp_ranks"]) == dp and len(c["tp_ranks"]) == tp

@@ -9,7 +9,7 @@ state, RNGs, model params), must be ``torch.equal`` to an uninterrupted run with
 (``shardsafe.runcheck.compare_runs``).
 
 Own loop (examples/megatron_pretrain_gpt.py, megatron-core of this venv): TP2xDP2, TP1xPP2xDP2,
-TP2xPP2, TP1xPP2(x2 virtual)xDP2 on 2 nodes x 2 ranks, and node loss on TP2xDP2 (DP peers on different nodes: parity).
+TP2xPP2, TP1xPP2(x2 virtual)xDP2, MoE PP2xDP2xEP2 on 2 nodes x 2 ranks, and node loss on TP2xDP2 (DP peers on different nodes: parity).
 Megatron-LM's ``pretrain`` (examples/megatron_lm_pretrain_gpt.py) needs ``megatron.training``
 (megatron-core >= 0.17): the trainers get ``PYTHONPATH=.venv/mcore-0.17.1`` themselves. Bad
 arguments fail on every rank before the first iteration, with a message naming the flag.
@@ -46,7 +46,9 @@ STEPS = 7
 
 LAYOUTS = {"tp2_dp2": ["--tp", "2"], "tp1_pp2_dp2": ["--pp", "2"], "tp2_pp2": ["--tp", "2", "--pp", "2", "--bf16"],
            # interleaved pipeline, two model chunks per rank
-           "tp1_pp2_vpp2_dp2": ["--pp", "2", "--vpp", "2", "--num-layers", "4", "--bf16"]}
+           "tp1_pp2_vpp2_dp2": ["--pp", "2", "--vpp", "2", "--num-layers", "4", "--bf16"],
+           # MoE (4 experts, expert parallel 2): a dense and an expert DistributedOptimizer
+           "moe_pp2_dp2_ep2": ["--pp", "2", "--num-experts", "4", "--ep", "2", "--bf16"]}
 
 
 MCORE = installed_version("megatron-core", "megatron.core")
@@ -153,7 +155,7 @@ def test_kill_rank_resumes_bit_exact(tmp_path, megatron_reference, layout):
     # DP peers on one node (TP1 PP2 DP2: DP groups {0,1}, {2,3}): their shards come from the holder;
     # across nodes (TP2 DP2: {0,2}, {1,3}) Megatron's all-gather; DP1: nothing to gather.
     want = {"tp2_dp2": "all-gather", "tp1_pp2_dp2": "from the node's holder", "tp2_pp2": "local",
-            "tp1_pp2_vpp2_dp2": "from the node's holder"}[layout]
+            "tp1_pp2_vpp2_dp2": "from the node's holder", "moe_pp2_dp2_ep2": "from the node's holder"}[layout]
     assert {e["notes"]["model_params"] for e in events(tmp_path)
             if e.get("kind") == "restore_end" and e.get("version", -1) >= 0} == {want}
     assert_bit_identical(tmp_path, ref)
