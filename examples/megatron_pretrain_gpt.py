@@ -139,8 +139,7 @@ class Trainer:
         for i in range(run.vpp):
             vp = i if run.vpp > 1 else None
             model = GPTModel(cfg, get_gpt_layer_local_spec(num_experts=run.num_experts or None),
-                             vocab_size=run.vocab_size,
-                             max_sequence_length=run.seq_length,
+                             vocab_size=run.vocab_size, max_sequence_length=run.seq_length,
                              pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                              post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                              share_embeddings_and_output_weights=True, **({"vp_stage": vp} if vp is not None else {}))
@@ -330,7 +329,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if os.environ.get("SHARDSAFE_RUN_DIR"):
         from shardsafe.tor import EventLog   # process start, before the slow framework imports
         EventLog(os.environ["SHARDSAFE_RUN_DIR"], source="trainer", rank=rank, attempt=_attempt()).emit("trainer_start")
-    run = TinyGPT(tp=args.tp, pp=args.pp, vpp=args.vpp, num_experts=args.num_experts, ep=args.ep, bf16=args.bf16, distributed_optimizer=args.distributed_optimizer,
+    run = TinyGPT(tp=args.tp, pp=args.pp, vpp=args.vpp, num_experts=args.num_experts, ep=args.ep, bf16=args.bf16,
+                  distributed_optimizer=args.distributed_optimizer,
                   num_layers=args.num_layers, hidden_size=args.hidden_size,
                   num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
                   seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,

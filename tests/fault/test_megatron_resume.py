@@ -9,7 +9,8 @@ state, RNGs, model params), must be ``torch.equal`` to an uninterrupted run with
 (``shardsafe.runcheck.compare_runs``).
 
 Own loop (examples/megatron_pretrain_gpt.py, megatron-core of this venv): TP2xDP2, TP1xPP2xDP2,
-TP2xPP2, TP1xPP2(x2 virtual)xDP2, MoE PP2xDP2xEP2 on 2 nodes x 2 ranks, and node loss on TP2xDP2 (DP peers on different nodes: parity).
+TP2xPP2, TP1xPP2(x2 virtual)xDP2, MoE PP2xDP2xEP2 on 2 nodes x 2 ranks, and node loss on TP2xDP2 (DP peers
+on different nodes: parity); the two-call core API (restore/snapshot/close) on TP2xDP2.
 Megatron-LM's ``pretrain`` (examples/megatron_lm_pretrain_gpt.py) needs ``megatron.training``
 (megatron-core >= 0.17): the trainers get ``PYTHONPATH=.venv/mcore-0.17.1`` themselves. Bad
 arguments fail on every rank before the first iteration, with a message naming the flag.
