@@ -26,7 +26,7 @@ demo: venv
 	$(BIN)/shardsafe demo
 
 test: venv
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 # Everything Megatron once more on megatron-core 0.19.2, which imports triton unconditionally; not part
 # of `make test` (a 290 MB download): the core API (state layer, own-loop fault tests) with 0.19.2 as the
