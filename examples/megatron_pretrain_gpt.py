@@ -56,6 +56,10 @@ class TinyGPT:
     num_experts: int = 0   # > 0: MoE MLPs (top-2 router, allgather dispatcher); experts sharded over ep ranks
     ep: int = 1
     bf16: bool = False
+    fp16: bool = False     # fp16 params with Megatron's dynamic loss scaler (the three knobs below)
+    initial_loss_scale: float = 2.0 ** 32
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
     distributed_optimizer: bool = True
     num_layers: int = 2
     hidden_size: int = 32
@@ -118,7 +122,7 @@ class Trainer:
         from megatron.core.transformer.module import Float16Module
 
         self.run = run
-        dtype = torch.bfloat16 if run.bf16 else torch.float32
+        dtype = torch.bfloat16 if run.bf16 else torch.float16 if run.fp16 else torch.float32
         cfg = TransformerConfig(
             num_layers=run.num_layers, hidden_size=run.hidden_size, num_attention_heads=run.num_attention_heads,
             tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp, pipeline_dtype=dtype,
@@ -126,7 +130,7 @@ class Trainer:
             expert_model_parallel_size=run.ep,
             **(dict(num_moe_experts=run.num_experts, moe_router_topk=2, moe_token_dispatcher_type="allgather",
                     moe_aux_loss_coeff=1e-2, moe_grouped_gemm=False) if run.num_experts else {}),
-            bf16=run.bf16, params_dtype=dtype, use_cpu_initialization=True,
+            bf16=run.bf16, fp16=run.fp16, params_dtype=dtype, use_cpu_initialization=True,
             hidden_dropout=run.dropout, attention_dropout=run.dropout,
             gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
             bias_activation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
@@ -145,13 +149,14 @@ class Trainer:
                              share_embeddings_and_output_weights=True, **({"vp_stage": vp} if vp is not None else {}))
             if torch.cuda.is_available():   # as Megatron-LM's get_model does (a no-op under the CPU shims)
                 model.cuda(torch.cuda.current_device())
-            if run.bf16:
+            if run.bf16 or run.fp16:
                 model = Float16Module(cfg, model)
             self.model_chunks.append(DDP(cfg, ddp_cfg, model, disable_bucketing=i > 0))
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=run.lr, min_lr=run.min_lr, weight_decay=run.weight_decay,
-                            bf16=run.bf16, params_dtype=dtype, clip_grad=run.clip_grad,
-                            use_distributed_optimizer=run.distributed_optimizer),
+                            bf16=run.bf16, fp16=run.fp16, params_dtype=dtype, clip_grad=run.clip_grad,
+                            initial_loss_scale=run.initial_loss_scale, loss_scale_window=run.loss_scale_window,
+                            hysteresis=run.hysteresis, use_distributed_optimizer=run.distributed_optimizer),
             self.model_chunks)
         self.dp = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
@@ -225,7 +230,9 @@ class Trainer:
         loss = None
         if self.is_last_stage and losses:
             loss = float(sum(float(d["lm loss"]) for d in losses) / len(losses))
-        return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": lr, "ok": ok}
+        # fp16: a step with inf/nan grads is skipped (ok False, no grad norm) and the loss scale moves
+        return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": lr, "ok": ok,
+                "loss_scale": float(self.optimizer.get_loss_scale())}
 
     # ----------------------------------------------------------------------------- shardsafe
     def adapter(self, extra: Optional[dict] = None):
@@ -275,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-experts", type=int, default=0, help="MoE MLPs with this many experts (0 = dense)")
     p.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=int, default=1)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--fp16", action="store_true", help="fp16 params and Megatron's dynamic loss scaler")
+    p.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    p.add_argument("--loss-scale-window", type=int, default=1000)
+    p.add_argument("--hysteresis", type=int, default=2)
     p.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=32)
@@ -330,6 +341,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         from shardsafe.tor import EventLog   # process start, before the slow framework imports
         EventLog(os.environ["SHARDSAFE_RUN_DIR"], source="trainer", rank=rank, attempt=_attempt()).emit("trainer_start")
     run = TinyGPT(tp=args.tp, pp=args.pp, vpp=args.vpp, num_experts=args.num_experts, ep=args.ep, bf16=args.bf16,
+                  fp16=args.fp16, initial_loss_scale=args.initial_loss_scale,
+                  loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
                   distributed_optimizer=args.distributed_optimizer,
                   num_layers=args.num_layers, hidden_size=args.hidden_size,
                   num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
@@ -380,15 +393,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             prot.after_step(tr.iteration)
         loss = pipeline_loss(tr, out["loss"])
         if losses is not None:
-            losses.write(json.dumps({"step": tr.iteration, "loss": loss.hex(), "grad_norm": float(out["grad_norm"]).hex(),
-                                     "attempt": _attempt()}) + "\n")
+            g = out["grad_norm"]
+            losses.write(json.dumps({"step": tr.iteration, "loss": loss.hex(),
+                                     "grad_norm": float(g).hex() if g is not None else None,
+                                     "loss_scale": out["loss_scale"], "attempt": _attempt()}) + "\n")
             losses.flush()
         if events is not None:
             events.emit("iteration", iteration=tr.iteration,
                         seconds=max(0.0, time.perf_counter() - t0 - (prot.stall_total_s - stall0)))
         if saved is not None:
             replay_ref.append(out)
-        print(f"[r{rank} it{tr.iteration}] loss={out['loss']} grad_norm={out['grad_norm']:.6f} lr={out['lr']:.3e}",
+        print(f"[r{rank} it{tr.iteration}] loss={out['loss']} grad_norm={out['grad_norm']} lr={out['lr']:.3e} "
+              f"loss_scale={out['loss_scale']:g}",
               flush=True)
         if args.demo_rollback and tr.iteration == args.demo_rollback:
             saved = cpu_copy(adapter.capture())

@@ -183,6 +183,41 @@ def test_node_loss_rebuilt_from_parity(tmp_path, megatron_reference):
     assert_bit_identical(tmp_path, ref)
 
 
+# fp16 with Megatron's dynamic loss scaler, tuned so the scale moves within a few steps: up every 2 clean steps,
+# halved (and the step skipped: no grad norm) at the first overflow.
+FP16 = ["--tp", "2", "--fp16", "--initial-loss-scale", "131072", "--loss-scale-window", "2", "--hysteresis", "1"]
+
+
+def loss_scales(run_dir, rank=0) -> dict[int, float]:
+    """step -> loss scale after that step, from the attempt that last ran it."""
+    out: dict[int, float] = {}
+    for e in read_jsonl(os.path.join(str(run_dir), f"losses_rank{rank}.jsonl")):
+        out[int(e["step"])] = e["loss_scale"]
+    return out
+
+
+@needs_mcore
+def test_fp16_loss_scaler_resumes_bit_exact(tmp_path, megatron_reference):
+    """TP2xDP2 fp16 DistributedOptimizer: the scaler's scale, growth and hysteresis trackers come back with the
+    snapshot, so after a SIGKILL the scale, the skipped (overflowed) steps, every loss and the final state
+    match an uninterrupted run. The reference must move the scale both ways (else the check has no teeth)."""
+    steps = 9
+    args = [*FP16, "--steps", str(steps)]
+    ref = megatron_reference("tp2_dp2_fp16", args)
+    want = loss_scales(ref)
+    moves = [b / a for a, b in zip([131072.0] + [want[s] for s in range(1, steps)], [want[s] for s in range(1, steps + 1)])]
+    assert 2.0 in moves and 0.5 in moves, want
+    rank, at = seeded_fault("fp16", 4, steps - 2)
+    res = run_megatron(tmp_path, args, inject=f"kill-rank:{rank}@{at}")
+    assert res.ok and res.attempts == 2 and res.failures[0]["rank"] == rank, (res, trainer_logs(str(tmp_path))[-3000:])
+    got = restores(tmp_path)
+    assert got[0] == -1 and got[1] in (at - 2, at - 1), got
+    assert_resumed_after(tmp_path, 1, got[1])
+    for r in range(4):
+        assert loss_scales(tmp_path, r) == want, (r, loss_scales(tmp_path, r), want)
+    assert_bit_identical(tmp_path, ref, steps=steps)
+
+
 @needs_mcore
 def test_core_functions_restore_snapshot_close(tmp_path, megatron_reference):
     """The two-call core API (``restore`` once, ``snapshot(..., iteration)`` after every step, ``close``;
