@@ -4,7 +4,7 @@
 
 One job of ``--ranks`` data-parallel ranks on one simulated node (the local launcher starts the node's
 holder) trains the tiny-GPT example scaled up (examples/megatron_pretrain_gpt.py: GPTModel with the
-local spec, Megatron DDP + DistributedOptimizer, bf16 params, torch Adam) under
+local spec, Megatron DDP + DistributedOptimizer, bf16 params, torch AdamW) under
 ``shardsafe.adapters.megatron.protect``, snapshotting after every optimizer step. Then, on the
 same live state, it measures Megatron's own checkpointing as Megatron-LM does it for
 ``--ckpt-format torch_dist`` (unwrapped model ``sharded_state_dict``, DistOpt ``dp_reshardable``

@@ -123,8 +123,9 @@ def _check(run_kw: dict, tmp_path) -> None:
         c = r["coords"]
         assert (c["rank"], c["world_size"], c["tp_size"], c["pp_size"], c["dp_size"]) == (rank, 4, tp, pp, dp)
         assert (r["chunks"], c["vpp_size"]) == (vpp, vpp)
+        plain = "Float16OptimizerWithFloat16Params" if run_kw.get("bf16") else "FP32Optimizer"
         want = ["DistributedOptimizer"] * (2 if run_kw.get("num_experts") else 1) \
-            if run_kw.get("distributed_optimizer", True) else r["leaves"]
+            if run_kw.get("distributed_optimizer", True) else [plain]
         assert r["leaves"] == want and c["ep_size"] == run_kw.get("ep", 1), (r["leaves"], c)
         assert r["schedule"].endswith("_with_interleaving") == (vpp > 1), r["schedule"]
         assert (c["tp"], c["dp"], c["pp"]) == (rank % tp, (rank // tp) % dp, rank // (tp * dp))
