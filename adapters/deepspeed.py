@@ -17,6 +17,8 @@ import torch
 from shardsafe.config import ConfigError, ShardsafeConfig
 from shardsafe.state import RankState, apply_rng, capture_rng, cast_like_owner
 
+from .cpu_adam_powers import AdamPowersTracker
+
 log = logging.getLogger("shardsafe.deepspeed")
 
 SUPPORTED = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "BF16_Optimizer")
@@ -65,6 +67,12 @@ class DeepSpeedStateAdapter:
         self.z3 = self.kind == "DeepSpeedZeroOptimizer_Stage3"
         self._ckpt_layout: dict[str, Any] | None = None
         self.restore_notes: dict[str, Any] = {}
+        # DeepSpeed's CPU Adam kernels keep beta1^t / beta2^t outside optimizer.state (cpu_adam_powers.py).
+        # One tracker per optimizer: a second adapter on the same engine must not observe the calls twice.
+        base = o.optimizer
+        if not hasattr(base, "_shardsafe_adam_powers"):
+            base._shardsafe_adam_powers = AdamPowersTracker.for_optimizer(base)
+        self.adam_powers: AdamPowersTracker | None = base._shardsafe_adam_powers
 
     def checkpoint_layout(self) -> dict[str, Any]:
         """What ``shardsafe export --format deepspeed`` needs to write this engine's own checkpoint
@@ -159,6 +167,8 @@ class DeepSpeedStateAdapter:
             "counters": {k: int(getattr(e, k)) for k in COUNTERS},
             "loss_scaler": scaler, "overflow": bool(getattr(o, "overflow", False)),
             "extra": dict(self.extra), "ds_checkpoint": self.checkpoint_layout(), **rng.meta,
+            "base_optimizer": type(base).__name__,
+            "adam_powers": self.adam_powers.state() if self.adam_powers is not None else None,
         }
         return st
 
@@ -189,6 +199,7 @@ class DeepSpeedStateAdapter:
     def apply(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], peers: Any = None) -> None:
         e, o = self.engine, self.engine.optimizer
         base = o.optimizer
+        self.restore_notes = {}
         if meta.get("optimizer") != self.kind or meta.get("dp_world_size") != e.dp_world_size:
             raise ValueError(f"snapshot was taken with {meta.get('optimizer')} at data-parallel size "
                              f"{meta.get('dp_world_size')}, this engine runs {self.kind} at {e.dp_world_size}")
@@ -230,13 +241,15 @@ class DeepSpeedStateAdapter:
                 if key in tensors:
                     buf.copy_(tensors[key])
         apply_rng(tensors, meta)
+        if self.adam_powers is not None and meta.get("adam_powers"):
+            self.restore_notes["adam_powers_calls"] = self.adam_powers.restore(meta["adam_powers"])
         self.extra.clear()
         self.extra.update(meta.get("extra", {}))
         if not self.z3:
             from_holder = self._lp_params_from_peers(peers)
             if not from_holder:
                 o.update_lp_params()   # fp32 shard -> own low-precision partition -> all-gather over DP
-            self.restore_notes = {"lp_params": "from the node's holder" if from_holder else "all-gather"}
+            self.restore_notes["lp_params"] = "from the node's holder" if from_holder else "all-gather"
         else:
             with torch.no_grad():
                 for fp32, lp in zip(o.fp32_partitioned_groups_flat, o.fp16_partitioned_groups_flat):

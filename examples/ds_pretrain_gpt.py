@@ -73,18 +73,36 @@ def batch(seed: int, micro_index: int, dp_rank: int, mb: int, seq: int, vocab: i
     return tokens[:, :-1], tokens[:, 1:]
 
 
+# The optimizer paths DeepSpeed picks from its config (engine._configure_basic_optimizer): "AdamW" without
+# torch_adam is DeepSpeed's FusedAdam (what users get by default), torch_adam is torch.optim.AdamW, AdamW with
+# offload_optimizer=cpu is DeepSpeedCPUAdam, and Lion / Adagrad are DeepSpeed's own (CPU builds with offload).
+OPTIMIZERS = {
+    "torch-adamw": lambda: {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
+    "fused-adamw": lambda: {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+    "fused-adam": lambda: {"type": "Adam", "params": {"lr": 1e-3}},
+    "cpu-adam": lambda: {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+    "lion": lambda: {"type": "Lion", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+    "adagrad": lambda: {"type": "Adagrad", "params": {"lr": 1e-2}},
+}
+
+
 def ds_config(a: argparse.Namespace, world: int) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": a.micro_batch,
         "gradient_accumulation_steps": a.gas,
         "train_batch_size": a.micro_batch * a.gas * world,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}},
-        "gradient_clipping": 1.0,
+        "optimizer": OPTIMIZERS[a.optimizer](),
         "zero_optimization": {"stage": a.zero_stage},
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
+    if not a.no_scheduler:
+        cfg["scheduler"] = {"type": "WarmupLR",
+                            "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}}
+    if not a.no_clip:
+        cfg["gradient_clipping"] = 1.0
+    if a.optimizer == "cpu-adam":
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if a.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif a.dtype == "fp16":
@@ -146,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fp16-scale-window", type=int, default=1000, help="fp16: good steps before the scale grows")
     p.add_argument("--fp16-hysteresis", type=int, default=2, help="fp16: overflows tolerated before it shrinks")
     p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--optimizer", default="torch-adamw", choices=sorted(OPTIMIZERS),
+                   help="which optimizer path DeepSpeed takes (fused-adamw = DeepSpeed's default FusedAdam)")
+    p.add_argument("--no-scheduler", action="store_true", help="no LR scheduler")
+    p.add_argument("--no-clip", action="store_true", help="no gradient clipping")
     p.add_argument("--interval", type=int, default=1, help="shardsafe snapshot interval")
     p.add_argument("--budget-gb", type=float, default=0.0)
     p.add_argument("--shardsafe-json", default="", help="extra keys for the shardsafe block, as JSON")
