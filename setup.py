@@ -27,11 +27,21 @@ def _nvcc():
     return shutil.which("nvcc")
 
 
+_BUILT: dict = {}
+"""This process's one kernel build: {"lib": Path} after a success, {"error": str} after a failure. ``python
+setup.py`` / pip's setuptools backend run the in-place build and then build_py in one process: the second
+asks here instead of running nvcc again."""
+
+
 def build_cuda_kernels(out_dir: Path) -> None:
     """Compile kernels/csrc/*.cu into libshardsafe_ec.so (sm_80, sm_90) when nvcc exists.
 
     Also embeds compute_90 PTX so GPUs newer than Hopper can JIT the kernels. cudart is linked
     statically (nvcc's default), so the library needs a driver at least as new as this nvcc.
+
+    Raises:
+        subprocess.CalledProcessError, OSError: nvcc failed (callers that install use
+        :func:`build_cuda_kernels_optional`).
     """
     nvcc = _nvcc()
     srcs = sorted((HERE / "kernels" / "csrc").glob("*.cu"))
@@ -47,19 +57,39 @@ def build_cuda_kernels(out_dir: Path) -> None:
     subprocess.check_call(cmd)
 
 
+def build_cuda_kernels_optional(out_dir: Path) -> None:
+    """:func:`build_cuda_kernels` for installs: at most one nvcc run per process (a later call copies the
+    library already built, or skips after a failure), and never an exception: the kernels are optional
+    (the CPU/ISA-L codec works without them), so a broken nvcc must not fail the install."""
+    out = out_dir / "libshardsafe_ec.so"
+    if "lib" in _BUILT:
+        if _BUILT["lib"].resolve() != out.resolve():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(_BUILT["lib"], out)
+        return
+    if "error" in _BUILT:
+        print(f"shardsafe: CUDA kernels not built (nvcc failed earlier in this install: {_BUILT['error']})")
+        return
+    try:
+        build_cuda_kernels(out_dir)
+    except (subprocess.CalledProcessError, OSError) as e:
+        _BUILT["error"] = str(e)
+        print(f"shardsafe: CUDA kernel build failed ({e}); installing without them: the CPU (ISA-L) codec is used")
+        return
+    if out.is_file():
+        _BUILT["lib"] = out
+
+
 class BuildPyWithKernels(build_py):
     def run(self):
         super().run()
-        build_cuda_kernels(Path(self.build_lib) / "shardsafe" / "kernels")
+        build_cuda_kernels_optional(Path(self.build_lib) / "shardsafe" / "kernels")
 
 
 if __name__ == "__main__":
     # Editable installs read kernels/ in place: build the library next to the sources.
     if os.environ.get("SHARDSAFE_BUILD_INPLACE", "1") == "1":
-        try:
-            build_cuda_kernels(HERE / "kernels")
-        except (subprocess.CalledProcessError, OSError) as e:  # never fail the install over an optional kernel
-            print(f"shardsafe: CUDA kernel build failed ({e}); the CPU (ISA-L) codec is used")
+        build_cuda_kernels_optional(HERE / "kernels")
     setup(
         name="shardsafe",
         version="0.1.0",
@@ -74,7 +104,9 @@ if __name__ == "__main__":
             # Tested: 0.16.1, 0.17.1 and 0.19.2 (docs/megatron.md). On Python 3.11 pip resolves this to
             # 0.16.x, the newest that declares 3.11 (the Makefile puts 0.17.1 beside it); on >= 3.12 to 0.19.x.
             "megatron": ["megatron-core>=0.16.1,<0.20"],
-            "parity": ["pyeclib>=1.6,<2"],
+            # Only pyeclib's binary wheels 1.6.2-1.8.0 (x86_64 and aarch64) carry pyeclib.libs/libisal-pyeclib.so.2,
+            # the ISA-L that kernels/isal.py loads; 1.6.0/1.6.1 are source-only and bundle nothing.
+            "parity": ["pyeclib>=1.6.2,<1.9"],
             "plot": ["matplotlib>=3.6,<4"],
             "test": ["pytest>=7,<10", "pytest-timeout>=2.1"],
             "mpi": ["mpi4py>=3.1,<5"],

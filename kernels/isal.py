@@ -1,7 +1,7 @@
 """ISA-L erasure coding through ctypes: zero-copy, GIL released, the CPU production path.
 
 The library is the one bundled in the pyeclib wheel (``pyeclib.libs/libisal-pyeclib.so.2``,
-ISA-L 2.32) or the system ``libisal.so.2`` (Debian/Ubuntu ``libisal2``); ``SHARDSAFE_ISAL_LIB``
+ISA-L 2.32; binary wheels 1.6.2 to 1.8.0 carry it, 1.6.0/1.6.1 are source-only) or the system ``libisal.so.2`` (Debian/Ubuntu ``libisal2``); ``SHARDSAFE_ISAL_LIB``
 names a file explicitly. We call ISA-L directly instead of through pyeclib because pyeclib copies
 every fragment twice, holds the GIL, only decodes ``bytes`` and crashes above 2 GiB (see
 docs/parity.md); ctypes works on any C-contiguous uint8 buffer, including numpy views of mmap'ed
@@ -98,10 +98,33 @@ def load() -> ctypes.CDLL:
     if _lib is None:
         from shardsafe.parity import BackendUnavailable
         raise BackendUnavailable(
-            f"ISA-L is not loadable (tried: {_load_error}). Install the parity extra "
-            "(pip install 'shardsafe[parity]', whose pyeclib wheel bundles libisal), or the system "
-            "package libisal2, or set SHARDSAFE_ISAL_LIB=/path/to/libisal.so.2.")
+            f"ISA-L is not loadable (tried: {_load_error}). {_pyeclib_note()}Install one of: the parity extra, "
+            f"pip install --only-binary pyeclib '{PYECLIB_REQUIREMENT}' (its binary wheels bundle "
+            "pyeclib.libs/libisal-pyeclib.so.2); the system package libisal2 (Debian/Ubuntu: apt install libisal2; "
+            "RHEL/Fedora: dnf install isa-l); or set SHARDSAFE_ISAL_LIB=/path/to/libisal.so.2.")
     return _lib
+
+
+PYECLIB_REQUIREMENT = "pyeclib>=1.6.2,<1.9"
+"""The pyeclib releases whose binary wheels (x86_64, aarch64) bundle libisal (setup.py's parity extra)."""
+
+
+def _pyeclib_note() -> str:
+    """Why the installed pyeclib did not provide ISA-L, if one is installed."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        v = version("pyeclib")
+    except PackageNotFoundError:
+        return "pyeclib is not installed. "
+    except Exception:  # noqa: BLE001 - only a hint
+        return ""
+    spec = importlib.util.find_spec("pyeclib")
+    locs = (spec.submodule_search_locations or []) if spec is not None else []
+    bundled = [p for loc in locs for p in glob.glob(os.path.join(os.path.dirname(loc), "pyeclib.libs", "libisal*.so*"))]
+    if bundled:
+        return f"pyeclib {v} bundles {bundled[0]}, which did not load (see above). "
+    return (f"pyeclib {v} is installed but brings no libisal-pyeclib.so.2 (a source build, or a release outside "
+            f"{PYECLIB_REQUIREMENT}). ")
 
 
 def library_path() -> str | None:
