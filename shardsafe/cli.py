@@ -16,9 +16,16 @@ def _setup_logging(prefix: str = "") -> None:
 def cmd_holder(a: argparse.Namespace) -> int:
     from shardsafe.holder.paths import HolderPaths
     from shardsafe.holder.server import Holder
-    from shardsafe.config import ShardsafeConfig
-    cfg = ShardsafeConfig(job_id=a.job_id or ShardsafeConfig().job_id, node=a.node or ShardsafeConfig().node,
-                          holder_dir=a.holder_dir or ShardsafeConfig().holder_dir, memory_budget_gb=a.memory_budget_gb)
+    from shardsafe.config import ShardsafeConfig, default_holder_dir, default_node_name
+    # A holder serves one job: its id comes from the command line or the job's environment, never from a
+    # digest of this holder's own command line (shardsafe.jobid's last rule, meant for trainers).
+    job_id = a.job_id or os.environ.get("SHARDSAFE_JOB_ID") or os.environ.get("SLURM_JOB_ID") or ""
+    if not job_id:
+        print("shardsafe holder: which job? pass --job-id (the trainers' job id; `shardsafe status` lists the "
+              "jobs with holders) or set SHARDSAFE_JOB_ID", file=sys.stderr)
+        return 2
+    cfg = ShardsafeConfig(job_id=job_id, node=a.node or default_node_name(),
+                          holder_dir=a.holder_dir or default_holder_dir(), memory_budget_gb=a.memory_budget_gb)
     paths = HolderPaths(cfg.holder_dir, cfg.job_id, cfg.node)
     paths.ensure_dir()
     holder = Holder(paths, budget_bytes=cfg.memory_budget_bytes, idle_exit_s=a.idle_exit_s, run_dir=a.run_dir,
@@ -54,11 +61,24 @@ def cmd_holder(a: argparse.Namespace) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    from shardsafe.config import ShardsafeConfig
+    from shardsafe.config import default_holder_dir
     from shardsafe.holder.client import HolderClient, HolderUnavailable
     from shardsafe.holder.paths import HolderPaths
-    base = ShardsafeConfig()
-    root, job = a.holder_dir or base.holder_dir, a.job_id or base.job_id
+    root = a.holder_dir or default_holder_dir()
+    job = a.job_id or os.environ.get("SHARDSAFE_JOB_ID") or os.environ.get("SLURM_JOB_ID") or ""
+    if not job:   # every job of this user with a holder on this node (derived ids are not guessable)
+        try:
+            jobs = sorted(j for j in os.listdir(root) if HolderPaths.list_nodes(root, j))
+        except FileNotFoundError:
+            jobs = []
+        if len(jobs) != 1:
+            if a.json:
+                print(json.dumps({"job_id": None, "jobs": jobs, "holders": []}))
+                return 0 if jobs else 1
+            print(f"jobs with holders under {root}: {', '.join(jobs) or 'none'}"
+                  + ("; pass --job-id JOB to see one" if jobs else ""))
+            return 0 if jobs else 1
+        job = jobs[0]
     nodes = [a.node] if a.node else HolderPaths.list_nodes(root, job)
     out = []
     for node in nodes:

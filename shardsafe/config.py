@@ -11,18 +11,33 @@ import socket
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from .fatal import install_excepthook
+from .jobid import AmbiguousJobId, derive_job_id
+
+# Every protected trainer imports this module: from here on a ConfigError or RestoreError that ends the
+# process leaves a marker for the launcher, which then stops instead of restarting (shardsafe.fatal).
+install_excepthook()
+
 
 class ConfigError(ValueError):
     """A shardsafe setting is malformed or cannot be honoured."""
 
 
 def default_job_id() -> str:
-    """Scope everything by job: SLURM, torch elastic, or an explicit SHARDSAFE_JOB_ID."""
-    for var in ("SHARDSAFE_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
-        v = os.environ.get(var)
-        if v and v != "none":
-            return v
-    return "local"
+    """The job id when none is configured (rules in shardsafe.jobid and docs/operations.md "Job ids").
+
+    Raises:
+        ConfigError: nothing identifies the job (no launcher id, no command line); set SHARDSAFE_JOB_ID.
+    """
+    try:
+        return derive_job_id()[0]
+    except AmbiguousJobId as e:
+        raise ConfigError(str(e)) from None
+
+
+ENV_HOLDER_BUDGET = "SHARDSAFE_HOLDER_BUDGET_GB"
+"""Set by the launchers that start the holders (their --memory-budget-gb): a trainer's config cannot change
+the budget of a holder that already runs, so a different value in the config is an error naming both."""
 
 
 def default_node_name() -> str:
@@ -50,8 +65,10 @@ class ShardsafeConfig:
     """Holder memory budget in GiB for the whole node (0 = half of the node's RAM)."""
     holder_dir: str = field(default_factory=default_holder_dir)
     """Directory for the holder's socket, lock and pid files (created 0700)."""
-    job_id: str = field(default_factory=default_job_id)
-    """Scopes sockets and shared memory; two jobs on one node never see each other."""
+    job_id: str = ""
+    """Scopes sockets, shared memory and the persistent directory; two jobs on one node never see each other.
+    Empty: derived when protection is enabled (SHARDSAFE_JOB_ID, SLURM_JOB_ID, torchrun's --rdzv-id, else a
+    digest of the launch command; docs/operations.md "Job ids")."""
     node: str = field(default_factory=default_node_name)
     """Failure-domain name of this process (hostname by default)."""
     start_holder: bool = True
@@ -100,12 +117,33 @@ class ShardsafeConfig:
             raise ConfigError(f"shardsafe.persist_mbps must be >= 0 MB/s (0 = uncapped); got {self.persist_mbps}.")
         if self.timeout_s <= 0:
             raise ConfigError(f"shardsafe.timeout_s must be > 0 seconds; got {self.timeout_s}.")
-        for key in ("job_id", "node"):
+        if self.enabled and not self.job_id:
+            self.job_id = default_job_id()
+        for key in ("job_id", "node") if self.enabled or self.job_id else ("node",):
             v = getattr(self, key)
             if not v or any(c in v for c in "/\0") or len(v) > 64:
                 raise ConfigError(f"shardsafe.{key} must be 1-64 characters without '/'; got {v!r}.")
         if not self.run_dir:
             self.run_dir = os.environ.get("SHARDSAFE_RUN_DIR", "")
+        if self.enabled:
+            self._check_launcher_budget()
+
+    def _check_launcher_budget(self) -> None:
+        """Under a launcher that started the holders, a budget in the config must be the holders' budget."""
+        launched = os.environ.get(ENV_HOLDER_BUDGET, "")
+        if not launched or self.memory_budget_gb == 0:
+            return   # no launcher-started holder, or the config leaves the budget to whoever starts it
+        try:
+            theirs = float(launched)
+        except ValueError:
+            return
+        if abs(theirs - self.memory_budget_gb) > 1e-9 * max(1.0, theirs):
+            have = "half of the node's RAM (its default, 0)" if theirs == 0 else f"{theirs:g} GiB"
+            raise ConfigError(
+                f"shardsafe.memory_budget_gb is {self.memory_budget_gb:g} GiB in this job's config, but the launcher "
+                f"started this node's holder with --memory-budget-gb {theirs:g} ({have}), and a running holder's "
+                f"budget cannot change. Use one value: pass --memory-budget-gb {self.memory_budget_gb:g} to the "
+                "launcher (shardsafe launch / LaunchConfig.memory_budget_gb), or drop memory_budget_gb from the config.")
 
     @property
     def memory_budget_bytes(self) -> int:

@@ -20,6 +20,7 @@ from .topology import TopologyError
 from .faults import Injector, current_attempt
 from .holder.client import HolderClient, HolderError, HolderUnavailable, connect_or_start
 from .holder.paths import HolderPaths
+from .jobid import claim
 from .restore import Collectives, RestoreResult, restore_from_holder
 from .snapshot import GlooAgreement, LocalAgreement, SnapshotPipeline
 from .state import StateAdapter
@@ -55,6 +56,8 @@ class Runtime:
         self.injector = Injector(rank)
         self.paths = HolderPaths(cfg.holder_dir, cfg.job_id, cfg.node)
         self.client: Optional[HolderClient] = None
+        # Two running jobs that derived the same id must not share a holder (shardsafe.jobid): JobConflict.
+        claim(cfg.holder_dir, cfg.job_id, cfg.node)
         try:
             self.client = connect_or_start(self.paths, budget_gb=cfg.memory_budget_gb, start=cfg.start_holder,
                                            timeout_s=cfg.timeout_s, run_dir=cfg.run_dir)
