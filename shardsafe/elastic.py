@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Optional
 
+from .fatal import describe as describe_fatal, read_fatal
 from .faults import FaultKind, parse as parse_faults
 
 log = logging.getLogger("shardsafe.elastic")
@@ -62,11 +63,16 @@ MARKER_DIR = "markers"      # RUN_DIR/markers/rank{R}.done: written by a rank th
 LOG_DIR = "logs"
 
 # Evidence ranking: the most specific explanation of an incident wins.
-PRIORITY = {"node_loss": 4, "hang": 3, "rank_signal": 2, "rank_exit": 1, "membership_change": 0}
+PRIORITY = {"fatal_error": 5, "node_loss": 4, "hang": 3, "rank_signal": 2, "rank_exit": 1, "membership_change": 0}
 
 
 class LaunchError(RuntimeError):
     """The launch cannot start or was configured wrongly; the message says what to change."""
+
+
+EXIT_FATAL = 3
+"""`shardsafe launch` exit code when a worker died of an error no restart fixes (shardsafe.fatal); 2 is a
+launcher usage error (LaunchError), 1 a job that failed after its restarts, 128+N a signal."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -592,6 +598,7 @@ class _AgentHooks:
         self.reported: set[tuple[int, str]] = set()
         self.spare_pids: set[int] = set()   # descendants that are not workers (the fork server): never killed
         self.worker_group = None
+        self.fatal = ""          # set when a worker of this job died of an error no restart fixes
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._watch = threading.Thread(target=self._kill_loop, name="shardsafe-kill-watch", daemon=True)
@@ -637,6 +644,9 @@ class _AgentHooks:
             self.reported.add((a, "fail"))
             exits = {str(r): f.exitcode for r, f in (result.failures or {}).items()}
             self._publish({"type": "fail", "attempt": a, "exits": exits})
+            records = read_fatal(self.opts.run_dir, a) if self.opts.run_dir else []
+            if records:
+                self.fatal = describe_fatal(records)
         elif result.state == WorkerState.SUCCEEDED and (a, "done") not in self.reported:
             self.reported.add((a, "done"))
             ranks = [w.global_rank for w in worker_group.workers]
@@ -715,6 +725,10 @@ def run_agent(opts: AgentOptions, script: list[str]) -> int:
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
             hooks.on_monitor(worker_group, result)
+            if hooks.fatal and self._remaining_restarts > 0:
+                # A ConfigError / RestoreError (shardsafe.fatal) comes back on every restart: stop now.
+                log.error("[agent %s] %s", opts.node, hooks.fatal)
+                self._remaining_restarts = 0
             return result
 
     launcher_api.LocalElasticAgent = ShardsafeAgent   # what torchrun's launch_agent instantiates
@@ -821,6 +835,16 @@ class ElasticConfig:
             raise LaunchError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.keep_alive_s < 1 or self.keep_alive_misses < 1:
             raise LaunchError("keep_alive_s and keep_alive_misses must be >= 1 (torch's c10d rendezvous takes whole seconds)")
+        from .launch import budget_problem
+        problem = budget_problem(self.memory_budget_gb)
+        if problem:
+            raise LaunchError(problem)
+        for name, flag in (("hang_timeout_s", "--hang-timeout"), ("grace_s", "--grace"), ("timeout_s", "--timeout")):
+            v = getattr(self, name)
+            if not v >= 0:
+                raise LaunchError(f"{flag} must be >= 0 seconds (0 = off), got {v!r}")
+        if not self.join_timeout_s > 0:
+            raise LaunchError(f"join_timeout_s must be > 0 seconds, got {self.join_timeout_s!r}")
         faults = parse_faults(self.inject)   # fail fast on a malformed spec
         for f in faults:
             if f.kind == FaultKind.KILL_NODE:
@@ -843,6 +867,10 @@ class LaunchResult:
     nodes: list[str]
     """Every node that took part, replacements included."""
     run_dir: str
+    signal: int | None = None
+    """The signal (SIGTERM, SIGINT, SIGHUP) that stopped the launcher, if one did."""
+    fatal: str = ""
+    """The error no restart can fix that ended the job (shardsafe.fatal), if any."""
 
 
 def _kill_tree(pid: int) -> None:
@@ -875,16 +903,22 @@ class ElasticLauncher:
         self._next_node = cfg.nodes
         self.controller: Controller | None = None
         self.t_start = time.time()
+        self.instance = f"{cfg.job_id}.{os.getpid()}.{uuid.uuid4().hex[:8]}"   # this run of the job (shardsafe.jobid)
 
     # ---- holders ---------------------------------------------------------------------------------------
     def start_holders(self, nodes: list[str]) -> None:
         """Start one holder per node (in parallel) and wait until each serves its socket."""
         from .holder.client import holder_command
         from .holder.paths import HolderPaths
+        from .launch import holder_failure, holder_running
         started = {}
         for node in nodes:
             p = HolderPaths(self.cfg.holder_dir, self.cfg.job_id, node)
             p.ensure_dir()
+            if holder_running(p):
+                raise LaunchError(f"a holder for job id {self.cfg.job_id!r} on {node} is already running ({p.socket}): "
+                                  "another job uses this id. Give this job its own --job-id, or stop the other one "
+                                  "(`shardsafe status --job-id ...` shows what it holds)")
             cmd = holder_command(p, budget_gb=self.cfg.memory_budget_gb, run_dir=self.cfg.run_dir)
             with open(os.path.join(self.cfg.run_dir, LOG_DIR, f"holder_{node}.log"), "ab") as logf:
                 started[node] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf,
@@ -894,8 +928,9 @@ class ElasticLauncher:
             line = proc.stdout.readline()   # "holder ready: SOCKET" once the socket is bound
             if not line.startswith(b"holder ready"):
                 proc.kill()
-                raise LaunchError(f"the holder for {node} did not start (exit {proc.wait()}); "
-                                  f"see {os.path.join(self.cfg.run_dir, LOG_DIR, f'holder_{node}.log')}")
+                self.holders.pop(node, None)
+                raise LaunchError(holder_failure(node, proc.wait(), os.path.join(self.cfg.run_dir, LOG_DIR,
+                                                                                  f"holder_{node}.log")))
 
     def stop_holders(self) -> None:
         """Ask every holder to stop (they free their memory), then wait; SIGKILL what does not stop."""
@@ -928,8 +963,10 @@ class ElasticLauncher:
             cmd += ["--preload", ",".join(c.preload)]
         if self.node_addr(node):
             cmd += ["--local-addr", self.node_addr(node)]
+        from .launch import holder_budget_env
         env = {**os.environ, **c.env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "SHARDSAFE_INSTANCE": self.instance,
+               **(holder_budget_env(c.memory_budget_gb) if c.start_holders else {})}
         env.pop("SHARDSAFE_ATTEMPT", None)   # the agent numbers attempts
         logf = open(os.path.join(c.run_dir, LOG_DIR, f"agent_{node}.log"), "ab")
         self.agents[node] = subprocess.Popen(cmd + ["--", *self._script], stdin=subprocess.DEVNULL, stdout=logf,
@@ -969,64 +1006,87 @@ class ElasticLauncher:
         return f if f.kind == FaultKind.KILL_NODE else None
 
     def run(self, script: list[str]) -> LaunchResult:
+        """Run the job to the end: every agent done, one gave up, the timeout, an error no restart can fix
+        (shardsafe.fatal: stops at once, ``LaunchResult.fatal``), or SIGTERM/SIGINT/SIGHUP
+        (``LaunchResult.signal``). Agents, workers and holders are stopped in every case."""
+        from .launch import SignalStop
         c = self.cfg
         self._script = list(script)
         t0 = self.t_start = time.time()
         self.events.emit("job_start", at=t0, nodes=c.nodes, nproc_per_node=c.nproc_per_node, launcher="torchrun",
                          job_id=c.job_id, cmd=shlex.join(script)[:500])
-        ok, injected = False, set()
-        try:
-            self.controller = Controller(run_dir=c.run_dir, job_id=c.job_id, world_size=c.nodes * c.nproc_per_node,
-                                         max_restarts=c.max_restarts, hang_timeout_s=c.hang_timeout_s,
-                                         grace_s=c.grace_s, events=self.events)
-            if c.start_holders:
-                self.start_holders([f"node{i}" for i in range(c.nodes)])
-            for i in range(c.nodes):
-                self.start_agent(f"node{i}")
-            ctl = self.controller
-            while True:
-                time.sleep(0.05)
-                ctl.poll()
-                a = ctl.attempt
-                fault = self._node_fault(a)
-                if fault is not None and a not in injected and ctl.tail.max_iter.get(a, 0) >= fault.step \
-                        and ctl.book.is_open(a):
-                    injected.add(a)
-                    nodes = fault.target.split("+")
-                    t_fault = time.time()
-                    ctl.report(Evidence(t=t_fault, cause="node_loss", node="+".join(nodes), t_fault=t_fault), a)
-                    for n in nodes:
-                        self.kill_node(n)
-                    log.warning("injected node loss: %s at step %d of attempt %d", "+".join(nodes), fault.step, a)
-                    for _ in nodes:
-                        self.replace_node()
-                live = {n: p for n, p in self.agents.items() if n not in self.lost}
-                codes = {n: p.poll() for n, p in live.items()}
-                bad = {n: rc for n, rc in codes.items() if rc not in (None, 0)}
-                if bad:
-                    log.error("agent(s) %s gave up (exit codes %s): the job failed", sorted(bad), bad)
-                    break
-                if codes and all(rc == 0 for rc in codes.values()):
-                    ok = True
-                    break
-                if c.timeout_s and time.time() - t0 > c.timeout_s:
-                    log.error("timeout after %.0f s: killing the job", c.timeout_s)
-                    break
-        finally:
-            for node, p in self.agents.items():
-                if p.poll() is None:
-                    _kill_tree(p.pid)
-                    p.wait()
-            if self.controller is not None:
-                self.controller.poll()
-                self.controller.close()
-            self.stop_holders()
-            self.events.emit("job_end", ok=ok)
-            if self.controller is not None:
-                self.controller.store = None   # stops the store server (rendezvous) with the job
+        ok, injected, fatal = False, set(), ""
+        with SignalStop() as stop:
+            try:
+                self.controller = Controller(run_dir=c.run_dir, job_id=c.job_id, world_size=c.nodes * c.nproc_per_node,
+                                             max_restarts=c.max_restarts, hang_timeout_s=c.hang_timeout_s,
+                                             grace_s=c.grace_s, events=self.events)
+                if c.start_holders and stop.received is None:
+                    self.start_holders([f"node{i}" for i in range(c.nodes)])
+                for i in range(c.nodes):
+                    if stop.received is None:
+                        self.start_agent(f"node{i}")
+                ctl = self.controller
+                while stop.received is None:
+                    time.sleep(0.05)
+                    ctl.poll()
+                    a = ctl.attempt
+                    records = read_fatal(c.run_dir, a) if a is not None else []
+                    if records:
+                        # A ConfigError / RestoreError ended a worker: every restart would end the same way.
+                        fatal = describe_fatal(records)
+                        log.error("attempt %s failed with %s", a, fatal)
+                        ctl.book.max_restarts = -1   # no "restart" event: there is none
+                        r = records[0]
+                        ctl.report(Evidence(t=float(r.get("t") or time.time()), cause="fatal_error", rank=r.get("rank"),
+                                            node=r.get("node")), a)
+                        break
+                    fault = self._node_fault(a)
+                    if fault is not None and a not in injected and ctl.tail.max_iter.get(a, 0) >= fault.step \
+                            and ctl.book.is_open(a):
+                        injected.add(a)
+                        nodes = fault.target.split("+")
+                        t_fault = time.time()
+                        ctl.report(Evidence(t=t_fault, cause="node_loss", node="+".join(nodes), t_fault=t_fault), a)
+                        for n in nodes:
+                            self.kill_node(n)
+                        log.warning("injected node loss: %s at step %d of attempt %d", "+".join(nodes), fault.step, a)
+                        for _ in nodes:
+                            self.replace_node()
+                    live = {n: p for n, p in self.agents.items() if n not in self.lost}
+                    codes = {n: p.poll() for n, p in live.items()}
+                    bad = {n: rc for n, rc in codes.items() if rc not in (None, 0)}
+                    if bad:
+                        log.error("agent(s) %s gave up (exit codes %s): the job failed", sorted(bad), bad)
+                        break
+                    if codes and all(rc == 0 for rc in codes.values()):
+                        ok = True
+                        break
+                    if c.timeout_s and time.time() - t0 > c.timeout_s:
+                        log.error("timeout after %.0f s: killing the job", c.timeout_s)
+                        break
+            finally:
+                for node, p in self.agents.items():
+                    if p.poll() is None:
+                        _kill_tree(p.pid)
+                        p.wait()
+                ctl = self.controller
+                if ctl is not None:
+                    ctl.poll()
+                    ctl.close()
+                    a = ctl.attempt
+                    if stop.received is not None and a is not None and ctl.book.is_open(a):
+                        ctl.book.attempts[a].ended = True
+                        self.events.emit("attempt_end", attempt=a, rc=None, cause="terminated")
+                self.stop_holders()
+                extra = {"signal": stop.received, "cause": "terminated"} if stop.received is not None else {}
+                self.events.emit("job_end", ok=ok, **extra)
+                if ctl is not None:
+                    ctl.store = None   # stops the store server (rendezvous) with the job
         book = self.controller.book if self.controller is not None else None
         return LaunchResult(ok=ok, attempts=book.n_attempts if book else 0, failures=list(book.failures) if book else [],
-                            wall_s=time.time() - t0, nodes=list(self.all_nodes), run_dir=c.run_dir)
+                            wall_s=time.time() - t0, nodes=list(self.all_nodes), run_dir=c.run_dir,
+                            signal=stop.received, fatal=fatal)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1049,22 +1109,30 @@ def _script(a: argparse.Namespace) -> list[str]:
 
 def cmd_launch(a: argparse.Namespace) -> int:
     _setup_logging("launch")
+    script = _script(a)   # every argument is checked before anything starts
+    if script[0].endswith(".py") and not os.path.isfile(script[0]):
+        raise LaunchError(f"training script {script[0]!r} not found (from {os.getcwd()})")
     run_dir = os.path.abspath(a.run_dir or os.path.join("runs", a.job_id or f"launch-{time.strftime('%Y%m%d-%H%M%S')}"))
     cfg = ElasticConfig(nodes=a.nodes, nproc_per_node=a.nproc_per_node, run_dir=run_dir, job_id=a.job_id,
                         holder_dir=a.holder_dir, memory_budget_gb=a.memory_budget_gb, max_restarts=a.max_restarts,
                         inject=a.inject, hang_timeout_s=a.hang_timeout, grace_s=a.grace,
                         keep_alive_s=a.keep_alive_s, keep_alive_misses=a.keep_alive_misses, timeout_s=a.timeout,
                         preload=_preload_list(a.preload))
-    res = ElasticLauncher(cfg).run(_script(a))
+    res = ElasticLauncher(cfg).run(script)
     out = {"ok": res.ok, "attempts": res.attempts, "failures": res.failures, "wall_s": round(res.wall_s, 3),
-           "nodes": res.nodes, "run_dir": res.run_dir}
+           "nodes": res.nodes, "run_dir": res.run_dir, "job_id": cfg.job_id, "signal": res.signal, "fatal": res.fatal}
+    if res.fatal:
+        print(f"shardsafe launch: stopped without restarting: {res.fatal}", file=sys.stderr)
     if a.json:
         print(json.dumps(out))
     else:
-        print(f"shardsafe launch: {'ok' if res.ok else 'FAILED'} after {res.attempts} attempt(s) in {res.wall_s:.1f} s; "
+        how = "ok" if res.ok else (f"stopped by {signal.Signals(res.signal).name}" if res.signal else "FAILED")
+        print(f"shardsafe launch: {how} after {res.attempts} attempt(s) in {res.wall_s:.1f} s; "
               f"failures: {[(f['cause'], f.get('rank'), f.get('node')) for f in res.failures]}; "
               f"TOR: shardsafe tor report {res.run_dir}")
-    return 0 if res.ok else 1
+    if res.signal:
+        return 128 + res.signal   # the shell's convention for a process ended by that signal
+    return 0 if res.ok else (EXIT_FATAL if res.fatal else 1)
 
 
 def _agent_options(a: argparse.Namespace) -> AgentOptions:

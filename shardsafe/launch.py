@@ -15,11 +15,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from .faults import FaultKind, parse
+from .fatal import describe as describe_fatal, read_fatal
 from .holder.client import holder_command, stop_holders
 from .holder.paths import HolderPaths
 from .prewarm import ForkServer, PrewarmError
@@ -41,6 +44,80 @@ bf16 optimizers import the Muon optimizer, which compiles its kernels with torch
 
 PRELOAD_MEGATRON = ("torch", "torch._dynamo", "megatron.core")
 """The heavy imports of a megatron-core trainer (megatron.core alone: ~4 s CPU here)."""
+
+
+def budget_problem(budget_gb: float) -> str | None:
+    """What is wrong with a per-holder memory budget given to a launcher (None: usable). Checked before any
+    holder starts, so the message names the setting instead of "holder did not start"."""
+    try:
+        gb = float(budget_gb)
+    except (TypeError, ValueError):
+        return f"--memory-budget-gb must be a number of GiB, got {budget_gb!r}"
+    if not gb >= 0 or gb == float("inf"):
+        return (f"--memory-budget-gb must be >= 0 GiB per holder (0 = half the node's RAM), got {budget_gb!r}; "
+                "size it with docs/operations.md \"Memory sizing\"")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    if gb > ram:
+        return (f"--memory-budget-gb {gb:g} GiB is more than this node's RAM ({ram:.1f} GiB); a holder can never "
+                "use it. Give at most the RAM the snapshots may take (0 = half of it)")
+    return None
+
+
+def holder_failure(node: str, rc: int | None, log_path: str, lines: int = 6) -> str:
+    """A holder that did not start: its exit code and the last lines of its log (the reason)."""
+    try:
+        with open(log_path, errors="replace") as f:
+            tail = [ln.rstrip() for ln in f.readlines()[-lines:] if ln.strip()]
+    except OSError:
+        tail = []
+    said = ("; it said:\n    " + "\n    ".join(tail)) if tail else " and logged nothing"
+    return f"the holder for {node} did not start (exit {rc}){said}\n(full log: {log_path})"
+
+
+def holder_running(paths: HolderPaths) -> bool:
+    """Does a live holder serve ``paths`` (its socket accepts a connection)? A launcher about to start the
+    holders of a job must not find one: that would be another running job with the same id."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(2.0)
+        try:
+            s.connect(paths.socket)
+            return True
+        except OSError:
+            return False
+
+
+class SignalStop:
+    """Turn SIGTERM, SIGINT and SIGHUP (``kill``, Ctrl-C, ``scancel`` of a local run, a closed terminal)
+    into a flag the launcher's loop polls, so that it stops its trainers and holders itself instead of
+    dying and leaving them running (holders live in their own session: no terminal or process-group
+    signal reaches them). Handlers are installed only in the main thread and restored on exit.
+    ``exit_code`` is the shell's convention, 128 + the signal."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._prev: dict[int, Any] = {}
+
+    def _on(self, signum: int, _frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+            log.warning("received %s: stopping the trainers and holders of this job", signal.Signals(signum).name)
+
+    def __enter__(self) -> "SignalStop":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._prev[sig] = signal.signal(sig, self._on)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, prev in self._prev.items():
+            signal.signal(sig, prev)
+        self._prev.clear()
+
+    @property
+    def exit_code(self) -> int | None:
+        return None if self.received is None else 128 + self.received
 
 
 @dataclass(kw_only=True)
@@ -77,6 +154,9 @@ class LaunchConfig:
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         parse(self.inject)  # fail fast on a malformed spec
+        problem = budget_problem(self.memory_budget_gb)
+        if problem:
+            raise ValueError(problem.replace("--memory-budget-gb", "LaunchConfig.memory_budget_gb"))
         if not self.holder_dir:
             from .config import default_holder_dir
             self.holder_dir = default_holder_dir()
@@ -93,6 +173,8 @@ class LaunchResult:
     wall_s: float
     forked_starts: int = 0    # trainers forked from the fork server (every attempt)
     cold_starts: int = 0      # trainers started as fresh processes
+    signal: int | None = None  # the signal that stopped the launcher (SIGTERM, SIGINT, SIGHUP)
+    fatal: str = ""           # the error no restart can fix that ended the job (shardsafe.fatal), if any
 
 
 class _NoEvents:
@@ -104,6 +186,12 @@ def trainer_env(cfg: LaunchConfig) -> dict[str, str]:
     """What every trainer of a LocalLauncher job gets before its per-rank variables (and what its fork
     server imports with)."""
     return {**os.environ, **cfg.env, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+
+
+def holder_budget_env(budget_gb: float) -> dict[str, str]:
+    """Tells trainers the budget their launcher started the holders with (shardsafe.config checks a
+    memory_budget_gb in the job's config against it)."""
+    return {"SHARDSAFE_HOLDER_BUDGET_GB": repr(float(budget_gb))}
 
 
 class LocalLauncher:
@@ -126,6 +214,7 @@ class LocalLauncher:
         self.forks: ForkServer | None = fork_server
         self._shared_forks = fork_server is not None
         self.starts = {"forked": 0, "cold": 0}
+        self.instance = f"{cfg.job_id}.{os.getpid()}.{uuid.uuid4().hex[:8]}"   # this run of the job (shardsafe.jobid)
 
     # ---- holders ----------------------------------------------------------------------------------
     def paths(self, node: str) -> HolderPaths:
@@ -134,13 +223,18 @@ class LocalLauncher:
     def start_holder(self, node: str) -> None:
         p = self.paths(node)
         p.ensure_dir()
+        if holder_running(p):
+            raise RuntimeError(f"a holder for job id {self.cfg.job_id!r} on {node} is already running ({p.socket}): "
+                               "another job uses this id. Give this job its own job_id, or stop the other one")
         cmd = holder_command(p, budget_gb=self.cfg.memory_budget_gb, run_dir=self.cfg.run_dir)
-        logf = open(os.path.join(self.cfg.run_dir, f"holder_{node}.log"), "ab")
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf,
-                                start_new_session=True)
+        log_path = os.path.join(self.cfg.run_dir, f"holder_{node}.log")
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf,
+                                    start_new_session=True)
         line = proc.stdout.readline()  # "holder ready: ..." once the socket is bound
         if not line.startswith(b"holder ready"):
-            raise RuntimeError(f"holder for {node} did not start (exit {proc.poll()}); see {logf.name}")
+            proc.kill()
+            raise RuntimeError(holder_failure(node, proc.wait(), log_path))
         self.holders[node] = proc
 
     def kill_node_holder(self, node: str) -> None:
@@ -186,7 +280,8 @@ class LocalLauncher:
                    "SHARDSAFE_NODE": c.node_name(node_idx), "SHARDSAFE_JOB_ID": c.job_id,
                    "SHARDSAFE_HOLDER_DIR": c.holder_dir, "SHARDSAFE_RUN_DIR": c.run_dir,
                    "SHARDSAFE_ATTEMPT": str(attempt), "SHARDSAFE_INJECT": c.inject,
-                   "SHARDSAFE_JOB_START_T": repr(self.t_start)}
+                   "SHARDSAFE_JOB_START_T": repr(self.t_start), "SHARDSAFE_INSTANCE": self.instance,
+                   **(holder_budget_env(c.memory_budget_gb) if c.start_holders else {})}
             log_path = os.path.join(c.run_dir, f"trainer_rank{rank}.log")
             with open(log_path, "ab") as out:
                 out.write(f"==== attempt {attempt} ====\n".encode())
@@ -233,66 +328,87 @@ class LocalLauncher:
             p.wait()
 
     def run(self, cmd: list[str]) -> LaunchResult:
+        """Run the job to the end: success, ``max_restarts`` exhausted, an error no restart can fix
+        (shardsafe.fatal: stops at once, ``LaunchResult.fatal``), or SIGTERM/SIGINT/SIGHUP
+        (``LaunchResult.signal``). Trainers and holders are stopped in every case."""
         c = self.cfg
         t0 = self.t_start = time.time()
         self.events.emit("job_start", nodes=c.nodes, nproc_per_node=c.nproc_per_node, cmd=" ".join(cmd)[:500])
         failures: list[dict[str, Any]] = []
-        ok = False
+        ok, fatal = False, ""
         attempt = 0
-        try:
-            if c.preload:
-                self._launch_fork_server()
-            if c.start_holders:
-                for i in range(c.nodes):
-                    self.start_holder(c.node_name(i))
-            if c.preload:
-                self._fork_server_ready()
-            while True:
-                self.events.emit("attempt_start", attempt=attempt)
-                procs = self._spawn(cmd, attempt)
-                started = time.monotonic()
-                failed: dict[str, Any] | None = None
-                node_fault = self._node_fault(attempt)
-                watch = _EventTail(os.path.join(c.run_dir, "events.jsonl"), attempt) if node_fault else None
-                while True:
-                    if node_fault and watch.reached(node_fault.step):
-                        failed = self._kill_nodes(procs, node_fault, attempt)
+        with SignalStop() as stop:
+            try:
+                if c.preload:
+                    self._launch_fork_server()
+                if c.start_holders:
+                    for i in range(c.nodes):
+                        if stop.received is None:
+                            self.start_holder(c.node_name(i))
+                if c.preload:
+                    self._fork_server_ready()
+                while stop.received is None:
+                    self.events.emit("attempt_start", attempt=attempt)
+                    procs = self._spawn(cmd, attempt)
+                    started = time.monotonic()
+                    failed: dict[str, Any] | None = None
+                    node_fault = self._node_fault(attempt)
+                    watch = _EventTail(os.path.join(c.run_dir, "events.jsonl"), attempt) if node_fault else None
+                    while True:
+                        if stop.received is not None:
+                            self._kill_all(procs)
+                            self.events.emit("attempt_end", attempt=attempt, rc=None, cause="terminated")
+                            break
+                        if node_fault and watch.reached(node_fault.step):
+                            failed = self._kill_nodes(procs, node_fault, attempt)
+                            break
+                        codes = [p.poll() for p in procs]
+                        bad = [(r, rc) for r, rc in enumerate(codes) if rc not in (None, 0)]
+                        if bad:
+                            r, rc = bad[0]
+                            failed = {"cause": "rank_exit", "rank": r, "rc": rc, "attempt": attempt,
+                                      "node": c.node_name(r // c.nproc_per_node)}
+                            break
+                        if all(rc == 0 for rc in codes):
+                            break
+                        if time.monotonic() - started > c.attempt_timeout_s:
+                            failed = {"cause": "hang", "attempt": attempt}
+                            break
+                        time.sleep(0.05)
+                    if stop.received is not None:
                         break
-                    codes = [p.poll() for p in procs]
-                    bad = [(r, rc) for r, rc in enumerate(codes) if rc not in (None, 0)]
-                    if bad:
-                        r, rc = bad[0]
-                        failed = {"cause": "rank_exit", "rank": r, "rc": rc, "attempt": attempt,
-                                  "node": c.node_name(r // c.nproc_per_node)}
-                        break
-                    if all(rc == 0 for rc in codes):
-                        break
-                    if time.monotonic() - started > c.attempt_timeout_s:
-                        failed = {"cause": "hang", "attempt": attempt}
-                        break
-                    time.sleep(0.05)
-                if failed:
-                    self.events.emit("failure_detected", **failed)
-                    self._kill_all(procs)
-                    failures.append(failed)
-                    self.events.emit("attempt_end", attempt=attempt, rc=failed.get("rc"), cause=failed["cause"])
-                    log.warning("attempt %d failed (%s); %s", attempt, failed,
-                                "restarting" if attempt < c.max_restarts else "giving up")
-                    if attempt >= c.max_restarts:
-                        break
-                    attempt += 1
-                    self.events.emit("restart", attempt=attempt)
-                    continue
-                self.events.emit("attempt_end", attempt=attempt, rc=0, cause="finished")
-                ok = True
-                break
-        finally:
-            self.stop_holders()
-            if self.forks is not None and not self._shared_forks:
-                self.forks.close()
-            self.events.emit("job_end", ok=ok)
+                    if failed:
+                        self._kill_all(procs)
+                        records = read_fatal(c.run_dir, attempt)
+                        if records:   # a ConfigError / RestoreError: every restart would end the same way
+                            fatal = describe_fatal(records)
+                            failed.update(cause="fatal_error", error=records[0].get("type"),
+                                          message=str(records[0].get("message"))[:2000])
+                        self.events.emit("failure_detected", **failed)
+                        failures.append(failed)
+                        self.events.emit("attempt_end", attempt=attempt, rc=failed.get("rc"), cause=failed["cause"])
+                        if fatal:
+                            log.error("attempt %d failed with %s", attempt, fatal)
+                            break
+                        log.warning("attempt %d failed (%s); %s", attempt, failed,
+                                    "restarting" if attempt < c.max_restarts else "giving up")
+                        if attempt >= c.max_restarts:
+                            break
+                        attempt += 1
+                        self.events.emit("restart", attempt=attempt)
+                        continue
+                    self.events.emit("attempt_end", attempt=attempt, rc=0, cause="finished")
+                    ok = True
+                    break
+            finally:
+                self.stop_holders()
+                if self.forks is not None and not self._shared_forks:
+                    self.forks.close()
+                extra = {"signal": stop.received, "cause": "terminated"} if stop.received is not None else {}
+                self.events.emit("job_end", ok=ok, **extra)
         return LaunchResult(ok=ok, attempts=attempt + 1, failures=failures, wall_s=time.time() - t0,
-                            forked_starts=self.starts["forked"], cold_starts=self.starts["cold"])
+                            forked_starts=self.starts["forked"], cold_starts=self.starts["cold"],
+                            signal=stop.received, fatal=fatal)
 
 
 class _EventTail:

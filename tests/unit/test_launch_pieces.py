@@ -313,3 +313,77 @@ def test_event_log_dates_a_backdated_event(tmp_path):
     evs = read_events(str(tmp_path))
     assert evs[0]["t"] == 123.5 and evs[0]["attempt"] == 2 and "at" not in evs[0]
     assert evs[1]["t"] > 1e9
+
+
+# ---- launcher arguments, holder start failures, signals ------------------------------------------------------
+
+@pytest.mark.parametrize("budget, words", [(-1, [">= 0 GiB", "-1"]), (float("nan"), [">= 0 GiB"]),
+                                           (10 ** 6, ["more than this node's RAM"])])
+def test_launchers_refuse_a_bad_memory_budget_before_any_holder_starts(tmp_path, budget, words):
+    """Issue 15: `shardsafe launch --memory-budget-gb -1` only said "holder did not start"."""
+    from shardsafe.launch import LaunchConfig
+    with pytest.raises(elastic.LaunchError) as e:
+        elastic.ElasticConfig(nodes=1, run_dir=str(tmp_path), memory_budget_gb=budget)
+    with pytest.raises(ValueError) as e2:
+        LaunchConfig(job_id="j", run_dir=str(tmp_path), memory_budget_gb=budget)
+    for w in words:
+        assert w in str(e.value) and w in str(e2.value), (str(e.value), str(e2.value))
+    assert "--memory-budget-gb" in str(e.value) and "LaunchConfig.memory_budget_gb" in str(e2.value)
+    assert not list(tmp_path.iterdir())   # nothing started, nothing written
+
+
+def test_shardsafe_launch_cli_names_the_bad_argument_and_exits_2(tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "train.py"
+    script.write_text("print('never runs')\n")
+    for args, want in ((["--memory-budget-gb", "-1"], "--memory-budget-gb must be >= 0"),
+                       (["--hang-timeout", "-5"], "--hang-timeout must be >= 0"),
+                       (["--nodes", "0"], "nodes >= 1")):
+        r = subprocess.run([sys.executable, "-m", "shardsafe.elastic", "launch", "--run-dir", str(tmp_path / "run"),
+                            *args, str(script)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and want in r.stderr and "did not start" not in r.stderr, (args, r.returncode, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "shardsafe.elastic", "launch", str(tmp_path / "missing.py")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "missing.py' not found" in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_holder_that_does_not_start_is_reported_with_its_own_words(tmp_path):
+    from shardsafe.launch import holder_failure
+    log = tmp_path / "holder_node0.log"
+    log.write_text("INFO starting\nERROR cannot bind /x/node0.sock: Permission denied\n")
+    msg = holder_failure("node0", 1, str(log))
+    assert "did not start (exit 1)" in msg and "Permission denied" in msg and str(log) in msg
+    assert "logged nothing" in holder_failure("node1", -9, str(tmp_path / "absent.log"))
+
+
+def test_signal_stop_turns_sigterm_into_a_flag_and_restores_the_handlers():
+    import os
+    import signal
+    from shardsafe.launch import SignalStop
+    before = signal.getsignal(signal.SIGTERM)
+    with SignalStop() as stop:
+        assert stop.received is None and stop.exit_code is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)   # the first signal counts
+        assert stop.received == signal.SIGTERM and stop.exit_code == 143
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_running_holder_for_the_job_id_stops_a_launcher_from_starting_its_own(tmp_path):
+    import socket
+    from shardsafe.holder.paths import HolderPaths
+    from shardsafe.launch import holder_running
+    p = HolderPaths(str(tmp_path / "h"), "job1", "node0")
+    p.ensure_dir()
+    assert not holder_running(p)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
+        srv.bind(p.socket)
+        srv.listen(1)
+        assert holder_running(p)
+        launcher = elastic.ElasticLauncher(elastic.ElasticConfig(nodes=1, run_dir=str(tmp_path / "run"),
+                                                                 job_id="job1", holder_dir=p.root))
+        with pytest.raises(elastic.LaunchError, match="already running.*another job uses this id"):
+            launcher.start_holders(["node0"])
+    assert not holder_running(p)   # a stale socket file is not a holder
