@@ -196,13 +196,52 @@ class DeepSpeedStateAdapter:
     # restore_from_holder passes a PeerPayloads: the lp params can come from the node's holder.
     uses_peer_payloads = True
 
+    def validate(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> list[str]:
+        """Whether a verified snapshot fits this engine, checked on every rank before any rank applies (the
+        restore votes on the answer): optimizer wrapper, ZeRO stage, data-parallel size and the base optimizer.
+        Each problem names the setting that changed and what to do."""
+        e, o = self.engine, self.engine.optimizer
+        out = []
+        stage = int(e.zero_optimization_stage())
+        if meta.get("optimizer") != self.kind or meta.get("zero_stage") != stage:
+            out.append(f"the snapshot was taken with zero_optimization.stage={meta.get('zero_stage')} "
+                       f"({meta.get('optimizer')}), this engine runs stage {stage} ({self.kind}): set the stage back, or "
+                       "export the snapshot (`shardsafe export --format deepspeed`) and convert it with DeepSpeed's "
+                       "universal checkpoint under a new shardsafe job_id")
+        if meta.get("dp_world_size") != e.dp_world_size:
+            out.append(f"the snapshot was taken at data-parallel size {meta.get('dp_world_size')}, this engine runs "
+                       f"{e.dp_world_size}: ZeRO partitions do not fit another size; run at the original size or "
+                       "export the snapshot and reshard it with DeepSpeed's universal checkpoint")
+        base = type(o.optimizer).__name__
+        if meta.get("base_optimizer", base) != base:
+            out.append(f"the snapshot's optimizer is {meta.get('base_optimizer')}, this engine's is {base} (the "
+                       "\"optimizer\" section or torch_adam / offload_optimizer changed): their state differs; "
+                       "restore with the original optimizer settings")
+        if len(meta.get("param_groups", [])) != len(o.optimizer.param_groups):
+            out.append(f"the snapshot has {len(meta.get('param_groups', []))} optimizer param groups, this engine "
+                       f"{len(o.optimizer.param_groups)}: the model or its parameter grouping changed")
+        if (meta.get("lr_scheduler") is None) != (e.lr_scheduler is None):
+            out.append("the snapshot was taken " + ("without" if meta.get("lr_scheduler") is None else "with")
+                       + " an LR scheduler and this engine runs " + ("with" if e.lr_scheduler is not None else "without")
+                       + " one: restore with the original \"scheduler\" section")
+        return out
+
     def apply(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], peers: Any = None) -> None:
         e, o = self.engine, self.engine.optimizer
         base = o.optimizer
         self.restore_notes = {}
-        if meta.get("optimizer") != self.kind or meta.get("dp_world_size") != e.dp_world_size:
-            raise ValueError(f"snapshot was taken with {meta.get('optimizer')} at data-parallel size "
-                             f"{meta.get('dp_world_size')}, this engine runs {self.kind} at {e.dp_world_size}")
+        problems = self.validate(tensors, meta)   # restore ran validate on every rank before; callers may not
+        if problems:
+            raise ConfigError("; ".join(problems))
+        lp_then = (meta.get("ds_checkpoint") or {}).get("lp_dtype")
+        lp_now = str(next(e.module.parameters()).dtype).removeprefix("torch.")
+        if lp_then and lp_then != lp_now:
+            # The fp32 masters and moments are the state; the model's precision may change on purpose.
+            log.warning("[rank %d] the snapshot was taken with %s model parameters and this engine runs %s "
+                        "(bf16/fp16 settings changed): the fp32 master weights and optimizer state are restored and "
+                        "the parameters re-derived in %s; the run is not bit-identical to one that kept %s",
+                        e.global_rank, lp_then, lp_now, lp_now, lp_then)
+            self.restore_notes["precision_changed"] = f"{lp_then} -> {lp_now}"
         if self.z3:
             o.checkpoint_event_prologue()   # release gathered/persistent params before touching partitions
         masters = self.masters()

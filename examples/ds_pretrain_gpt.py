@@ -81,7 +81,7 @@ OPTIMIZERS = {
     "fused-adamw": lambda: {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
     "fused-adam": lambda: {"type": "Adam", "params": {"lr": 1e-3}},
     "cpu-adam": lambda: {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-    "lion": lambda: {"type": "Lion", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+    "lion": lambda: {"type": "Lion", "params": {"lr": 1e-4, "weight_decay": 0.01}},   # CPU Lion: with offload
     "adagrad": lambda: {"type": "Adagrad", "params": {"lr": 1e-2}},
 }
 
@@ -101,7 +101,7 @@ def ds_config(a: argparse.Namespace, world: int) -> dict:
                             "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}}
     if not a.no_clip:
         cfg["gradient_clipping"] = 1.0
-    if a.optimizer == "cpu-adam":
+    if a.optimizer in ("cpu-adam", "lion"):   # DeepSpeedCPUAdam / DeepSpeedCPULion (FusedLion is CUDA-only)
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if a.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}

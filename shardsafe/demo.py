@@ -132,6 +132,9 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
            "nodes": a.nodes, "ranks": world, "failures_injected": len(r1.failures), "attempts": r1.attempts,
            **summarize(run_dir, world),
            "bit_identical": bool(cmp and cmp.bit_identical),
+           # every restarted attempt continued right after the version it restored (it did not start over)
+           "resumed": bool(cmp and not cmp.resume_problems),
+           "resume_problems": cmp.resume_problems[:10] if cmp else [],
            "mismatches": (cmp.loss_mismatches + cmp.state_mismatches)[:10] if cmp else ["protected run failed"],
            "wall_s": round(r1.wall_s, 2), "reference_wall_s": round(r0.wall_s, 2),
            "run_dir": run_dir if keep else None}
@@ -171,6 +174,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
         print(f"  snapshot stall    : median {out['snapshot_stall_ms_median']} ms over {out['snapshots']} snapshots "
               f"({out['snapshots_committed']} committed)")
         print(f"  bit-identical     : {out['bit_identical']}" + ("" if out["bit_identical"] else f"  {out['mismatches']}"))
+        print(f"  resumed           : {out['resumed']}" + ("" if out["resumed"] else f"  {out['resume_problems']}"))
         pw = out.get("prewarm")
         starts = {k: (out.get("tor_breakdown") or {}).get(k, 0.0) for k in ("startup", "restart")}
         print("  trainer starts    : " + (f"forked from a fork server that imported {','.join(pw['preload'])} "
@@ -187,7 +191,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
             print(f"  run directory     : {out['run_dir']}  (shardsafe tor report {out['run_dir']})")
         print()
         print(report)
-    return 0 if out["bit_identical"] and out.get("tor_accounted", True) else 1
+    return 0 if out["bit_identical"] and out["resumed"] and out.get("tor_accounted", True) else 1
 
 
 def register_cli(sub) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -38,6 +39,8 @@ class RestoreResult:
     lost_ranks: list = None    # type: ignore[assignment]
     phases: dict = None        # type: ignore[assignment]  # seconds: agree, rebuild, verify, apply
     notes: dict = None         # type: ignore[assignment]  # the adapter's account of how it applied (restore_notes)
+    timeline: int = 0          # the id every snapshot of this attempt carries (a new branch starts at `version`)
+    repaired_ranks: list = None  # type: ignore[assignment]  # ranks whose copy failed its checksums, rebuilt from parity
 
 
 class RestoreError(RuntimeError):
@@ -64,6 +67,16 @@ class Collectives:
             outs = [g.tolist() for g in got]
         return [[[x for x in o[i * MAX_VERSIONS:(i + 1) * MAX_VERSIONS] if x >= 0] for i in range(len(lists))]
                 for o in outs]
+
+    def gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (the same length on every rank), in rank order."""
+        if self.world_size == 1:
+            return [list(values)]
+        import torch.distributed as dist
+        t = torch.tensor(values, dtype=torch.int64)
+        got = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(got, t, group=self.group)
+        return [g.tolist() for g in got]
 
     def all_true(self, flag: bool) -> bool:
         if self.world_size == 1:
@@ -170,67 +183,187 @@ def _unrecoverable_message(data: list[list[int]], nodes: list[str] | None, excha
                   "shardsafe job_id, or set shardsafe.restore=false to start from scratch.")
 
 
+# Per-rank outcome of opening and verifying one copy, voted on with the copy's timeline.
+_OK, _CORRUPT, _REFUSED = 0, 1, 2
+
+
+def new_timeline(coll: Collectives) -> int:
+    """A fresh timeline id, the same on every rank (rank 0's random draw): every snapshot sealed from now on
+    carries it, so copies made by an abandoned branch can never be combined with this branch's."""
+    return int(coll.gather_ints([secrets.randbits(62) + 1])[0][0])
+
+
+@dataclass
+class _Attempt:
+    """What one restore call has found so far (for the result, the events and the error message)."""
+    rank: int
+    phases: dict
+    tried: list
+    refusals: list          # "version v: why" for every refused version (this rank's reasons)
+    rebuilt_bytes: int = 0
+    rebuild_s: float = 0.0
+
+
 def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *, rank: int, coll: Collectives,
                         on_event: Callable[..., None] | None = None, exchange=None,
                         nodes: list[str] | None = None, persist=None) -> RestoreResult:
     """Run on every rank at start. Returns what was restored (version -1: nothing, fresh start).
 
-    Raises RestoreError when snapshots exist but none is restorable (e.g. more lost nodes than
-    parity covers): silently starting from scratch would throw the whole run away.
+    Raises RestoreError whenever any tier holds something for this job and nothing is restorable (more lost
+    nodes than parity covers, every copy corrupt, snapshots of another layout): silently starting from
+    scratch would throw the whole run away. Nothing refused is deleted.
     """
     emit = on_event or (lambda kind, **f: None)
     t0 = time.perf_counter()
     emit("restore_start")
-    mine_d: list[int] = []
-    mine_p: list[int] = []
-    if client is not None:
-        try:
-            mine_d = client.sealed_versions(rank)
-            mine_p = client.sealed_versions(rank, kind="parity") if exchange is not None else []
-        except (HolderError, HolderUnavailable) as e:
-            log.warning("[rank %d] cannot list snapshots from the holder: %s", rank, e)
+    mine_d, mine_p = _held_versions(client, rank, exchange)
     everyone = coll.all_gather_versions(mine_d, mine_p)
     data, parity = [e[0] for e in everyone], [e[1] for e in everyone]
     candidates = sorted({v for vs in data for v in vs}, reverse=True)
-    res = RestoreResult(message="no snapshot in memory for this job: starting fresh")
+    if candidates:
+        _check_world_size(client, rank, coll, mine_d)
+    st = _Attempt(rank, {"agree": time.perf_counter() - t0, "rebuild": 0.0, "verify": 0.0, "apply": 0.0}, [], [])
     live = adapter.capture().tensors
-    rebuilt_bytes, rebuild_s, tried = 0, 0.0, []
-    why = ""   # this rank's reason for refusing the last candidate
-    phases = {"agree": time.perf_counter() - t0, "rebuild": 0.0, "verify": 0.0, "apply": 0.0}
+    res = None
     for version in candidates:
-        how = _plan_version(version, data, parity, exchange)
+        res = _try_version(version, adapter, client, coll, st, data, parity, exchange, live)
+        if res is not None:
+            _fence_and_keep(client, rank, res.version, mine_d, mine_p, exchange)
+            break
+    if res is None:
+        # Memory could not serve (nothing held, or more losses than parity covers): the persistent tier.
+        res, disk_refusals = (_restore_persistent(adapter, persist, rank=rank, coll=coll, live=live)
+                              if persist is not None else (None, []))
+        if res is None and (candidates or disk_refusals):
+            emit("restore_end", tier="none", version=-1, seconds=time.perf_counter() - t0, bytes=0)
+            raise RestoreError(_refusal_message(st, data, nodes, exchange, persist, disk_refusals))
+        if res is None:
+            res = RestoreResult(message="no snapshot in memory for this job: starting fresh"
+                                + (" (nor in the persistent tier)" if persist is not None else ""))
+    res.timeline = new_timeline(coll)
+    res.seconds = time.perf_counter() - t0
+    res.phases = res.phases or {k: round(v, 6) for k, v in st.phases.items()}
+    emit("restore_end", tier=res.tier, version=res.version, seconds=res.seconds, bytes=res.nbytes,
+         rebuilt_bytes=res.rebuilt_bytes, rebuild_seconds=res.rebuild_seconds, phases=res.phases,
+         timeline=res.timeline, **({"repaired_ranks": res.repaired_ranks} if res.repaired_ranks else {}),
+         **({"notes": res.notes} if res.notes else {}))
+    return res
+
+
+def _held_versions(client: Optional[HolderClient], rank: int, exchange) -> tuple[list[int], list[int]]:
+    if client is None:
+        return [], []
+    try:
+        return (client.sealed_versions(rank),
+                client.sealed_versions(rank, kind="parity") if exchange is not None else [])
+    except (HolderError, HolderUnavailable) as e:
+        log.warning("[rank %d] cannot list snapshots from the holder: %s", rank, e)
+        return [], []
+
+
+def _check_world_size(client: Optional[HolderClient], rank: int, coll: Collectives, mine: list[int]) -> None:
+    """Snapshots of a job that ran at another world size are not 'lost ranks': say what changed."""
+    seen = -1
+    if client is not None and mine:
+        try:
+            man, mm = client.open(rank=rank, version=max(mine), populate=False)
+            mm.close()
+            seen = int(man.get("world_size", -1))
+        except (HolderError, HolderUnavailable, OSError, ValueError):
+            seen = -1
+    sizes = {w for (w,) in coll.gather_ints([seen]) if w >= 0}
+    if sizes and sizes != {coll.world_size}:
+        raise RestoreError(
+            f"the holders hold snapshots of this job taken at world size {sorted(sizes)}, and this job runs at world "
+            f"size {coll.world_size}: shardsafe restores onto the layout it snapshotted (same ranks, same "
+            "parallelism). Nothing was loaded or deleted. Run with the original world size, or export the snapshot "
+            "(`shardsafe export`) and load it with your framework's resharding loader under a new shardsafe job_id.")
+
+
+def _try_version(version: int, adapter: StateAdapter, client, coll: Collectives, st: _Attempt, data, parity,
+                 exchange, live) -> Optional[RestoreResult]:
+    """Restore ``version`` if every rank can: rebuild lost members from parity, verify every copy, repair a
+    member whose copy fails its checksums from parity (once), refuse copies of two timelines, then apply."""
+    rank, corrupt = st.rank, set()
+    for _round in range(2):
+        held = [vs if r not in corrupt else [x for x in vs if x != version] for r, vs in enumerate(data)]
+        how = _plan_version(version, held, parity, exchange)
         if how is None:
-            continue
+            if corrupt:
+                st.refusals.append(f"version {version}: ranks {sorted(corrupt)} fail their checksums and parity "
+                                   "cannot rebuild them")
+            return None
         tier, lost = how
-        tried.append(version)
-        if tier == "parity":
-            t1 = time.perf_counter()
-            ok, nb, why = exchange.rebuild(version=version, client=client, lost=lost)
-            if not coll.all_true(ok):
-                if why:
-                    log.error("[rank %d] rebuild of version %d from parity failed: %s", rank, version, why)
-                exchange.finish_rebuild(client, version, restored=False)
-                continue
-            rebuilt_bytes, rebuild_s = nb, time.perf_counter() - t1
-            phases["rebuild"] += rebuild_s
+        if version not in st.tried:
+            st.tried.append(version)
+        if tier == "parity" and not _rebuild(version, client, coll, st, exchange, lost):
+            return None
         t1 = time.perf_counter()
-        manifest, mm, bad = _open_verified(lambda: client.open(rank=rank, version=version), adapter, live)
+        manifest, mm, bad, is_corrupt = _open_verified(lambda: client.open(rank=rank, version=version), adapter, live)
+        status = _OK if not bad else (_CORRUPT if is_corrupt else _REFUSED)
         if bad:
-            log.error("[rank %d] snapshot version %d failed verification, not loaded: %s", rank, version, "; ".join(bad[:5]))
-            why = f"rank {rank}: " + "; ".join(bad[:3])
-        everywhere = coll.all_true(not bad)
+            log.error("[rank %d] snapshot version %d failed verification, not loaded: %s", rank, version,
+                      "; ".join(bad[:5]))
+            st.refusals.append(f"version {version}: rank {rank}: " + "; ".join(bad[:3]))
+        votes = coll.gather_ints([status, int(manifest.get("timeline", 0)) if manifest else -1])
+        st.phases["verify"] += time.perf_counter() - t1
+        statuses = [v[0] for v in votes]
+        newly = {r for r, x in enumerate(statuses) if x == _CORRUPT}
+        timelines = {v[1] for v in votes if v[0] == _OK}
+        if newly and _REFUSED not in statuses and exchange is not None and _round == 0:
+            # Corrupt bytes on some members: rebuild them from parity like lost ones, then verify again.
+            if mm is not None:
+                mm.close()
+            if tier == "parity":
+                exchange.finish_rebuild(client, version, restored=False)
+            log.warning("[rank %d] version %d: ranks %s fail their checksums; rebuilding them from parity", rank,
+                        version, sorted(newly))
+            corrupt |= newly
+            continue
+        ok = all(x == _OK for x in statuses) and len(timelines) == 1
+        if all(x == _OK for x in statuses) and len(timelines) > 1:
+            st.refusals.append(f"version {version}: the ranks' copies come from {len(timelines)} different timelines "
+                               "(an abandoned branch's copy next to the current one); never combined")
+            log.warning("[rank %d] version %d: copies from different timelines %s; trying an older version", rank,
+                        version, sorted(timelines))
         if tier == "parity":   # rebuilt slots: committed once the version verified everywhere, else dropped
-            exchange.finish_rebuild(client, version, restored=everywhere)
-        if not everywhere:
+            exchange.finish_rebuild(client, version, restored=ok)
+        if not ok:
             if mm is not None:
                 mm.close()
             log.warning("[rank %d] version %d is not restorable on every rank; trying an older one", rank, version)
-            continue
-        t2 = time.perf_counter()
-        phases["verify"] += t2 - t1
-        views = mf.views(manifest, mm)
+            return None
+        res = _apply(adapter, client, coll, st, version, manifest, mm, tier)
+        res.lost_ranks = lost
+        res.repaired_ranks = sorted(corrupt)
+        if lost:
+            res.message += (f" after rebuilding ranks {lost} from parity"
+                            + (f" (ranks {sorted(corrupt)} had corrupt copies)" if corrupt else ""))
+        return res
+    return None
+
+
+def _rebuild(version: int, client, coll: Collectives, st: _Attempt, exchange, lost: list[int]) -> bool:
+    t1 = time.perf_counter()
+    ok, nb, why = exchange.rebuild(version=version, client=client, lost=lost)
+    if not coll.all_true(ok):
+        if why:
+            log.error("[rank %d] rebuild of version %d from parity failed: %s", st.rank, version, why)
+            st.refusals.append(f"version {version}: {why}")
+        exchange.finish_rebuild(client, version, restored=False)
+        return False
+    st.rebuilt_bytes, st.rebuild_s = nb, time.perf_counter() - t1
+    st.phases["rebuild"] += st.rebuild_s
+    return True
+
+
+def _apply(adapter: StateAdapter, client, coll: Collectives, st: _Attempt, version: int, manifest: dict, mm,
+           tier: str) -> RestoreResult:
+    t2 = time.perf_counter()
+    views = mf.views(manifest, mm)
+    try:
         if getattr(adapter, "uses_peer_payloads", False):
-            digests = [e[0][0] for e in coll.all_gather_versions([manifest_digest(manifest)])]
+            digests = [e[0] for e in coll.gather_ints([manifest_digest(manifest)])]
             peers = PeerPayloads(client, version, coll, digests)
             try:
                 adapter.apply(views, mf.from_jsonable(manifest["meta"]), peers=peers)
@@ -238,56 +371,82 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
                 peers.close()
         else:
             adapter.apply(views, mf.from_jsonable(manifest["meta"]))
+    finally:
         del views
         mm.close()
-        phases["apply"] = time.perf_counter() - t2
-        res = RestoreResult(version=version, tier=tier, nbytes=manifest["payload_nbytes"],
-                            message=f"restored version {version} from holder memory"
-                                    + (f" after rebuilding ranks {lost} from parity" if lost else ""))
-        res.rebuilt_bytes, res.rebuild_seconds, res.lost_ranks = rebuilt_bytes, rebuild_s, lost
-        res.phases = {k: round(v, 6) for k, v in phases.items()}
-        res.notes = dict(getattr(adapter, "restore_notes", {}) or {})
-        break
-    else:
-        # Memory could not serve (nothing held, or more losses than parity covers): the persistent tier.
-        pres = _restore_persistent(adapter, persist, rank=rank, coll=coll, live=live) if persist is not None else None
-        if pres is not None:
-            res = pres
-        elif candidates:
-            res.seconds = time.perf_counter() - t0
-            emit("restore_end", tier="none", version=-1, seconds=res.seconds, bytes=0)
-            tried_disk = (f" The persistent tier {persist.dir} had no version complete and verified on every rank."
-                          if persist is not None else " No persistent tier is configured (shardsafe.persist_dir).")
-            msg = (_unrecoverable_message(data, nodes, exchange) if not tried else
-                   f"none of the in-memory versions {tried} verified on every rank (corrupt snapshot, or "
-                   f"one that does not fit this job{': ' + why if why else ''}); "
-                   "nothing was loaded. Resume from your last disk checkpoint with a new shardsafe job_id, "
-                   "or set shardsafe.restore=false to start from scratch.")
-            raise RestoreError(msg + tried_disk)
-    res.seconds = time.perf_counter() - t0
-    emit("restore_end", tier=res.tier, version=res.version, seconds=res.seconds, bytes=res.nbytes,
-         rebuilt_bytes=res.rebuilt_bytes, rebuild_seconds=res.rebuild_seconds, phases=res.phases,
-         **({"notes": res.notes} if res.notes else {}))
+    st.phases["apply"] = time.perf_counter() - t2
+    res = RestoreResult(version=version, tier=tier, nbytes=manifest["payload_nbytes"],
+                        message=f"restored version {version} from holder memory")
+    res.rebuilt_bytes, res.rebuild_seconds = st.rebuilt_bytes, st.rebuild_s
+    res.phases = {k: round(v, 6) for k, v in st.phases.items()}
+    res.notes = dict(getattr(adapter, "restore_notes", {}) or {})
     return res
+
+
+def _fence_and_keep(client: Optional[HolderClient], rank: int, version: int, mine_d: list[int], mine_p: list[int],
+                    exchange) -> None:
+    """After restoring ``version``: drop this rank's copies of newer versions (the abandoned branch: the new
+    timeline writes those versions again, and an old copy must never meet a new one), and commit the restored
+    version again so the holder keeps it until a newer one commits everywhere (a second failure soon after
+    must find it, also when a rank died between the vote and its commit)."""
+    if client is None:
+        return
+    try:
+        for kind, held in (("data", mine_d), ("parity", mine_p)):
+            for w in held:
+                if w > version:
+                    client.drop(rank=rank, version=w, kind=kind)
+        client.commit(ranks=[rank], version=version)
+        if exchange is not None and client.sealed_versions(rank, kind="parity").count(version):
+            client.commit(ranks=[rank], version=version, kind="parity")
+    except (HolderError, HolderUnavailable, OSError) as e:
+        # The timeline id still keeps an abandoned copy from ever being combined with a new one.
+        log.warning("[rank %d] could not fence newer versions / keep version %d in the holder: %s", rank, version, e)
+
+
+def _refusal_message(st: _Attempt, data, nodes, exchange, persist, disk_refusals: list[str]) -> str:
+    if not st.tried and any(data):
+        msg = _unrecoverable_message(data, nodes, exchange)
+    elif st.tried:
+        msg = (f"none of the in-memory versions {st.tried} could be restored on every rank ("
+               + " | ".join(r.rstrip(". ") for r in st.refusals[:6]) + "); nothing was loaded and nothing was deleted.")
+        msg += (" Resume from your last disk checkpoint with a new shardsafe job_id, or set shardsafe.restore=false to "
+                "start from scratch.")
+    else:
+        msg = "no in-memory snapshot of this job is held."
+    if persist is None:
+        return msg + " No persistent tier is configured (shardsafe.persist_dir)."
+    if disk_refusals:
+        return (msg + f" The persistent tier {persist.dir} holds versions of this job but none is complete and verified "
+                f"on every rank: " + " | ".join(disk_refusals[:6]) + ". The files are kept as they are; move them "
+                "aside or use a new shardsafe job_id to start fresh.")
+    return msg + f" The persistent tier {persist.dir} holds no version of this job complete on every rank."
 
 
 def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live) -> tuple:
     """Open a payload (holder slot or file) and check it: layout against the live tensors, every xxh3
-    segment, then the adapter's own checks. Returns (manifest, mapping or None, problems)."""
-    manifest, mm = None, None
+    segment, then the adapter's own checks. Returns (manifest, mapping or None, problems, corrupt) where
+    corrupt says the problems are bytes that fail their checksums (repairable from parity)."""
+    manifest, mm, corrupt = None, None, False
     try:
         manifest, mm = opener()
-        mf.check_matches(manifest, live, getattr(adapter, "optional_prefixes", ()))
+        try:
+            mf.check_matches(manifest, live, getattr(adapter, "optional_prefixes", ()))
+        except ValueError as e:
+            # Another layout: the adapter can usually say which setting changed (ZeRO stage, DP size, ...).
+            said = _adapter_problems(adapter, manifest, mm) if hasattr(adapter, "validate") else []
+            return manifest, mm, said or [str(e)], False
         buf = memoryview(mm)
         try:
             bad = mf.verify(manifest, buf)
         finally:
             buf.release()
+        corrupt = bool(bad)
         if not bad and hasattr(adapter, "validate"):
             bad = _adapter_problems(adapter, manifest, mm)
     except (HolderError, HolderUnavailable, OSError, ValueError, KeyError, AttributeError) as e:
         bad = [str(e) or type(e).__name__]
-    return manifest, mm, bad
+    return manifest, mm, bad, corrupt
 
 
 def _adapter_problems(adapter: StateAdapter, manifest: dict, mm) -> list[str]:
@@ -303,28 +462,41 @@ def _adapter_problems(adapter: StateAdapter, manifest: dict, mm) -> list[str]:
         del views
 
 
-def _restore_persistent(adapter: StateAdapter, persist, *, rank: int, coll: Collectives, live) -> Optional[RestoreResult]:
-    """Newest version every rank has complete on disk and that verifies everywhere, applied in place."""
+def _restore_persistent(adapter: StateAdapter, persist, *, rank: int, coll: Collectives,
+                        live) -> tuple[Optional[RestoreResult], list[str]]:
+    """Newest version every rank has complete on disk, verified everywhere and of one timeline, applied in place.
+    Returns (result or None, this rank's reasons for refusing what the tier held)."""
     t0 = time.perf_counter()
     mine = persist.rank_versions(rank)
-    common = sorted(set.intersection(*[set(e[0]) for e in coll.all_gather_versions(mine)]), reverse=True)
+    held = coll.all_gather_versions(mine)
+    common = sorted(set.intersection(*[set(e[0]) for e in held]), reverse=True)
+    refusals: list[str] = []
     for version in common:
-        manifest, mm, bad = _open_verified(lambda: persist.open(version, rank), adapter, live)
+        manifest, mm, bad, _ = _open_verified(lambda: persist.open(version, rank), adapter, live)
         if bad:
             log.error("[rank %d] persistent version %d in %s failed verification, not loaded: %s", rank, version,
                       persist.dir, "; ".join(bad[:3]))
-        if not coll.all_true(not bad):
+            refusals.append(f"version {version}: rank {rank}: " + "; ".join(bad[:3]))
+        votes = coll.gather_ints([0 if not bad else 1, int(manifest.get("timeline", 0)) if manifest else -1])
+        if any(v[0] for v in votes) or len({v[1] for v in votes}) != 1:
+            if not any(v[0] for v in votes):
+                refusals.append(f"version {version}: copies from different timelines")
             if mm is not None:
                 mm.close()
             continue
         views = mf.views(manifest, mm)
-        adapter.apply(views, mf.from_jsonable(manifest["meta"]))
-        del views
-        mm.close()
+        try:
+            adapter.apply(views, mf.from_jsonable(manifest["meta"]))
+        finally:
+            del views
+            mm.close()
         return RestoreResult(version=version, tier="persistent", seconds=time.perf_counter() - t0,
                              nbytes=manifest["payload_nbytes"],
-                             message=f"restored version {version} from the persistent tier {persist.dir}")
-    if common or mine:
+                             message=f"restored version {version} from the persistent tier {persist.dir}"), []
+    anything = any(e[0] for e in held)
+    if anything:
         log.warning("[rank %d] no persistent version in %s is complete and verified on every rank (this rank has %s)",
                     rank, persist.dir, mine)
-    return None
+        if not refusals:
+            refusals.append(f"rank {rank} has versions {mine}; versions complete on every rank: {common or 'none'}")
+    return None, refusals

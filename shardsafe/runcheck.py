@@ -44,6 +44,40 @@ def losses_by_attempt(run_dir: str, rank: int) -> dict[int, list[int]]:
     return out
 
 
+def resume_problems(run_dir: str, world: int, *, events_file: str = "events.jsonl") -> list[str]:
+    """Why the run's restarted attempts did *not* provably continue from what they restored (empty = they did).
+
+    A deterministic run that silently starts over also ends bit-identical, so bit-exactness alone proves
+    nothing about the restore. For every attempt after the first, on every rank: its first logged step is the
+    restored version + 1 (a fresh start, version -1, must then log step 1 only if nothing was ever sealed, and
+    counts as a problem once an earlier attempt had completed steps), i.e. no step at or before the restored
+    version ran twice."""
+    restored: dict[tuple[int, int], int] = {}
+    committed: dict[int, list[int]] = {}    # rank -> attempts in which it committed a snapshot
+    for e in read_jsonl(os.path.join(run_dir, events_file)):
+        if e.get("rank") is None:
+            continue
+        if e.get("kind") == "restore_end":
+            restored[(int(e.get("attempt") or 0), int(e["rank"]))] = int(e.get("version", -1))
+        elif e.get("kind") == "snapshot" and e.get("committed"):
+            committed.setdefault(int(e["rank"]), []).append(int(e.get("attempt") or 0))
+    problems = []
+    for r in range(world):
+        steps = losses_by_attempt(run_dir, r)
+        for a in sorted(steps):
+            if a == 0:
+                continue
+            v = restored.get((a, r))
+            if v is None:
+                problems.append(f"rank {r}: attempt {a} logged steps but no restore_end event")
+                continue
+            if v < 0 and any(b < a for b in committed.get(r, [])):
+                problems.append(f"rank {r}: attempt {a} started fresh although an earlier attempt committed snapshots")
+            if min(steps[a]) != v + 1:
+                problems.append(f"rank {r}: attempt {a} restored version {v} but its first step was {min(steps[a])}")
+    return problems
+
+
 @dataclass
 class Comparison:
     bit_identical: bool
@@ -51,6 +85,7 @@ class Comparison:
     loss_mismatches: list[str] = field(default_factory=list)
     state_mismatches: list[str] = field(default_factory=list)
     replayed_losses_equal: bool = True
+    resume_problems: list[str] = field(default_factory=list)   # resume_problems(): empty = every restart resumed
 
 
 def compare_runs(run_dir: str, ref_dir: str, world_size: int, steps: int) -> Comparison:
@@ -79,4 +114,5 @@ def compare_runs(run_dir: str, ref_dir: str, world_size: int, steps: int) -> Com
         for k in a.keys() & b.keys():
             if not torch.equal(a[k], b[k]):
                 state_bad.append(f"rank {r}: {k}")
-    return Comparison(not loss_bad and not state_bad and replay_ok, steps, loss_bad[:20], state_bad[:20], replay_ok)
+    return Comparison(not loss_bad and not state_bad and replay_ok, steps, loss_bad[:20], state_bad[:20], replay_ok,
+                      resume_problems(run_dir, world_size)[:20])

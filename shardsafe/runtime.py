@@ -21,7 +21,7 @@ from .faults import Injector, current_attempt
 from .holder.client import HolderClient, HolderError, HolderUnavailable, connect_or_start
 from .holder.paths import HolderPaths
 from .jobid import claim
-from .restore import Collectives, RestoreResult, restore_from_holder
+from .restore import Collectives, RestoreResult, new_timeline, restore_from_holder
 from .snapshot import GlooAgreement, LocalAgreement, SnapshotPipeline
 from .state import StateAdapter
 
@@ -117,7 +117,8 @@ class Runtime:
     # ---- the three calls adapters make ------------------------------------------------------------
     def try_restore(self, adapter: StateAdapter) -> RestoreResult:
         if not self.cfg.restore:
-            self.restored = RestoreResult(message="restore disabled by config")
+            self.restored = RestoreResult(message="restore disabled by config", timeline=new_timeline(self.coll))
+            self.pipeline.timeline = self.restored.timeline
             return self.restored
         emit = self.events.emit
         if self.world_size > 1:
@@ -134,6 +135,10 @@ class Runtime:
         self.restored = restore_from_holder(adapter, self.client, rank=self.rank, coll=self.coll,
                                             on_event=emit, exchange=self.exchange, nodes=self.nodes,
                                             persist=self.persist)
+        # Every snapshot of this attempt belongs to the new branch; the restored version counts as committed.
+        self.pipeline.timeline = self.restored.timeline
+        if self.restored.version >= 0:
+            self.pipeline.last_committed = self.restored.version
         if self.rank == 0:
             log.info("[rank 0] %s (%.3f s)", self.restored.message, self.restored.seconds)
         return self.restored

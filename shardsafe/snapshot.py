@@ -106,6 +106,8 @@ class SnapshotPipeline:
         # iterations: an iteration's `seconds` excludes the stall (docs/tor.md), which is reported apart.
         self.stall_total_s = 0.0
         self.last_committed = -1
+        # The timeline (branch) id written into every manifest; set by the runtime after its restore vote.
+        self.timeline = 0
         self._q: "queue.Queue[_Job | None]" = queue.Queue()
         self._inflight: Optional[_Job] = None
         self._broken = False
@@ -286,7 +288,8 @@ class SnapshotPipeline:
             buf.release()
         job.stats.hash_s = time.perf_counter() - t1
         man = mf.build(version=job.version, rank=self.rank, world_size=self.world_size, node=self.node,
-                       entries=job.entries, payload_nbytes=job.nbytes, meta=mf.to_jsonable(job.state.meta))
+                       entries=job.entries, payload_nbytes=job.nbytes, meta=mf.to_jsonable(job.state.meta),
+                       extra={"timeline": self.timeline})
         client.seal(rank=self.rank, version=job.version, manifest=man)
         return man, mm
 

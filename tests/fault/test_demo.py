@@ -40,6 +40,7 @@ def test_demo_json(tmp_path, engine, steps):
     assert KEYS <= set(out), KEYS - set(out)
     assert out["engine"] == engine and out["steps"] == steps
     assert out["bit_identical"] is True and out["mismatches"] == []
+    assert out["resumed"] is True, out["resume_problems"]   # the restarts continued, they did not start over
     assert out["failures_injected"] == 2 and out["restores"] == 2 and out["node_losses"] == 1
     assert out["restore_tiers"] == ["memory", "parity"] and out["rebuilt_bytes"] > 0
     assert out["tor_accounted"] is True and 0 < out["tor"] < 1

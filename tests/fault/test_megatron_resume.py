@@ -117,7 +117,7 @@ def restore_tiers(run_dir) -> dict[int, set]:
 
 def assert_bit_identical(run_dir, ref_dir, steps=STEPS, world=4):
     cmp = compare_runs(str(run_dir), str(ref_dir), world, steps)
-    assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches, cmp.replayed_losses_equal,
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches, cmp.state_mismatches, cmp.replayed_losses_equal,
                                trainer_logs(str(run_dir))[-3000:])
 
 

@@ -33,7 +33,7 @@ def test_node_loss_rebuilt_from_parity(tmp_path, reference, stage, m, nodes, los
     assert 4 <= restores(tmp_path)[1] <= done and tiers(tmp_path)[1] == "parity"
     assert "could not be re-encoded" not in trainer_logs(str(tmp_path))   # the rebuilt ranks hold parity again
     cmp = compare_runs(str(tmp_path), str(ref), nodes, STEPS)
-    assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches, cmp.state_mismatches)
 
 
 def test_second_node_loss_before_the_next_snapshot(tmp_path, reference):
@@ -48,7 +48,7 @@ def test_second_node_loss_before_the_next_snapshot(tmp_path, reference):
     assert restores(tmp_path)[1] == 5 and restores(tmp_path)[2] == 5, restores(tmp_path)
     assert tiers(tmp_path)[1] == "parity" and tiers(tmp_path)[2] == "parity"
     cmp = compare_runs(str(tmp_path), str(ref), 3, 12)
-    assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches, cmp.state_mismatches)
 
 
 def test_more_node_losses_than_parity_fail_clearly(tmp_path):
@@ -73,4 +73,4 @@ def test_more_node_losses_than_parity_fall_back_to_disk(tmp_path, reference):
     flushes = [e for e in read_jsonl(f"{tmp_path}/events.jsonl") if e.get("kind") == "flush" and e.get("ok")]
     assert flushes and all(e["version"] % 2 == 0 for e in flushes)
     cmp = compare_runs(str(tmp_path), str(ref), 3, 10)
-    assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches, cmp.state_mismatches)

@@ -202,7 +202,7 @@ def test_sbatch_rank_kill_and_node_loss_continue_in_the_allocation(cluster, tmp_
     res = run_job(ref, stage=2, dtype="bf16", steps=STEPS, shardsafe=False, max_restarts=0, nodes=2, nproc=1)
     assert res.ok
     cmp = compare_runs(str(run_dir), str(ref), 2, STEPS)
-    assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches, cmp.state_mismatches)
 
 
 def test_megatron_sbatch_dry_run_shows_the_steps(cluster, tmp_path):
