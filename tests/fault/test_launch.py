@@ -7,9 +7,11 @@ bf16, 10 steps; the reference is the same job without shardsafe (shared with tes
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -138,3 +140,104 @@ def test_hang_detected_by_the_progress_watchdog(tmp_path, reference):
     assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)
     rep, _ = check_tor(tmp_path, wall, 1)
     assert rep.breakdown["detection"] >= 8.0
+
+
+# ---- lifecycle: signals and errors no restart can fix (issue 15, item 12) ------------------------------------
+
+def _wait_for_iteration(run_dir, proc, timeout_s=240):
+    path = os.path.join(str(run_dir), "events.jsonl")
+    t_end = time.time() + timeout_s
+    while time.time() < t_end:
+        assert proc.poll() is None, f"the launcher ended early (rc {proc.returncode}): {proc.stdout.read()[-3000:]}"
+        if os.path.exists(path) and any(e.get("kind") == "iteration" for e in read_jsonl(path)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no iteration within {timeout_s} s")
+
+
+def _holders_left(holder_dir, job_id):
+    from shardsafe.holder.paths import HolderPaths
+    from shardsafe.launch import holder_running
+    return [n for n in HolderPaths.list_nodes(str(holder_dir), job_id)
+            if holder_running(HolderPaths(str(holder_dir), job_id, n))]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_shardsafe_launch_with_its_workers_and_holders(tmp_path, sig):
+    """`kill` / Ctrl-C / `scancel` of a local `shardsafe launch` used to leave its holders running (they live
+    in their own session). Now: agents, workers and holders are gone, the exit code is 128 + the signal, and
+    the event log says why the job ended."""
+    job, run, hdir = f"sig{uuid.uuid4().hex[:6]}", tmp_path / "run", tmp_path / "h"
+    cmd = [sys.executable, "-m", "shardsafe.cli", "launch", "--nodes", "2", "--run-dir", str(run), "--job-id", job,
+           "--holder-dir", str(hdir), "--memory-budget-gb", "0.5", "--hang-timeout", "0", SCRIPT,
+           "--steps", "100000", "--zero-stage", "2", "--dtype", "bf16", "--step-sleep", "0.05"]
+    # its own session, as a batch job's launcher: the signal reaches the launcher alone, not our pytest
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for_iteration(run, proc)
+        assert len(_holders_left(hdir, job)) == 2
+        t0 = time.time()
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + sig, (proc.returncode, out[-3000:])
+    assert f"stopped by {signal.Signals(sig).name}" in out, out[-2000:]
+    assert not leftovers(job), leftovers(job)
+    assert _holders_left(hdir, job) == []
+    print(f"{signal.Signals(sig).name}: launcher, 2 agents, 2 workers and 2 holders gone in {time.time() - t0:.2f} s")
+    evs = read_jsonl(os.path.join(str(run), "events.jsonl"))
+    end = [e for e in evs if e["kind"] == "job_end"]
+    assert len(end) == 1 and end[0]["ok"] is False and end[0]["signal"] == sig and end[0]["cause"] == "terminated"
+    assert [e["cause"] for e in evs if e["kind"] == "attempt_end"] == ["terminated"]
+
+
+def test_a_config_error_stops_shardsafe_launch_at_once_with_the_message(tmp_path):
+    """A ConfigError at initialize (here: the DeepSpeed config's memory_budget_gb 2 against the holders the
+    launcher started with 0.5, issue 15 item 8) was retried max_restarts times. Now one attempt, the message
+    on stderr, exit code 3, and no restart event."""
+    job, run, hdir = f"cfg{uuid.uuid4().hex[:6]}", tmp_path / "run", tmp_path / "h"
+    cmd = [sys.executable, "-m", "shardsafe.cli", "launch", "--nodes", "2", "--run-dir", str(run), "--job-id", job,
+           "--holder-dir", str(hdir), "--memory-budget-gb", "0.5", "--max-restarts", "3", "--json", SCRIPT,
+           "--steps", "5", "--zero-stage", "2", "--dtype", "bf16", "--budget-gb", "2"]
+    t0 = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    wall = time.time() - t0
+    assert r.returncode == 3, (r.returncode, r.stderr[-3000:])
+    for w in ("memory_budget_gb is 2 GiB", "--memory-budget-gb 0.5", "not restarting", "ConfigError"):
+        assert w in r.stderr, (w, r.stderr[-3000:])
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["attempts"] == 1 and res["fatal"] and [f["cause"] for f in res["failures"]] == ["fatal_error"], res
+    evs = read_jsonl(os.path.join(str(run), "events.jsonl"))
+    assert [e["attempt"] for e in evs if e["kind"] == "attempt_start"] == [0]
+    assert not [e for e in evs if e["kind"] == "restart"]
+    assert not leftovers(job) and _holders_left(hdir, job) == []
+    print(f"ConfigError: stopped after 1 attempt in {wall:.1f} s")
+
+
+def test_local_launcher_stops_at_once_on_a_config_error_and_on_sigint(tmp_path):
+    """The local launcher (demo, tests) restarts workers too: the same two rules."""
+    from .helpers import run_job
+    res = run_job(tmp_path / "cfg", stage=2, dtype="bf16", steps=5, max_restarts=3,
+                  extra=["--shardsafe-json", json.dumps({"intervl": 1})])
+    assert not res.ok and res.attempts == 1 and "unknown key" in res.fatal and "intervl" in res.fatal, res
+    assert [f["cause"] for f in res.failures] == ["fatal_error"]
+
+    job, run, hdir = f"int{uuid.uuid4().hex[:6]}", tmp_path / "int", tmp_path / "h"
+    driver = ("import sys\nfrom shardsafe.launch import LaunchConfig, LocalLauncher\n"
+              f"cfg = LaunchConfig(nodes=2, job_id={job!r}, run_dir={str(run)!r}, holder_dir={str(hdir)!r}, "
+              "memory_budget_gb=0.5)\n"
+              f"res = LocalLauncher(cfg).run([sys.executable, {SCRIPT!r}, '--steps', '100000', '--step-sleep', '0.05'])\n"
+              "print('signal', res.signal, flush=True)\nsys.exit(128 + res.signal if res.signal else 1)\n")
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        _wait_for_iteration(run, proc)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and "signal 2" in out, (proc.returncode, out[-3000:])
+    assert not leftovers(job) and _holders_left(hdir, job) == []
