@@ -29,7 +29,7 @@ def cmd_holder(a: argparse.Namespace) -> int:
     paths = HolderPaths(cfg.holder_dir, cfg.job_id, cfg.node)
     paths.ensure_dir()
     holder = Holder(paths, budget_bytes=cfg.memory_budget_bytes, idle_exit_s=a.idle_exit_s, run_dir=a.run_dir,
-                    scrub_interval_s=a.scrub_interval_s)
+                    scrub_interval_s=a.scrub_interval_s, read_timeout_s=a.read_timeout_s, max_clients=a.max_clients)
     if not a.daemonize:
         _setup_logging(f"[holder {cfg.node}]")
         holder.serve(ready=lambda: print(f"holder ready: {paths.socket}", flush=True))
@@ -120,7 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--node", default="")
     h.add_argument("--holder-dir", default="")
     h.add_argument("--memory-budget-gb", type=float, default=0.0, help="0 = half the node's RAM")
-    h.add_argument("--idle-exit-s", type=float, default=0.0, help="exit after this long without clients (0 = never)")
+    h.add_argument("--idle-exit-s", type=float, default=0.0,
+                   help="exit after this long with no client connected and no flush pending (0 = never; holders "
+                        "started by a rank or a launcher get 600)")
+    from shardsafe.holder.server import DEFAULT_MAX_CLIENTS, DEFAULT_READ_TIMEOUT_S
+    h.add_argument("--read-timeout-s", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                   help="a client must say hello, send the rest of a started frame and take its reply within this")
+    h.add_argument("--max-clients", type=int, default=DEFAULT_MAX_CLIENTS,
+                   help="connections served at once; more are answered 'busy' and closed")
     h.add_argument("--run-dir", default=os.environ.get("SHARDSAFE_RUN_DIR", ""), help="append TOR events here")
     h.add_argument("--scrub-interval-s", type=float, default=300.0,
                    help="re-verify every held version this often (0 = never); bad ones are marked unusable")

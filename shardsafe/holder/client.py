@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from .paths import HolderPaths
-from .protocol import FLUSH_DRAIN_S, HolderError, ProtocolError, recv_msg, send_msg
+from .protocol import DEFAULT_IDLE_EXIT_S, FLUSH_DRAIN_S, HolderError, ProtocolError, close_fds, recv_msg, send_msg
 
 log = logging.getLogger("shardsafe.holder")
 
@@ -35,6 +35,8 @@ class HolderClient:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._maps: dict[int, mmap.mmap] = {}
+        self.holder_pid = 0            # from the hello: tells a restarted holder from the one we knew
+        self.started_holder = False    # set by connect_or_start when this connection's holder was started by it
 
     # ---- connection -------------------------------------------------------------------------------
     def connect(self) -> "HolderClient":
@@ -47,8 +49,32 @@ class HolderClient:
             raise HolderUnavailable(f"no holder for job {self.paths.job_id!r} on node {self.paths.node!r} "
                                     f"at {self.paths.socket} ({e.strerror or e})") from None
         self._sock = s
-        self.request("hello", job_id=self.paths.job_id)
+        self._hello()
         return self
+
+    def _hello(self) -> None:
+        """The first request of every connection (the holder refuses anything else first). A holder that
+        cannot take the connection (``busy``: its connection cap) answers before reading the hello and
+        closes: its reply is read even when sending the hello already failed on the closed socket."""
+        sock = self._sock
+        try:
+            send_msg(sock, {"op": "hello", "job_id": self.paths.job_id})
+        except OSError:
+            pass   # maybe refused before our hello: its reason is waiting in the receive buffer
+        try:
+            resp, fds = recv_msg(sock)
+        except (ProtocolError, OSError) as e:
+            self.close()
+            raise HolderUnavailable(f"holder of job {self.paths.job_id!r} on node {self.paths.node!r} at "
+                                    f"{self.paths.socket} closed the connection during hello ({e})") from None
+        close_fds(fds)
+        if not resp.get("ok"):
+            self.close()
+            code, msg = resp.get("code", "error"), resp.get("error", "unknown holder error")
+            if code == "busy":
+                raise HolderUnavailable(msg)
+            raise HolderError(code, msg)
+        self.holder_pid = int(resp.get("pid") or 0)
 
     def close(self) -> None:
         for m in self._maps.values():
@@ -192,12 +218,19 @@ def stop_holders(holders: "list[tuple[HolderPaths, subprocess.Popen]]") -> None:
         t.join()
 
 
-def holder_command(paths: HolderPaths, *, budget_gb: float, idle_exit_s: float = 0.0, run_dir: str = "",
-                   daemonize: bool = False, scrub_interval_s: float | None = None) -> list[str]:
+def holder_command(paths: HolderPaths, *, budget_gb: float, idle_exit_s: float = DEFAULT_IDLE_EXIT_S,
+                   run_dir: str = "", daemonize: bool = False, scrub_interval_s: float | None = None,
+                   read_timeout_s: float | None = None, max_clients: int | None = None) -> list[str]:
+    """The command line of a holder started by a program (a rank, a launcher, a test). Such a holder exits
+    after ``idle_exit_s`` with no client and no flush pending (0 = never): if its starter dies without
+    stopping it, its memory does not stay taken forever."""
     cmd = [sys.executable, "-m", "shardsafe.cli", "holder", "--job-id", paths.job_id, "--node", paths.node,
-           "--holder-dir", paths.root, "--memory-budget-gb", repr(float(budget_gb))]
-    if idle_exit_s:
-        cmd += ["--idle-exit-s", repr(float(idle_exit_s))]
+           "--holder-dir", paths.root, "--memory-budget-gb", repr(float(budget_gb)),
+           "--idle-exit-s", repr(float(idle_exit_s))]
+    if read_timeout_s is not None:
+        cmd += ["--read-timeout-s", repr(float(read_timeout_s))]
+    if max_clients is not None:
+        cmd += ["--max-clients", str(int(max_clients))]
     if run_dir:
         cmd += ["--run-dir", run_dir]
     if scrub_interval_s is not None:
@@ -208,8 +241,10 @@ def holder_command(paths: HolderPaths, *, budget_gb: float, idle_exit_s: float =
 
 
 def connect_or_start(paths: HolderPaths, *, budget_gb: float, start: bool, timeout_s: float = 60.0,
-                     idle_exit_s: float = 1800.0, run_dir: str = "") -> HolderClient:
-    """Connect to the node's holder; if none runs and ``start``, start one detached first.
+                     idle_exit_s: float = DEFAULT_IDLE_EXIT_S, run_dir: str = "") -> HolderClient:
+    """Connect to the node's holder; if none runs and ``start``, start one detached first (the returned
+    client's ``started_holder`` then says so). The detached holder exits after ``idle_exit_s`` without
+    clients and flushes (0 = never): nobody else would stop it.
 
     Several local ranks may race here: an flock on the job directory makes exactly one of them
     start the holder. The holder double-forks and ``setsid``s, so neither torchrun's process-group
@@ -234,4 +269,6 @@ def connect_or_start(paths: HolderPaths, *, budget_gb: float, start: bool, timeo
         if rc != 0:
             raise HolderUnavailable(f"starting the holder failed (exit {rc}); see {paths.log}")
         log.info("holder ready in %.2f s", time.monotonic() - t0)
-        return HolderClient(paths, timeout_s=timeout_s).connect()
+        c = HolderClient(paths, timeout_s=timeout_s).connect()
+        c.started_holder = True
+        return c

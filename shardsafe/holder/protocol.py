@@ -3,19 +3,30 @@
 Frame: an 8-byte header (body length, number of fds; little-endian uint32 each) sent with
 ``sendmsg`` carrying the file descriptors as ancillary data, then the JSON body. JSON only:
 nothing a peer sends is ever unpickled or executed.
+
+A peer that does not speak this protocol (bad header, body over the limit, invalid or too deeply
+nested JSON, a body that is not an object) gets :class:`BadFrame`; every fd that came with such a
+frame is closed before it is raised, so nothing a peer sends can leak into the receiver.
 """
 from __future__ import annotations
 
 import array
 import json
+import os
 import socket
 import struct
+import time
 from typing import Any
 
 # How long a holder may take, after a shutdown request, to write the flushes still queued (it bounds
 # that itself with the same number). The newest committed version is usually among them: killing the
 # holder earlier loses exactly the version a user would export or restart from.
 FLUSH_DRAIN_S = 120.0
+
+# Holders started automatically (by the first rank of a node, or by a launcher) exit after this long with
+# no client connected and no flush pending: nobody stops a detached holder whose job is gone, and it
+# would keep its memory forever. 0 = never (a holder started by hand, which its operator stops).
+DEFAULT_IDLE_EXIT_S = 600.0
 
 _HDR = struct.Struct("<II")
 MAX_BODY = 64 << 20   # manifests of huge models stay far below this
@@ -24,6 +35,10 @@ MAX_FDS = 16
 
 class ProtocolError(RuntimeError):
     """The peer closed the connection or sent something that is not a shardsafe frame."""
+
+
+class BadFrame(ProtocolError):
+    """The peer sent a frame that is not a shardsafe message (the connection cannot be trusted after it)."""
 
 
 class HolderError(RuntimeError):
@@ -46,47 +61,81 @@ def send_msg(sock: socket.socket, obj: dict[str, Any], fds: list[int] | tuple[in
     sock.sendall(body)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
+    """``n`` bytes; with a ``deadline`` (time.monotonic()) the whole read must finish by then, however
+    slowly the peer trickles bytes in (a per-recv timeout would let one byte a second hold it forever)."""
     buf = bytearray()
     while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(f"frame incomplete: {len(buf)} of {n} bytes arrived in time")
+            sock.settimeout(left)
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
         if not chunk:
-            raise ProtocolError("connection closed by peer")
+            raise ProtocolError(f"connection closed by peer ({len(buf)} of {n} bytes of a frame arrived)")
         buf += chunk
     return bytes(buf)
 
 
-def recv_msg(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+def recv_msg(sock: socket.socket, *, frame_timeout_s: float | None = None) -> tuple[dict[str, Any], list[int]]:
+    """One message and the fds that came with it (the caller owns and closes them).
+
+    Waiting for a frame to *start* uses the socket's own timeout (idle clients between requests are
+    normal); once its first byte is in, ``frame_timeout_s`` bounds the rest of it: a peer that sends part
+    of a frame and goes silent raises ``socket.timeout`` instead of holding the reader forever. The
+    socket's timeout is restored afterwards.
+
+    Raises:
+        ProtocolError: the peer closed the connection.
+        BadFrame: the frame is not a shardsafe message (its fds are closed).
+        socket.timeout: the rest of a started frame did not come within ``frame_timeout_s``.
+    """
     fds: list[int] = []
-    data, anc, _flags, _addr = sock.recvmsg(_HDR.size, socket.CMSG_SPACE(MAX_FDS * 4))
+    data, anc, flags, _addr = sock.recvmsg(_HDR.size, socket.CMSG_SPACE(MAX_FDS * 4))
     for level, typ, payload in anc:
         if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
             a = array.array("i")
             a.frombytes(payload[: len(payload) - len(payload) % a.itemsize])
             fds.extend(a)
     if not data:
+        close_fds(fds)
         raise ProtocolError("connection closed by peer")
-    if len(data) < _HDR.size:
-        data += _recv_exact(sock, _HDR.size - len(data))
-    n, nfds = _HDR.unpack(data)
-    if n > MAX_BODY or nfds != len(fds):
-        for fd in fds:
-            _close(fd)
-        raise ProtocolError(f"bad frame header: body {n} bytes, {nfds} fds announced, {len(fds)} received")
+    saved = sock.gettimeout()
+    deadline = None if frame_timeout_s is None else time.monotonic() + frame_timeout_s
     try:
-        obj = json.loads(_recv_exact(sock, n))
-    except (ValueError, ProtocolError):
-        for fd in fds:
-            _close(fd)
+        if flags & socket.MSG_CTRUNC:   # the kernel closed the fds beyond MAX_FDS; the frame is unusable
+            raise BadFrame(f"more than {MAX_FDS} file descriptors sent with one frame")
+        if len(data) < _HDR.size:
+            data += _recv_exact(sock, _HDR.size - len(data), deadline)
+        n, nfds = _HDR.unpack(data)
+        if n > MAX_BODY or nfds != len(fds):
+            raise BadFrame(f"bad frame header: body of {n} bytes (at most {MAX_BODY}), {nfds} fds announced, "
+                           f"{len(fds)} received")
+        body = _recv_exact(sock, n, deadline)
+        try:
+            obj = json.loads(body)
+        # json.loads recurses once per nesting level: a 100 000-deep '[[[...' raises RecursionError (at the
+        # interpreter's limit, long before the C stack is at risk). UnicodeDecodeError is a ValueError.
+        except (ValueError, RecursionError) as e:
+            raise BadFrame(f"body is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+        if not isinstance(obj, dict):
+            raise BadFrame(f"expected a JSON object, got {type(obj).__name__}")
+    except BaseException:
+        close_fds(fds)
         raise
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"expected a JSON object, got {type(obj).__name__}")
+    finally:
+        if frame_timeout_s is not None:
+            try:
+                sock.settimeout(saved)
+            except OSError:
+                pass
     return obj, fds
 
 
-def _close(fd: int) -> None:
-    import os
-    try:
-        os.close(fd)
-    except OSError:
-        pass
+def close_fds(fds: list[int] | tuple[int, ...]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -9,6 +9,7 @@ an error naming the bytes needed.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import select
@@ -20,13 +21,51 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .paths import HolderPaths
-from .protocol import FLUSH_DRAIN_S, HolderError, ProtocolError, recv_msg, send_msg
+from .protocol import (FLUSH_DRAIN_S, BadFrame, HolderError, ProtocolError, close_fds, recv_msg, send_msg)
 from .segments import Segment, round_size
 
 log = logging.getLogger("shardsafe.holder")
 
 KINDS = ("data", "parity", "manifest")
 MAX_SLOTS = 2
+
+# A client has this long to say hello after connecting, and to send the rest of a frame once it began one;
+# a client that does not take its reply within it is dropped too. Trainers send each frame in one go: only
+# a stuck or hostile peer hits it. Idle *between* requests is normal (a trainer connects for its whole run).
+DEFAULT_READ_TIMEOUT_S = 30.0
+# Connections served at once (one thread each). A node's trainers hold one or two each, the launcher and
+# `shardsafe status` one briefly; beyond the cap a connection is answered with a `busy` error and closed.
+DEFAULT_MAX_CLIENTS = 128
+
+
+def gib_up(nbytes: int) -> float:
+    """``nbytes`` in GiB rounded *up* to the 3 decimals a message prints: a budget set to the printed
+    number must hold what the message says (rounding to nearest could name a budget 1 MB short)."""
+    return math.ceil(nbytes / (1 << 30) * 1000) / 1000
+
+
+def _int(req: dict, key: str, *, minimum: int | None = None) -> int:
+    """``req[key]`` as an int, or a ``bad_request`` naming the field, what is expected and what came."""
+    if key not in req:
+        raise HolderError("bad_request", f"{req.get('op')!r} needs an integer {key!r}; the request has none")
+    v = req[key]
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise HolderError("bad_request", f"{req.get('op')!r}: {key!r} must be an integer, got "
+                                         f"{type(v).__name__} {str(v)[:60]!r}")
+    if minimum is not None and v < minimum:
+        raise HolderError("bad_request", f"{req.get('op')!r}: {key!r} must be >= {minimum}, got {v}")
+    return v
+
+
+def _ranks(req: dict) -> list[int]:
+    """The ``ranks`` list of a request (or its single ``rank``), each a non-negative int."""
+    if "ranks" not in req:
+        return [_int(req, "rank", minimum=0)]
+    v = req["ranks"]
+    if not isinstance(v, list) or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in v):
+        raise HolderError("bad_request", f"{req.get('op')!r}: 'ranks' must be a list of non-negative integers, got "
+                                         f"{str(v)[:60]!r}")
+    return v
 
 
 @dataclass
@@ -56,10 +95,17 @@ class RankEntry:
 
 class Holder:
     def __init__(self, paths: HolderPaths, *, budget_bytes: int, idle_exit_s: float = 0.0,
-                 run_dir: str = "", scrub_interval_s: float = 0.0):
+                 run_dir: str = "", scrub_interval_s: float = 0.0, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+                 max_clients: int = DEFAULT_MAX_CLIENTS):
+        if read_timeout_s <= 0 or max_clients < 1:
+            raise ValueError(f"holder read_timeout_s must be > 0 and max_clients >= 1; got {read_timeout_s} and "
+                             f"{max_clients}")
         self.paths = paths
         self.budget = int(budget_bytes)
         self.idle_exit_s = idle_exit_s
+        self.read_timeout_s = float(read_timeout_s)
+        self.max_clients = int(max_clients)
+        self.refused = {"busy": 0, "protocol": 0, "timeout": 0, "hello": 0}   # connections closed, by reason
         self.ranks: dict[int, RankEntry] = {}
         self.lock = threading.RLock()
         self._next_slot = 1
@@ -93,7 +139,7 @@ class Holder:
 
     # ---- requests ---------------------------------------------------------------------------------
     def _entry(self, rank: int) -> RankEntry:
-        if not isinstance(rank, int) or rank < 0:
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise HolderError("bad_request", f"rank must be a non-negative integer, got {rank!r}")
         return self.ranks.setdefault(rank, RankEntry())
 
@@ -105,9 +151,17 @@ class Holder:
         return kind
 
     def acquire(self, req: dict) -> tuple[dict, list[int]]:
-        rank, kind, version, nbytes = req["rank"], self._kind(req), int(req["version"]), int(req["nbytes"])
-        if nbytes < 0:
-            raise HolderError("bad_request", f"nbytes must be >= 0, got {nbytes}")
+        rank, kind, version = _int(req, "rank", minimum=0), self._kind(req), _int(req, "version")
+        nbytes = _int(req, "nbytes", minimum=0)
+        with self.lock:
+            try:
+                return self._acquire(rank, kind, version, nbytes)
+            finally:
+                ent = self.ranks.get(rank)
+                if ent is not None and not any(ent.slots.values()):
+                    del self.ranks[rank]   # a refused first request leaves no empty entry behind
+
+    def _acquire(self, rank: int, kind: str, version: int, nbytes: int) -> tuple[dict, list[int]]:
         with self.lock:
             ent = self._entry(rank)
             slots = ent.slots[kind]
@@ -145,15 +199,15 @@ class Holder:
                         f"holder on node {self.paths.node} (job {self.paths.job_id}) cannot give rank {rank} a slot for "
                         f"version {version} while version(s) {[s.version for s in busy]} are being flushed to disk or "
                         f"scrubbed: one more slot needs {need} bytes, {used} in use, budget {self.budget} bytes. Raise "
-                        f"memory_budget_gb (--memory-budget-gb) to at least {(used + need) / (1 << 30):.3f} GiB to keep "
+                        f"memory_budget_gb (--memory-budget-gb) to at least {gib_up(used + need):.3f} GiB to keep "
                         "snapshotting during flushes, or flush less often (persist_every) or faster (persist_mbps).")
             if slot is not None and slot.seg.size < need:
-                self._check_budget(need - slot.seg.size, rank, nbytes, keep=slot)
+                self._check_budget(need - slot.seg.size, rank, nbytes, kind, keep=slot)
                 slots.remove(slot)
                 slot.seg.close()
                 slot = None
             if slot is None:
-                self._check_budget(need, rank, nbytes)
+                self._check_budget(need, rank, nbytes, kind)
                 seg = Segment(f"shardsafe.{self.paths.job_id}.{self.paths.node}.r{rank}.{kind}.{self._next_slot}", need)
                 slot = Slot(self._next_slot, seg)
                 self._next_slot += 1
@@ -219,18 +273,33 @@ class Holder:
                     x.seg.close()
         return freed
 
-    def _check_budget(self, extra: int, rank: int, nbytes: int, keep: Slot | None = None) -> None:
+    def _check_budget(self, extra: int, rank: int, nbytes: int, kind: str = "data", keep: Slot | None = None) -> None:
         used = self.used_bytes()
         if used + extra > self.budget:
             used -= self._reclaim_free(keep)
         if used + extra > self.budget:
-            gib = (used + extra) / (1 << 30)
+            steady = self.steady_bytes(rank, kind, round_size(nbytes))
             raise HolderError(
                 "budget",
                 f"holder on node {self.paths.node} (job {self.paths.job_id}) cannot hold {nbytes} bytes for rank {rank}: "
                 f"{used} bytes in use + {extra} needed > budget {self.budget} bytes. "
-                f"Raise memory_budget_gb (--memory-budget-gb) to at least {gib:.3f} GiB "
-                f"(two versions per rank are kept), or snapshot less often.")
+                f"Raise memory_budget_gb (--memory-budget-gb) to at least {gib_up(steady):.3f} GiB "
+                f"({MAX_SLOTS} versions per rank are kept: {steady} bytes for the {self._ranks_seen(rank)} "
+                f"rank(s) this holder has seen so far, more for ranks still to come), or snapshot less often.")
+
+    def steady_bytes(self, rank: int, kind: str, need: int) -> int:
+        """Bytes the holder needs once every (rank, kind) it knows keeps MAX_SLOTS versions of its largest
+        slot, with ``need`` bytes per slot for (``rank``, ``kind``): what a budget must hold, not just the
+        next request (call with the lock held)."""
+        total = MAX_SLOTS * need
+        for r, ent in self.ranks.items():
+            for k, lst in ent.slots.items():
+                if (r, k) != (rank, kind) and lst:
+                    total += MAX_SLOTS * max(s.seg.size for s in lst)
+        return total
+
+    def _ranks_seen(self, rank: int) -> int:
+        return len({rank, *(r for r, e in self.ranks.items() if any(e.slots.values()))})
 
     def _find(self, rank: int, kind: str, version: int, states: tuple[str, ...]) -> Slot:
         ent = self.ranks.get(rank)
@@ -241,7 +310,7 @@ class Holder:
                                        f"for rank {rank}")
 
     def seal(self, req: dict) -> dict:
-        rank, kind, version = req["rank"], self._kind(req), int(req["version"])
+        rank, kind, version = _int(req, "rank", minimum=0), self._kind(req), _int(req, "version")
         manifest = req.get("manifest")
         if not isinstance(manifest, dict):
             raise HolderError("bad_request", "seal needs a JSON object manifest")
@@ -252,9 +321,9 @@ class Holder:
 
     def commit(self, req: dict) -> dict:
         """Mark ``version`` committed for the given ranks; older versions become overwritable."""
-        kind, version = self._kind(req), int(req["version"])
+        kind, version, ranks = self._kind(req), _int(req, "version"), _ranks(req)
         with self.lock:
-            for rank in req["ranks"]:
+            for rank in ranks:
                 s = self._find(rank, kind, version, ("sealed",))
                 s.committed = True
                 ent = self.ranks[rank]
@@ -263,6 +332,8 @@ class Holder:
 
     def list(self, req: dict) -> dict:
         want = req.get("rank")
+        if want is not None:
+            want = _int(req, "rank", minimum=0)
         with self.lock:
             out = {}
             for rank, ent in sorted(self.ranks.items()):
@@ -272,15 +343,14 @@ class Holder:
             return {"ranks": out}
 
     def open(self, req: dict) -> tuple[dict, list[int]]:
-        rank, kind, version = req["rank"], self._kind(req), int(req["version"])
+        rank, kind, version = _int(req, "rank", minimum=0), self._kind(req), _int(req, "version")
         with self.lock:
             s = self._find(rank, kind, version, ("sealed",))
             return {"slot": s.slot_id, "manifest": s.manifest, "nbytes": s.nbytes, "committed": s.committed}, [s.seg.readonly_fd()]
 
     def drop(self, req: dict) -> dict:
-        kind = self._kind(req)
-        ranks = req["ranks"] if "ranks" in req else [req["rank"]]
-        version = req.get("version")
+        kind, ranks = self._kind(req), _ranks(req)
+        version = _int(req, "version") if req.get("version") is not None else None
         freed = 0
         with self.lock:
             for rank in ranks:
@@ -289,7 +359,7 @@ class Holder:
                     continue
                 keep = []
                 for s in ent.slots[kind]:
-                    if version is None or s.version == int(version):
+                    if version is None or s.version == version:
                         if s.pins:           # a flush or scrub still reads it: closed (freed) when it is done
                             self._invalidate(s)
                             s.doomed = True
@@ -308,7 +378,7 @@ class Holder:
         with self.lock:
             return {"job_id": self.paths.job_id, "node": self.paths.node, "pid": os.getpid(),
                     "budget": self.budget, "used": self.used_bytes(), "started": self.started,
-                    "clients": self._clients, "health": "ok" if not self._corrupt() else "corrupt",
+                    "clients": self._clients, "refused": dict(self.refused), "health": "ok" if not self._corrupt() else "corrupt",
                     "corrupt": self._corrupt(), "scrub": dict(self.scrub_stats), "flush": dict(self.flush_stats),
                     **self.list({})}
 
@@ -319,10 +389,14 @@ class Holder:
     # ---- persistent tier --------------------------------------------------------------------------
     def flush(self, req: dict) -> dict:
         """Queue a committed version for the disk (returns at once; the flush thread writes it)."""
-        rank, version = req["rank"], int(req["version"])
+        rank, version = _int(req, "rank", minimum=0), _int(req, "version")
         for key in ("dir", "job_id"):
             if not isinstance(req.get(key), str) or not req[key]:
-                raise HolderError("bad_request", f"flush needs a non-empty {key!r}")
+                raise HolderError("bad_request", f"flush needs a non-empty string {key!r}, got {str(req.get(key))[:60]!r}")
+        keep = _int(req, "keep", minimum=0) if "keep" in req else 0
+        mbps = req.get("mbps") or 0
+        if not isinstance(mbps, (int, float)) or isinstance(mbps, bool) or not math.isfinite(mbps) or mbps < 0:
+            raise HolderError("bad_request", f"flush: 'mbps' must be a number >= 0 (0 = uncapped), got {str(mbps)[:60]!r}")
         with self.lock:
             s = self._find(rank, "data", version, ("sealed",))
             if not s.committed:
@@ -331,7 +405,8 @@ class Holder:
             s.pins += 1
             self._flush_pending += 1
             man, nbytes = s.manifest, s.nbytes   # as sealed: a drop while flushing clears the slot's fields
-        self._flush_q.put({**req, "rank": rank, "version": version, "_slot": s, "_manifest": man, "_nbytes": nbytes})
+        self._flush_q.put({**req, "rank": rank, "version": version, "keep": keep, "mbps": float(mbps), "_slot": s,
+                           "_manifest": man, "_nbytes": nbytes})
         return {"queued": True}
 
     def _flush_loop(self) -> None:
@@ -365,6 +440,7 @@ class Holder:
                 with self.lock:
                     self._unpin(job["rank"], "data", s)
                     self._flush_pending -= 1
+                    self._last_activity = time.monotonic()   # the idle exit counts from the last flush's end
 
     # ---- scrubbing --------------------------------------------------------------------------------
     def scrub(self, req: dict | None = None) -> dict:
@@ -429,8 +505,10 @@ class Holder:
             return getattr(self, op)(req), []
         if op == "hello":
             if req.get("job_id") != self.paths.job_id:
-                raise HolderError("job", f"this holder serves job {self.paths.job_id!r}, not {req.get('job_id')!r}")
-            return {"node": self.paths.node, "pid": os.getpid()}, []
+                raise HolderError("job", f"this holder serves job {self.paths.job_id!r}, not {str(req.get('job_id'))[:80]!r}: "
+                                         "connect to the holder of your own job (its socket is "
+                                         "HOLDER_DIR/JOB_ID/NODE.sock)")
+            return {"node": self.paths.node, "pid": os.getpid(), "started": self.started}, []
         if op == "shutdown":
             # The stop itself is requested by _serve_conn once this reply is sent: the accept loop wakes at
             # once and the process may exit before a reply still to be sent. Queued flushes are written before
@@ -438,12 +516,30 @@ class Holder:
             # that long instead of killing it.
             with self.lock:
                 return {"pending_flushes": self._flush_pending}, []
-        raise HolderError("bad_request", f"unknown op {op!r}")
+        raise HolderError("bad_request", f"unknown op {str(op)[:60]!r}; expected one of acquire, seal, commit, list, "
+                                         "open, drop, flush, scrub, status, hello, shutdown")
 
     # ---- serving ----------------------------------------------------------------------------------
-    def _serve_conn(self, conn: socket.socket) -> None:
+    def _reply(self, conn: socket.socket, resp: dict, fds: list[int] | tuple[int, ...] = ()) -> bool:
+        """Send ``resp``; a client that does not take it within the read timeout is dropped. False if gone."""
+        conn.settimeout(self.read_timeout_s)
+        try:
+            send_msg(conn, resp, fds)
+            return True
+        except (OSError, ProtocolError):
+            return False
+
+    def _refuse(self, conn: socket.socket, reason: str, code: str, msg: str) -> None:
+        """Answer a request that ends the connection (the caller closes it) and count why."""
         with self.lock:
-            self._clients += 1
+            self.refused[reason] += 1
+        self._reply(conn, {"ok": False, "code": code, "error": msg})
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        """One client. The first request must be ``hello`` with this holder's job id; anything a client
+        sends that is not a shardsafe request is answered with an error (or the connection closed), never
+        an exception out of this thread."""
+        said_hello = False
         try:
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
             uid = int.from_bytes(creds[4:8], "little")
@@ -451,35 +547,91 @@ class Holder:
                 log.warning("refused a connection from uid %d", uid)
                 return
             while not self._stop.is_set():
+                # Before its hello a client gets the read timeout to send one; after it, idle between requests
+                # is normal (a trainer stays connected for the whole run) and only a started frame is timed.
+                conn.settimeout(None if said_hello else self.read_timeout_s)
                 try:
-                    req, fds = recv_msg(conn)
-                except (ProtocolError, ConnectionError, OSError):
+                    req, fds = recv_msg(conn, frame_timeout_s=self.read_timeout_s)
+                except BadFrame as e:
+                    log.warning("closed a connection that sent a malformed frame: %s", e)
+                    self._refuse(conn, "protocol", "protocol", f"malformed frame: {e}; the holder speaks "
+                                 "length-prefixed JSON objects (shardsafe.holder.protocol): use HolderClient")
                     return
-                for fd in fds:  # clients never send fds
-                    os.close(fd)
+                except socket.timeout:
+                    with self.lock:
+                        self.refused["timeout"] += 1
+                    log.warning("closed a connection that sent %s within %.1f s", "a partial frame and nothing more"
+                                if said_hello else "no hello", self.read_timeout_s)
+                    return
+                except (ProtocolError, OSError):
+                    return    # closed by the client (a trainer that exits or is killed): nothing to say
+                close_fds(fds)   # clients never send fds: never keep one
                 self._last_activity = time.monotonic()
-                try:
-                    resp, out_fds = self.handle(req)
-                    resp = {"ok": True, **resp}
-                except HolderError as e:
-                    resp, out_fds = {"ok": False, "code": e.code, "error": str(e)}, []
-                except (KeyError, TypeError, ValueError) as e:
-                    resp, out_fds = {"ok": False, "code": "bad_request", "error": f"malformed request {req.get('op')!r}: {e!r}"}, []
-                except OSError as e:  # fallocate ENOSPC/ENOMEM: the node is out of memory
-                    resp, out_fds = {"ok": False, "code": "budget", "error": f"holder on node {self.paths.node} could not allocate: {e}"}, []
-                try:
-                    send_msg(conn, resp, out_fds)
-                except OSError:
+                op = req.get("op")
+                if not said_hello and op != "hello":
+                    self._refuse(conn, "hello", "hello_required",
+                                 f"the first request on a connection must be {{'op': 'hello', 'job_id': JOB_ID}} "
+                                 f"naming this holder's job; got {str(op)[:60]!r} first. Connect with "
+                                 "shardsafe.holder.client.HolderClient(paths).connect(), which says hello")
                     return
-                finally:
-                    if req.get("op") == "open":
-                        for fd in out_fds:
-                            os.close(fd)
-                    if req.get("op") == "shutdown":
-                        self.request_stop()
+                resp, out_fds = self._answer(req)
+                sent = self._reply(conn, resp, out_fds)
+                if op == "open":
+                    close_fds(out_fds)   # a new read-only fd per open; acquire hands out the holder's own
+                if op == "shutdown" and resp.get("ok"):
+                    self.request_stop()
+                if not sent:
+                    return
+                if op == "hello":
+                    if not resp.get("ok"):   # another job's client: nothing more for it here
+                        with self.lock:
+                            self.refused["hello"] += 1
+                        return
+                    said_hello = True
+        except Exception:   # a bug must cost this connection, never the holder
+            log.exception("connection handler failed; connection closed")
         finally:
             with self.lock:
                 self._clients -= 1
+            self._last_activity = time.monotonic()   # the idle exit counts from the last client's departure
+            conn.close()
+
+    def _answer(self, req: dict) -> tuple[dict, list[int]]:
+        """The reply to one well-formed frame: ``ok`` with the result, or an error with a ``code``."""
+        try:
+            resp, out_fds = self.handle(req)
+            return {"ok": True, **resp}, out_fds
+        except HolderError as e:
+            return {"ok": False, "code": e.code, "error": str(e)}, []
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            return {"ok": False, "code": "bad_request", "error": f"malformed request {str(req.get('op'))[:60]!r}: {e!r}"}, []
+        except OSError as e:  # fallocate ENOSPC/ENOMEM: the node is out of memory
+            return {"ok": False, "code": "budget", "error": f"holder on node {self.paths.node} could not allocate: {e}"}, []
+        except Exception as e:
+            log.exception("request %r failed", str(req.get("op"))[:60])
+            return {"ok": False, "code": "internal", "error": f"holder bug on {str(req.get('op'))[:60]!r}: "
+                                                             f"{type(e).__name__}: {e} (see the holder log)"}, []
+
+    def _idle_expired(self) -> bool:
+        with self.lock:
+            return (self.idle_exit_s > 0 and self._clients == 0 and self._flush_pending == 0
+                    and time.monotonic() - self._last_activity > self.idle_exit_s)
+
+    def _turn_away(self, conn: socket.socket) -> None:
+        """Over the connection cap: say why without blocking the accept loop (a fresh socket's buffer takes
+        the short reply at once) and close. The client reads it as the answer to its hello."""
+        with self.lock:
+            self.refused["busy"] += 1
+        log.warning("connection refused: %d clients already connected (max_clients)", self.max_clients)
+        try:
+            conn.setblocking(False)
+            send_msg(conn, {"ok": False, "code": "busy",
+                            "error": f"holder on node {self.paths.node} (job {self.paths.job_id}) already serves "
+                                     f"{self.max_clients} connections (its max_clients): close unused clients, or "
+                                     "start the holder with a larger --max-clients"})
+        except (OSError, ProtocolError):
+            pass
+        finally:
             conn.close()
 
     def request_stop(self) -> None:
@@ -516,21 +668,34 @@ class Holder:
                  self.paths.socket, self.budget)
         if ready:
             ready()
+        stop_reason = "requested"   # shutdown request or SIGTERM/SIGINT
         try:
             while not self._stop.is_set():
                 readable, _, _ = select.select([srv, self._wake_r], [], [], 0.5)
                 if srv not in readable:
-                    if (self.idle_exit_s > 0 and self._clients == 0
-                            and time.monotonic() - self._last_activity > self.idle_exit_s):
-                        log.info("no client for %.0f s: exiting", self.idle_exit_s)
+                    if self._idle_expired():
+                        log.info("no client and no flush for %.0f s (idle exit): exiting", self.idle_exit_s)
+                        stop_reason = "idle_exit"
                         break
                     continue
                 try:
                     conn, _ = srv.accept()
                 except (socket.timeout, BlockingIOError):
                     continue   # the client gave up between select and accept
-                conn.settimeout(None)
-                threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
+                with self.lock:
+                    busy = self._clients >= self.max_clients
+                    if not busy:
+                        self._clients += 1
+                if busy:
+                    self._turn_away(conn)
+                    continue
+                try:
+                    threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
+                except RuntimeError:   # no thread to be had (process limits): this client only is dropped
+                    log.exception("no thread for a new connection; closed it")
+                    with self.lock:
+                        self._clients -= 1
+                    conn.close()
         finally:
             srv.close()
             try:
@@ -546,5 +711,5 @@ class Holder:
                         for s in lst:
                             s.seg.close()
                 self.ranks.clear()
-            self._emit("holder_stop")
+            self._emit("holder_stop", reason=stop_reason)
             log.info("holder stopped; memory freed")
