@@ -1127,7 +1127,7 @@ def cmd_launch(a: argparse.Namespace) -> int:
         print(json.dumps(out))
     else:
         how = "ok" if res.ok else (f"stopped by {signal.Signals(res.signal).name}" if res.signal else "FAILED")
-        print(f"shardsafe launch: {how} after {res.attempts} attempt(s) in {res.wall_s:.1f} s; "
+        print(f"shardsafe launch: job {cfg.job_id} {how} after {res.attempts} attempt(s) in {res.wall_s:.1f} s; "
               f"failures: {[(f['cause'], f.get('rank'), f.get('node')) for f in res.failures]}; "
               f"TOR: shardsafe tor report {res.run_dir}")
     if res.signal:
