@@ -26,7 +26,7 @@ import json
 import logging
 import time
 from datetime import timedelta
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -70,7 +70,13 @@ def plan_parity(places: list[RankPlace], *, group_size: int, parity_shards: int)
         try:
             return build_parity_groups(places, group_size=None, parity_shards=parity_shards)
         except TopologyError as e:
-            log.info("parity off: %s", e)
+            if parity_shards > 1:
+                # asked for more than the default: that request cannot be honoured, and silence would leave the
+                # user believing m node losses are covered
+                raise TopologyError(f"parity_shards={parity_shards} cannot be placed: {e}") from None
+            if places and places[0].rank == 0 or not places:
+                log.warning("parity off: node losses are not covered by parity (only the persistent tier, if "
+                            "configured, survives them): %s", e)
             return None
     return build_parity_groups(places, group_size=group_size, parity_shards=parity_shards)
 
@@ -119,6 +125,10 @@ class ParityExchange:
         self.pmax_hint = 0
         self.timings: dict[str, float] = {}
         self._rebuilt: list[tuple[int, str]] = []   # (version, kind) slots sealed by the last rebuild
+        # fault injection / tracing hook: on_phase(name, version) at "parity-before", "parity-block",
+        # "parity-after" and "restore-rebuild" (shardsafe.faults.Injector.phase)
+        self.on_phase: Callable[[str, int], None] = lambda name, version: None
+        self._version = -1   # the version being encoded (for on_phase inside the transfer)
 
     # ---- sizes ------------------------------------------------------------------------------------
     def padded_nbytes(self, payload_nbytes: int) -> int:
@@ -163,6 +173,8 @@ class ParityExchange:
         also when its own snapshot failed (``ok=False``): the group then skips together."""
         g, me = self.group, self.rank
         self.last_error = ""
+        self.on_phase("parity-before", version)
+        self._version = version
         t0 = time.perf_counter()
         nbytes = data_manifest["payload_nbytes"] if ok and data_manifest else 0
         blob = json.dumps(data_manifest, separators=(",", ":")).encode() if ok and data_manifest else b""
@@ -202,6 +214,7 @@ class ParityExchange:
         t_xfer = time.perf_counter()
         man = self._parity_manifest(version, cs, pmax, sums, {str(r): json.loads(b) for r, b in zip(g.members, blobs)})
         client.seal(rank=me, version=version, manifest=man, kind="parity")
+        self.on_phase("parity-after", version)
         t_end = time.perf_counter()
         # Where parity time goes: votes + manifests + slot (prepare), blocks moving while earlier ones are
         # encoded (transfer_s; of it, recv_wait_s waiting for blocks, the rest encode + hash), the seal.
@@ -238,6 +251,8 @@ class ParityExchange:
             tw = time.perf_counter()
             for r in recvs[b]:
                 r.wait()
+            if b == 0:
+                self.on_phase("parity-block", self._version)
             t_wait += time.perf_counter() - tw
             for j in range(len(stripes)):
                 out = pview[j * cs + a: j * cs + z]
@@ -325,6 +340,7 @@ class ParityExchange:
                     reqs.append(dist.irecv(b, src=f.rank, group=self.pg, tag=cw.codeword))
         for r in reqs:
             r.wait()
+        self.on_phase("restore-rebuild", version)
         if me not in lost:
             return True, 0, ""
         my_man = info["manifests"][str(me)]

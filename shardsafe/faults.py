@@ -7,6 +7,15 @@ several successive failures. Kinds handled inside trainers:
   kill-copy:R@S   SIGKILL rank R halfway through copying snapshot version S (a torn write)
   hang-rank:R@S   SIGSTOP rank R at the start of optimizer step S (detected by the launcher's timeout)
   kill-node:N@S   handled by the launcher (kills node N's trainers and holder at step S)
+Phases of the snapshot's background work (S = the snapshot version):
+  kill-parity-before:R@S  SIGKILL rank R as its parity exchange of version S starts (data sealed)
+  kill-parity-block:R@S   ... after the first block of stripes has arrived (mid-exchange)
+  kill-parity-after:R@S   ... after its parity shares are sealed, before the commit vote
+  kill-commit:R@S         ... after the commit vote agreed on version S, before its holder commits it
+Phases of a restore (S = the version being restored, 0 = whichever):
+  kill-restore-rebuild:R@S  SIGKILL rank R in a parity rebuild, after the stripes arrived, before the seal
+  kill-restore-verify:R@S   ... after its copy verified, before the vote
+  kill-restore-apply:R@S    ... halfway through writing the snapshot into the live tensors
 """
 from __future__ import annotations
 
@@ -22,6 +31,21 @@ class FaultKind(enum.Enum):
     KILL_COPY = "kill-copy"
     HANG_RANK = "hang-rank"
     KILL_NODE = "kill-node"
+    KILL_PARITY_BEFORE = "kill-parity-before"
+    KILL_PARITY_BLOCK = "kill-parity-block"
+    KILL_PARITY_AFTER = "kill-parity-after"
+    KILL_COMMIT = "kill-commit"
+    KILL_RESTORE_REBUILD = "kill-restore-rebuild"
+    KILL_RESTORE_VERIFY = "kill-restore-verify"
+    KILL_RESTORE_APPLY = "kill-restore-apply"
+
+
+# phase name (as the runtime's layers report it) -> the fault that fires there
+PHASES = {"parity-before": FaultKind.KILL_PARITY_BEFORE, "parity-block": FaultKind.KILL_PARITY_BLOCK,
+          "parity-after": FaultKind.KILL_PARITY_AFTER, "commit": FaultKind.KILL_COMMIT,
+          "restore-rebuild": FaultKind.KILL_RESTORE_REBUILD, "restore-verify": FaultKind.KILL_RESTORE_VERIFY,
+          "restore-apply": FaultKind.KILL_RESTORE_APPLY}
+_ANY_VERSION = {FaultKind.KILL_RESTORE_REBUILD, FaultKind.KILL_RESTORE_VERIFY, FaultKind.KILL_RESTORE_APPLY}
 
 
 @dataclass(frozen=True)
@@ -83,6 +107,15 @@ class Injector:
         elif f.kind == FaultKind.HANG_RANK:
             _record(str(f), self.rank, step)
             os.kill(os.getpid(), signal.SIGSTOP)
+
+    def phase(self, name: str, version: int) -> None:
+        """Called by the snapshot pipeline, the parity exchange and the restore at their named phases."""
+        f = self.fault
+        if f is None or f.kind is not PHASES.get(name):
+            return
+        if f.step == version or (f.step == 0 and f.kind in _ANY_VERSION):
+            _record(str(f), self.rank, version)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def copy_progress(self, version: int, fraction: float) -> None:
         f = self.fault

@@ -77,7 +77,7 @@ def verify(manifest: Mapping[str, Any], buf: memoryview) -> list[str]:
             continue
         for i, ((a, b), want) in enumerate(zip(ranges, sums)):
             if hash_bytes(buf[a:b]) != want:
-                bad.append(f"{e['name']} segment {i} (bytes {a}-{b})")
+                bad.append(f"{e['name']} segment {i} (bytes {a}-{b}) fails its xxh3 checksum")
     return bad
 
 

@@ -202,11 +202,13 @@ class _Attempt:
     refusals: list          # "version v: why" for every refused version (this rank's reasons)
     rebuilt_bytes: int = 0
     rebuild_s: float = 0.0
+    on_phase: Callable[[str, int], None] = None   # type: ignore[assignment]  # fault injection hook
 
 
 def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *, rank: int, coll: Collectives,
                         on_event: Callable[..., None] | None = None, exchange=None,
-                        nodes: list[str] | None = None, persist=None) -> RestoreResult:
+                        nodes: list[str] | None = None, persist=None,
+                        on_phase: Callable[[str, int], None] | None = None) -> RestoreResult:
     """Run on every rank at start. Returns what was restored (version -1: nothing, fresh start).
 
     Raises RestoreError whenever any tier holds something for this job and nothing is restorable (more lost
@@ -222,7 +224,8 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     candidates = sorted({v for vs in data for v in vs}, reverse=True)
     if candidates:
         _check_world_size(client, rank, coll, mine_d)
-    st = _Attempt(rank, {"agree": time.perf_counter() - t0, "rebuild": 0.0, "verify": 0.0, "apply": 0.0}, [], [])
+    st = _Attempt(rank, {"agree": time.perf_counter() - t0, "rebuild": 0.0, "verify": 0.0, "apply": 0.0}, [], [],
+                  on_phase=on_phase or (lambda name, version: None))
     live = adapter.capture().tensors
     res = None
     for version in candidates:
@@ -301,6 +304,7 @@ def _try_version(version: int, adapter: StateAdapter, client, coll: Collectives,
         t1 = time.perf_counter()
         manifest, mm, bad, is_corrupt = _open_verified(lambda: client.open(rank=rank, version=version), adapter, live)
         status = _OK if not bad else (_CORRUPT if is_corrupt else _REFUSED)
+        st.on_phase("restore-verify", version)
         if bad:
             log.error("[rank %d] snapshot version %d failed verification, not loaded: %s", rank, version,
                       "; ".join(bad[:5]))
@@ -360,7 +364,7 @@ def _rebuild(version: int, client, coll: Collectives, st: _Attempt, exchange, lo
 def _apply(adapter: StateAdapter, client, coll: Collectives, st: _Attempt, version: int, manifest: dict, mm,
            tier: str) -> RestoreResult:
     t2 = time.perf_counter()
-    views = mf.views(manifest, mm)
+    views = _HalfwayHook(mf.views(manifest, mm), lambda: st.on_phase("restore-apply", version))
     try:
         if getattr(adapter, "uses_peer_payloads", False):
             digests = [e[0] for e in coll.gather_ints([manifest_digest(manifest)])]
@@ -381,6 +385,21 @@ def _apply(adapter: StateAdapter, client, coll: Collectives, st: _Attempt, versi
     res.phases = {k: round(v, 6) for k, v in st.phases.items()}
     res.notes = dict(getattr(adapter, "restore_notes", {}) or {})
     return res
+
+
+class _HalfwayHook(dict):
+    """The payload's views, calling ``at_half`` once when the adapter looks up its second tensor by name (it has
+    written the first): where a SIGKILL "mid-apply" lands, some live tensors overwritten and others not."""
+
+    def __init__(self, views: dict, at_half: Callable[[], None]):
+        super().__init__(views)
+        self._left, self._at_half = 2, at_half
+
+    def __getitem__(self, key):
+        self._left -= 1
+        if self._left == 0:
+            self._at_half()
+        return super().__getitem__(key)
 
 
 def _fence_and_keep(client: Optional[HolderClient], rank: int, version: int, mine_d: list[int], mine_p: list[int],

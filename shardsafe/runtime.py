@@ -81,6 +81,13 @@ class Runtime:
                 plan = plan_parity(places, group_size=cfg.parity_group_size, parity_shards=cfg.parity_shards)
             except TopologyError as e:
                 raise ConfigError(f"shardsafe parity settings cannot be placed on this job: {e}") from None
+            if plan is not None and cfg.parity_group_size > 1 and rank == 0:
+                sizes = sorted({g.n for g in plan})
+                if sizes != [cfg.parity_group_size]:
+                    log.warning("[rank 0] parity_group_size=%d: the data-parallel ranks split into groups of %s "
+                                "members (RS(k=n-%d, m=%d)), not %d; set parity_group_size to %d to say so, or change "
+                                "the layout", cfg.parity_group_size, sizes, cfg.parity_shards, cfg.parity_shards,
+                                cfg.parity_group_size, max(sizes))
             if plan is not None:
                 try:
                     self.exchange = ParityExchange(plan, rank, timeout_s=cfg.timeout_s, transport=cfg.parity_transport)
@@ -95,6 +102,9 @@ class Runtime:
             agreement=GlooAgreement(group) if world_size > 1 else LocalAgreement(),
             on_progress=self.injector.copy_progress, on_event=self.events.emit, reconnect=self._reconnect,
             parity=self.exchange, flush=self._flush_to_disk if cfg.persist_dir else None)
+        self.pipeline.on_phase = self.injector.phase
+        if self.exchange is not None:
+            self.exchange.on_phase = self.injector.phase
         self.persist = PersistentStore(cfg.persist_dir, cfg.job_id) if cfg.persist_dir else None
         self.restored: RestoreResult | None = None
 
@@ -134,7 +144,7 @@ class Runtime:
                     self.events.emit(kind, **f)
         self.restored = restore_from_holder(adapter, self.client, rank=self.rank, coll=self.coll,
                                             on_event=emit, exchange=self.exchange, nodes=self.nodes,
-                                            persist=self.persist)
+                                            persist=self.persist, on_phase=self.injector.phase)
         # Every snapshot of this attempt belongs to the new branch; the restored version counts as committed.
         self.pipeline.timeline = self.restored.timeline
         if self.restored.version >= 0:

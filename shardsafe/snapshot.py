@@ -108,6 +108,8 @@ class SnapshotPipeline:
         self.last_committed = -1
         # The timeline (branch) id written into every manifest; set by the runtime after its restore vote.
         self.timeline = 0
+        # fault injection / tracing hook: on_phase("commit", version) between the agreed vote and the commit
+        self.on_phase: Callable[[str, int], None] = lambda name, version: None
         self._q: "queue.Queue[_Job | None]" = queue.Queue()
         self._inflight: Optional[_Job] = None
         self._broken = False
@@ -239,6 +241,7 @@ class SnapshotPipeline:
             if ok:
                 job.stats.error = "another rank could not complete this version"
             return
+        self.on_phase("commit", job.version)
         try:
             self.client.commit(ranks=[self.rank], version=job.version)
             if self.parity is not None:

@@ -427,6 +427,8 @@ def build_parity_groups(places: Iterable[RankPlace], *, group_size: int | None =
         if bad:
             key, mem, nodes, mx = bad[0]
             best = largest_feasible(n - 1) if n - 1 > m else None
+            if best is not None:   # name the size the groups really get (n=3 over 4 ranks makes groups of 2)
+                best = max(-(-len(s[1]) // -(-len(s[1]) // best)) for s in stats)
             why = (f"only {len(mem)} ranks" if n > len(mem) else
                    f"a group can span at most {nodes} distinct nodes" if -(-len(mem) // n) < mx else
                    f"splitting into {-(-len(mem) // n)} groups leaves one with fewer than {m + 1} members")
@@ -458,6 +460,7 @@ def build_parity_groups(places: Iterable[RankPlace], *, group_size: int | None =
 def _no_placement(stats: list, m: int, best: int | None) -> str:
     key, mem, nodes, mx = min(stats, key=lambda s: s[2])
     if best is not None:
+        best = max(-(-len(s[1]) // -(-len(s[1]) // best)) for s in stats)   # the size the groups really get
         return f"The largest feasible group_size is {best}."
     return (f"no parity group of >= {m + 1} members on distinct nodes fits: {_describe_dp(key, len(mem), nodes, mx)}. "
             f"Surviving {m} node loss{'es' * (m != 1)} needs every DP group spread over >= {m + 1} nodes: lower "

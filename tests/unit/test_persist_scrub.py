@@ -375,3 +375,36 @@ def test_flush_survives_another_holders_prune_removing_the_empty_version_dir(tmp
     assert raced and store.rank_versions(0) == [4]
     with open(store.paths(4, 0)[0], "rb") as f:
         assert f.read() == payload
+
+
+def test_only_refused_versions_on_disk_is_an_error_not_a_fresh_start(holder, tmp_path):
+    """Issue 15 item 5: memory empty (a new node), the persistent tier holds versions of this job and none
+    verifies: RestoreError naming the directory and why; the files stay as they were."""
+    c = holder()
+    disk = str(tmp_path / "persist")
+    snapshots(c, [1, 2], flush_dir=disk, keep=2)
+    assert wait_flushes(c, 2)["done"] == 2
+    store = PersistentStore(disk, "job")
+    for v in (1, 2):
+        with open(store.paths(v, 0)[0], "r+b") as f:
+            f.seek(1_000)
+            b = f.read(1)
+            f.seek(1_000)
+            f.write(bytes([b[0] ^ 1]))
+    before = {p: os.path.getsize(p) for v in (1, 2) for p in store.paths(v, 0)}
+    with pytest.raises(RestoreError) as e:
+        restore_from_holder(ToyAdapter(5), holder("n1"), rank=0, coll=Collectives(), persist=store)
+    msg = str(e.value)
+    assert disk in msg and "none is complete and verified" in msg and "checksum" in msg.lower(), msg
+    assert {p: os.path.getsize(p) for p in before} == before and store.rank_versions(0) == [1, 2]
+
+
+def test_snapshots_of_another_world_size_are_named_as_such(holder):
+    c = holder()
+    pipe = SnapshotPipeline(c, rank=0, world_size=4, node="n0", agreement=LocalAgreement())
+    pipe.submit(1, ToyAdapter(1).capture())
+    assert pipe.flush(timeout=30)
+    pipe.close()
+    with pytest.raises(RestoreError, match=r"world size \[4\], and this job runs at world size 1"):
+        restore_from_holder(ToyAdapter(2), c, rank=0, coll=Collectives())
+    assert c.sealed_versions(0) == [1]                 # nothing deleted

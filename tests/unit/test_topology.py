@@ -262,3 +262,27 @@ def test_inconsistent_places_rejected():
         groups[0].position(99)
     with pytest.raises(TopologyError, match="distinct nodes"):
         ParityGroup(index=0, members=(0, 1), nodes=("a", "a"), k=1, m=1, key=(0, 0, ()), dp=(0, 1))
+
+
+# ---- settings that cannot be honoured are errors, not silent downgrades (issue 15 item 8) ------------------
+
+def test_explicit_parity_shards_that_cannot_be_placed_is_an_error():
+    from shardsafe.exchange import plan_parity
+    places = grid_places(world_size=4, ranks_per_node=2)           # 2 nodes: at most m=1
+    assert plan_parity(places, group_size=0, parity_shards=1) is not None
+    with pytest.raises(TopologyError, match="parity_shards=2 cannot be placed"):
+        plan_parity(places, group_size=0, parity_shards=2)
+
+
+def test_default_parity_on_one_node_is_off_with_a_warning(caplog):
+    import logging
+    from shardsafe.exchange import plan_parity
+    with caplog.at_level(logging.WARNING, logger="shardsafe.parity"):
+        assert plan_parity(grid_places(world_size=2, ranks_per_node=2), group_size=0, parity_shards=1) is None
+    assert any("parity off" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_infeasible_group_size_suggests_the_size_groups_really_get():
+    # 4 DP ranks on 2 nodes: group_size 3 would split them into two groups of 2, so the suggestion is 2
+    with pytest.raises(TopologyError, match=r"largest feasible group_size is 2 "):
+        build_parity_groups(grid_places(world_size=4, ranks_per_node=2), group_size=4, parity_shards=1)
