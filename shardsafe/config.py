@@ -73,6 +73,10 @@ class ShardsafeConfig:
     """Failure-domain name of this process (hostname by default)."""
     start_holder: bool = True
     """Start a detached holder when none is running for this node and job."""
+    holder_idle_exit_s: float = 600.0
+    """A holder this job's ranks start (detached) exits after this many seconds with no client connected and no
+    flush pending, so a holder whose job is gone does not keep its memory forever (0 = never; holder.protocol
+    DEFAULT_IDLE_EXIT_S). A job resubmitted later than this restores from the persistent tier, not memory."""
     restore: bool = True
     """Restore from the newest recoverable snapshot at start."""
     parity_shards: int = 1
@@ -117,6 +121,9 @@ class ShardsafeConfig:
             raise ConfigError(f"shardsafe.persist_mbps must be >= 0 MB/s (0 = uncapped); got {self.persist_mbps}.")
         if self.timeout_s <= 0:
             raise ConfigError(f"shardsafe.timeout_s must be > 0 seconds; got {self.timeout_s}.")
+        if self.holder_idle_exit_s < 0:
+            raise ConfigError(f"shardsafe.holder_idle_exit_s must be >= 0 seconds (0 = the holder never exits on its "
+                              f"own); got {self.holder_idle_exit_s}.")
         if self.enabled and not self.job_id:
             self.job_id = default_job_id()
         for key in ("job_id", "node") if self.enabled or self.job_id else ("node",):

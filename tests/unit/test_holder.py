@@ -179,3 +179,132 @@ def test_shutdown_is_answered_before_the_holder_stops(tmp_path, monkeypatch):
             signal.signal(s, fn)
     t.join(5)
     assert got == [0] and stopped_at_reply == [False]
+
+
+def _named_budget_gb(msg: str) -> float:
+    import re
+    m = re.search(r"Raise memory_budget_gb \(--memory-budget-gb\) to at least ([0-9.]+) GiB", msg)
+    assert m, msg
+    return float(m.group(1))
+
+
+def _keep_two_versions(c, rank: int, nbytes: int, first: int) -> None:
+    """Write, seal and commit two successive versions of ``rank``: what a holder keeps per rank."""
+    for v in (first, first + 1):
+        c.acquire(rank=rank, version=v, nbytes=nbytes)
+        c.seal(rank=rank, version=v, manifest={"v": v})
+        c.commit(ranks=[rank], version=v)
+
+
+@pytest.mark.parametrize("others", [[], [(0, 4 << 20)]], ids=["one rank", "after another rank"])
+def test_budget_message_names_a_budget_that_holds_the_versions_kept(holder, others):
+    """The refused request's message says two versions per rank are kept; a holder started with the budget it
+    names must hold two versions of every rank it had seen (the message once asked for one version only, and
+    rounded that to the nearest MB, below what it needed)."""
+    _, _, c = holder(budget_gb=0.01)   # 10.7 MB: room for the other rank's two 4 MiB slots, not for 20 MB
+    for rank, n in others:
+        _keep_two_versions(c, rank, n, first=1)
+    with pytest.raises(HolderError) as e:
+        c.acquire(rank=1, version=1, nbytes=20_000_000)
+    msg = str(e.value)
+    assert e.value.code == "budget" and "2 versions per rank are kept" in msg, msg
+    gb = _named_budget_gb(msg)
+    need = 2 * (20 << 20) + sum(2 * n for _, n in others)       # 20_000_000 rounds up to 20 MiB slots
+    assert need <= gb * (1 << 30) < need + (2 << 20), (gb, need)   # enough, and not wildly more
+    _, _, big = holder(job="job2", budget_gb=gb)
+    for rank, n in others:
+        _keep_two_versions(big, rank, n, first=1)
+    _keep_two_versions(big, 1, 20_000_000, first=1)
+    _keep_two_versions(big, 1, 20_000_000, first=3)   # and go on: each new version reuses the older slot
+    assert big.status()["used"] <= big.status()["budget"]
+
+
+def _wait_exit(proc, timeout):
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def test_idle_exit_counts_from_the_last_client_and_waits_for_flushes(tmp_path):
+    """An automatically started holder exits once no client is connected and no flush is pending for
+    idle_exit_s: not while a silent trainer stays connected, not at once when a long-connected client leaves,
+    not while a flush still writes to disk."""
+    from shardsafe.persist import PersistentStore
+    from shardsafe.runcheck import read_jsonl
+    idle = 1.0
+    p = HolderPaths(str(tmp_path / "h"), "jobI", "n0")
+    proc = subprocess.Popen(holder_command(p, budget_gb=0.1, idle_exit_s=idle, run_dir=str(tmp_path)),
+                            stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().startswith(b"holder ready")
+        c = HolderClient(p, timeout_s=5).connect()
+        time.sleep(3 * idle)                    # connected but silent (a trainer between snapshots): stays
+        assert proc.poll() is None
+        _, m = c.acquire(rank=0, version=1, nbytes=6 << 20)
+        m[:] = b"\x01" * len(m)
+        c.seal(rank=0, version=1, manifest={"entries": []})
+        c.commit(ranks=[0], version=1)
+        # 6 MiB at 2 MB/s: the flush takes ~3 s, longer than the idle time, after the client has gone
+        c.flush(rank=0, version=1, dir=str(tmp_path / "persist"), job_id="jobI", keep=1, mbps=2.0)
+        c.close()
+        t_left = time.monotonic()
+        time.sleep(idle + 1.0)
+        assert proc.poll() is None, "exited while a flush was still being written"
+        s = HolderClient(p, timeout_s=5).connect()   # and still serving meanwhile
+        s.close()
+        assert _wait_exit(proc, 15) == 0, "did not exit once idle"
+        waited = time.monotonic() - t_left
+        assert waited >= 3.0 + idle * 0.9, f"exited {waited:.1f} s after the client left, before its flush could end"
+        assert PersistentStore(str(tmp_path / "persist"), "jobI").versions() == [1]
+        assert not os.path.exists(p.socket)
+        stops = [e for e in read_jsonl(os.path.join(str(tmp_path), "events.jsonl")) if e.get("kind") == "holder_stop"]
+        assert [e.get("reason") for e in stops] == ["idle_exit"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_idle_exit_starts_when_the_last_client_leaves(tmp_path):
+    """A client connected longer than idle_exit_s leaves: the holder still waits idle_exit_s (it once
+    counted from the client's last request and exited at once)."""
+    idle = 1.5
+    p = HolderPaths(str(tmp_path / "h"), "jobJ", "n0")
+    proc = subprocess.Popen(holder_command(p, budget_gb=0.05, idle_exit_s=idle), stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().startswith(b"holder ready")
+        c = HolderClient(p, timeout_s=5).connect()
+        time.sleep(2 * idle)
+        c.close()
+        t0 = time.monotonic()
+        assert _wait_exit(proc, 10) == 0
+        assert time.monotonic() - t0 >= idle * 0.9
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_auto_started_holders_get_an_idle_exit_by_default(tmp_path):
+    """connect_or_start (a rank's detached holder) and holder_command (launchers) pass the idle exit; the
+    config's knob defaults to the same value; 0 means never."""
+    from shardsafe.config import ConfigError, ShardsafeConfig
+    from shardsafe.holder.protocol import DEFAULT_IDLE_EXIT_S
+    assert DEFAULT_IDLE_EXIT_S > 0
+    assert ShardsafeConfig(job_id="j").holder_idle_exit_s == DEFAULT_IDLE_EXIT_S
+    assert ShardsafeConfig(job_id="j", holder_idle_exit_s=0).holder_idle_exit_s == 0
+    with pytest.raises(ConfigError, match="holder_idle_exit_s"):
+        ShardsafeConfig(job_id="j", holder_idle_exit_s=-1)
+    cmd = holder_command(HolderPaths("/x", "j", "n"), budget_gb=1)
+    assert cmd[cmd.index("--idle-exit-s") + 1] == repr(DEFAULT_IDLE_EXIT_S)
+    p = HolderPaths(str(tmp_path / "h"), "jobK", "n0")
+    c = connect_or_start(p, budget_gb=0.01, start=True)
+    try:
+        assert c.started_holder
+        with open(f"/proc/{c.holder_pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert argv[argv.index(b"--idle-exit-s") + 1] == repr(DEFAULT_IDLE_EXIT_S).encode()
+        again = connect_or_start(p, budget_gb=0.01, start=True)
+        assert not again.started_holder and again.holder_pid == c.holder_pid
+        again.close()
+    finally:
+        c.shutdown()
