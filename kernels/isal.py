@@ -98,8 +98,8 @@ def load() -> ctypes.CDLL:
     if _lib is None:
         from shardsafe.parity import BackendUnavailable
         raise BackendUnavailable(
-            f"ISA-L is not loadable (tried: {_load_error}). {_pyeclib_note()}Install one of: the parity extra, "
-            f"pip install --only-binary pyeclib '{PYECLIB_REQUIREMENT}' (its binary wheels bundle "
+            f"ISA-L is not loadable (tried: {_load_error}). {_pyeclib_note()}Install one of: the parity extra "
+            f"(pip install 'shardsafe[parity]'), or pip install --only-binary pyeclib '{PYECLIB_REQUIREMENT}' (its binary wheels bundle "
             "pyeclib.libs/libisal-pyeclib.so.2); the system package libisal2 (Debian/Ubuntu: apt install libisal2; "
             "RHEL/Fedora: dnf install isa-l); or set SHARDSAFE_ISAL_LIB=/path/to/libisal.so.2.")
     return _lib
