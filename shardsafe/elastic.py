@@ -54,7 +54,7 @@ from datetime import timedelta
 from typing import Any, Callable, Iterable, Optional
 
 from .fatal import describe as describe_fatal, read_fatal
-from .faults import FaultKind, parse as parse_faults
+from .faults import NODE_FAULTS, FaultKind, for_attempt, parse as parse_faults
 
 log = logging.getLogger("shardsafe.elastic")
 
@@ -847,10 +847,10 @@ class ElasticConfig:
             raise LaunchError(f"join_timeout_s must be > 0 seconds, got {self.join_timeout_s!r}")
         faults = parse_faults(self.inject)   # fail fast on a malformed spec
         for f in faults:
-            if f.kind == FaultKind.KILL_NODE:
+            if f.kind in NODE_FAULTS:
                 for n in f.target.split("+"):
                     if not (n.startswith("node") and n[4:].isdigit()):
-                        raise LaunchError(f"kill-node target {n!r}: local nodes are named node0..node{self.nodes - 1}")
+                        raise LaunchError(f"{f.kind.value} target {n!r}: local nodes are named node0..node{self.nodes - 1}")
         if not self.job_id:
             self.job_id = f"launch-{uuid.uuid4().hex[:8]}"
         if not self.holder_dir:
@@ -910,7 +910,7 @@ class ElasticLauncher:
         """Start one holder per node (in parallel) and wait until each serves its socket."""
         from .holder.client import holder_command
         from .holder.paths import HolderPaths
-        from .launch import holder_failure, holder_running
+        from .launch import holder_env, holder_failure, holder_running
         started = {}
         for node in nodes:
             p = HolderPaths(self.cfg.holder_dir, self.cfg.job_id, node)
@@ -922,7 +922,7 @@ class ElasticLauncher:
             cmd = holder_command(p, budget_gb=self.cfg.memory_budget_gb, run_dir=self.cfg.run_dir)
             with open(os.path.join(self.cfg.run_dir, LOG_DIR, f"holder_{node}.log"), "ab") as logf:
                 started[node] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf,
-                                                 start_new_session=True)
+                                                 start_new_session=True, env=holder_env(self.cfg.inject))
             self.holders[node] = started[node]
         for node, proc in started.items():
             line = proc.stdout.readline()   # "holder ready: SOCKET" once the socket is bound
@@ -999,11 +999,23 @@ class ElasticLauncher:
 
     # ---- the run ---------------------------------------------------------------------------------------
     def _node_fault(self, attempt: int | None):
-        faults = parse_faults(self.cfg.inject)
-        if attempt is None or attempt >= len(faults):
+        if attempt is None:
             return None
-        f = faults[attempt]
-        return f if f.kind == FaultKind.KILL_NODE else None
+        return next(iter(for_attempt(parse_faults(self.cfg.inject), attempt, {FaultKind.KILL_NODE})), None)
+
+    def _holder_faults(self, attempt: int | None) -> list:
+        return [] if attempt is None else for_attempt(parse_faults(self.cfg.inject), attempt, {FaultKind.KILL_HOLDER})
+
+    def kill_holder(self, fault, attempt: int) -> None:
+        """kill-holder: the node's holder alone dies (SIGKILL); its workers run on and its first rank starts a
+        new one. No incident: the attempt goes on."""
+        holder = self.holders.get(fault.target)
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        self.events.emit("holder_killed", node=fault.target, fault=str(fault), attempt=attempt)
+        log.warning("injected holder kill: %s at step %d of attempt %d (its workers run on)", fault.target,
+                    fault.step, attempt)
 
     def run(self, script: list[str]) -> LaunchResult:
         """Run the job to the end: every agent done, one gave up, the timeout, an error no restart can fix
@@ -1041,6 +1053,11 @@ class ElasticLauncher:
                         ctl.report(Evidence(t=float(r.get("t") or time.time()), cause="fatal_error", rank=r.get("rank"),
                                             node=r.get("node")), a)
                         break
+                    for hf in self._holder_faults(a):
+                        if (a, str(hf)) not in injected and ctl.tail.max_iter.get(a, 0) >= hf.step \
+                                and ctl.book.is_open(a):
+                            injected.add((a, str(hf)))
+                            self.kill_holder(hf, a)
                     fault = self._node_fault(a)
                     if fault is not None and a not in injected and ctl.tail.max_iter.get(a, 0) >= fault.step \
                             and ctl.book.is_open(a):

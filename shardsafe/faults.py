@@ -1,12 +1,19 @@
 """Deterministic fault injection for demos and tests (real SIGKILL/SIGSTOP, at seeded points).
 
-Spec: ``SHARDSAFE_INJECT="kill-rank:1@30;kill-copy:0@55"``. Fault j applies to restart attempt j
-(attempt = SHARDSAFE_ATTEMPT or torch elastic's TORCHELASTIC_RESTART_COUNT), so one job can take
-several successive failures. Kinds handled inside trainers:
+Spec: ``SHARDSAFE_INJECT="kill-rank:1@30;kill-copy:0@55"``. Entry j (``;``-separated) applies to restart
+attempt j (attempt = SHARDSAFE_ATTEMPT or torch elastic's TORCHELASTIC_RESTART_COUNT), so one job can take
+several successive failures; an entry may join faults that do not end the attempt to the one that does with
+``&`` (``kill-flush:node1@6&kill-node:node0+node1@9``: the attempt survives the first, the second ends it).
+Kinds handled inside trainers:
   kill-rank:R@S   SIGKILL rank R at the start of optimizer step S (after its backward pass)
   kill-copy:R@S   SIGKILL rank R halfway through copying snapshot version S (a torn write)
   hang-rank:R@S   SIGSTOP rank R at the start of optimizer step S (detected by the launcher's timeout)
   kill-node:N@S   handled by the launcher (kills node N's trainers and holder at step S)
+  kill-holder:N@S handled by the launcher: SIGKILLs node N's holder alone once step S is done; its trainers
+                  run on (the node's first rank starts a new holder, snapshots resume)
+  kill-flush:N@S  handled by node N's holder: it SIGKILLs itself halfway through writing snapshot version S
+                  to the persistent tier (a torn flush); in whichever attempt flushes S (holders outlive
+                  attempts), once per holder process
 Phases of the snapshot's background work (S = the snapshot version):
   kill-parity-before:R@S  SIGKILL rank R as its parity exchange of version S starts (data sealed)
   kill-parity-block:R@S   ... after the first block of stripes has arrived (mid-exchange)
@@ -31,6 +38,8 @@ class FaultKind(enum.Enum):
     KILL_COPY = "kill-copy"
     HANG_RANK = "hang-rank"
     KILL_NODE = "kill-node"
+    KILL_HOLDER = "kill-holder"
+    KILL_FLUSH = "kill-flush"
     KILL_PARITY_BEFORE = "kill-parity-before"
     KILL_PARITY_BLOCK = "kill-parity-block"
     KILL_PARITY_AFTER = "kill-parity-after"
@@ -46,6 +55,8 @@ PHASES = {"parity-before": FaultKind.KILL_PARITY_BEFORE, "parity-block": FaultKi
           "restore-rebuild": FaultKind.KILL_RESTORE_REBUILD, "restore-verify": FaultKind.KILL_RESTORE_VERIFY,
           "restore-apply": FaultKind.KILL_RESTORE_APPLY}
 _ANY_VERSION = {FaultKind.KILL_RESTORE_REBUILD, FaultKind.KILL_RESTORE_VERIFY, FaultKind.KILL_RESTORE_APPLY}
+# Faults whose target is a node (done by a launcher or a holder), not a rank.
+NODE_FAULTS = {FaultKind.KILL_NODE, FaultKind.KILL_HOLDER, FaultKind.KILL_FLUSH}
 
 
 @dataclass(frozen=True)
@@ -53,22 +64,31 @@ class Fault:
     kind: FaultKind
     target: str     # rank number or node name
     step: int
+    attempt: int = 0   # the attempt it applies to (its entry's index in the spec)
 
     def __str__(self) -> str:
         return f"{self.kind.value}:{self.target}@{self.step}"
 
 
 def parse(spec: str) -> list[Fault]:
+    """Every fault of ``spec``, each with the attempt it applies to."""
     out = []
-    for part in filter(None, (p.strip() for p in spec.replace(",", ";").split(";"))):
-        try:
-            kind, rest = part.split(":", 1)
-            target, step = rest.rsplit("@", 1)
-            out.append(Fault(FaultKind(kind), target, int(step)))
-        except ValueError:
-            raise ValueError(f"bad fault spec {part!r}: expected KIND:TARGET@STEP with KIND in "
-                             f"{[k.value for k in FaultKind]}, e.g. kill-rank:1@30") from None
+    for attempt, entry in enumerate(e for e in (x.strip() for x in spec.replace(",", ";").split(";")) if e):
+        for part in filter(None, (p.strip() for p in entry.split("&"))):
+            try:
+                kind, rest = part.split(":", 1)
+                target, step = rest.rsplit("@", 1)
+                out.append(Fault(FaultKind(kind), target, int(step), attempt))
+            except ValueError:
+                raise ValueError(f"bad fault spec {part!r}: expected KIND:TARGET@STEP with KIND in "
+                                 f"{[k.value for k in FaultKind]}, e.g. kill-rank:1@30 (entries for successive "
+                                 "attempts separated by ';', faults of one attempt joined by '&')") from None
     return out
+
+
+def for_attempt(faults: list[Fault], attempt: int, kinds=None) -> list[Fault]:
+    """The faults of ``attempt`` (of ``kinds``, if given), in spec order."""
+    return [f for f in faults if f.attempt == attempt and (kinds is None or f.kind in kinds)]
 
 
 def current_attempt() -> int:
@@ -93,9 +113,9 @@ class Injector:
     def __init__(self, rank: int, spec: str | None = None, attempt: int | None = None):
         faults = parse(os.environ.get("SHARDSAFE_INJECT", "") if spec is None else spec)
         attempt = current_attempt() if attempt is None else attempt
-        f = faults[attempt] if attempt < len(faults) else None
         self.rank = rank
-        self.fault = f if f is not None and f.kind != FaultKind.KILL_NODE and f.target == str(rank) else None
+        self.fault = next((f for f in for_attempt(faults, attempt) if f.kind not in NODE_FAULTS
+                           and f.target == str(rank)), None)
 
     def before_step(self, step: int) -> None:
         f = self.fault
@@ -122,3 +142,21 @@ class Injector:
         if f is not None and f.kind == FaultKind.KILL_COPY and f.step == version and fraction >= 0.5:
             _record(str(f), self.rank, version)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def flush_fault(node: str, spec: str | None = None) -> "Fault | None":
+    """The kill-flush fault for this node's holder, if any (attempt-independent: holders outlive attempts)."""
+    faults = parse(os.environ.get("SHARDSAFE_INJECT", "") if spec is None else spec)
+    return next((f for f in faults if f.kind == FaultKind.KILL_FLUSH and f.target == node), None)
+
+
+def kill_self_in_flush(fault: "Fault", run_dir: str, version: int) -> None:
+    """A holder's flush reached the fault's point: record it for TOR and die as a crashed host would."""
+    if run_dir:
+        try:
+            from shardsafe.tor import EventLog
+            EventLog(run_dir, source="holder", node=fault.target).emit(
+                "holder_killed", fault=str(fault), version=version)
+        except Exception:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)

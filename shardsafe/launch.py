@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .faults import FaultKind, parse
+from .faults import FaultKind, for_attempt, parse
 from .fatal import describe as describe_fatal, read_fatal
 from .holder.client import holder_command, stop_holders
 from .holder.paths import HolderPaths
@@ -194,6 +194,16 @@ def holder_budget_env(budget_gb: float) -> dict[str, str]:
     return {"SHARDSAFE_HOLDER_BUDGET_GB": repr(float(budget_gb))}
 
 
+def holder_env(inject: str) -> dict[str, str]:
+    """A launcher-started holder's environment: the launcher's, plus the fault spec (kill-flush is done by
+    the holder itself)."""
+    env = dict(os.environ)
+    env.pop("SHARDSAFE_INJECT", None)
+    if inject:
+        env["SHARDSAFE_INJECT"] = inject
+    return env
+
+
 class LocalLauncher:
     def __init__(self, cfg: LaunchConfig, *, fork_server: ForkServer | None = None):
         """``fork_server``: an already launched :class:`ForkServer` to fork the trainers from, kept open
@@ -230,7 +240,7 @@ class LocalLauncher:
         log_path = os.path.join(self.cfg.run_dir, f"holder_{node}.log")
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf,
-                                    start_new_session=True)
+                                    start_new_session=True, env=holder_env(self.cfg.inject))
         line = proc.stdout.readline()  # "holder ready: ..." once the socket is bound
         if not line.startswith(b"holder ready"):
             proc.kill()
@@ -295,9 +305,17 @@ class LocalLauncher:
         return procs
 
     def _node_fault(self, attempt: int):
-        faults = parse(self.cfg.inject)
-        f = faults[attempt] if attempt < len(faults) else None
-        return f if f is not None and f.kind == FaultKind.KILL_NODE else None
+        return next(iter(for_attempt(parse(self.cfg.inject), attempt, {FaultKind.KILL_NODE})), None)
+
+    def _kill_holder(self, fault, attempt: int) -> None:
+        """kill-holder: the node's holder alone dies (SIGKILL); its trainers run on and its first rank starts
+        a new one. The attempt goes on, so this is no failure of the launcher's."""
+        proc = self.holders.get(fault.target)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        self.events.emit("holder_killed", node=fault.target, fault=str(fault), attempt=attempt)
+        log.warning("injected holder kill: %s at step %d (its trainers run on)", fault.target, fault.step)
 
     def _kill_nodes(self, procs: list[subprocess.Popen], fault, attempt: int) -> dict[str, Any]:
         """Node loss: SIGKILL the node's trainers and its holder (its shared memory dies with it),
@@ -353,12 +371,16 @@ class LocalLauncher:
                     started = time.monotonic()
                     failed: dict[str, Any] | None = None
                     node_fault = self._node_fault(attempt)
-                    watch = _EventTail(os.path.join(c.run_dir, "events.jsonl"), attempt) if node_fault else None
+                    holder_faults = for_attempt(parse(c.inject), attempt, {FaultKind.KILL_HOLDER})
+                    watch = _EventTail(os.path.join(c.run_dir, "events.jsonl"), attempt) \
+                        if node_fault or holder_faults else None
                     while True:
                         if stop.received is not None:
                             self._kill_all(procs)
                             self.events.emit("attempt_end", attempt=attempt, rc=None, cause="terminated")
                             break
+                        while holder_faults and watch.reached(holder_faults[0].step):
+                            self._kill_holder(holder_faults.pop(0), attempt)
                         if node_fault and watch.reached(node_fault.step):
                             failed = self._kill_nodes(procs, node_fault, attempt)
                             break

@@ -56,8 +56,10 @@ class PersistentStore:
         return [v for v in self.versions() if all(os.path.exists(p) for p in self.paths(v, rank))]
 
     # ---- write (holder side) ------------------------------------------------------------------------
-    def write(self, *, version: int, rank: int, payload: memoryview, manifest: dict, mbps: float = 0.0) -> float:
-        """Write one rank's payload and manifest durably; return the seconds it took."""
+    def write(self, *, version: int, rank: int, payload: memoryview, manifest: dict, mbps: float = 0.0,
+              on_progress: Callable[[float], None] | None = None) -> float:
+        """Write one rank's payload and manifest durably; return the seconds it took. ``on_progress`` is told
+        the payload's written fraction after each chunk (fault injection: a flush torn halfway)."""
         t0 = time.perf_counter()
         vdir = self.version_dir(version)
         try:
@@ -65,7 +67,7 @@ class PersistentStore:
             for attempt in range(3):
                 os.makedirs(vdir, mode=0o700, exist_ok=True)
                 try:
-                    _write_file(bin_path, payload, mbps)
+                    _write_file(bin_path, payload, mbps, on_progress=on_progress)
                     break
                 except FileNotFoundError:
                     # Another rank's holder pruned this (older) version and removed its directory, empty
@@ -85,16 +87,35 @@ class PersistentStore:
                                         "training and the memory tiers are unaffected") from None
         return time.perf_counter() - t0
 
-    def prune(self, rank: int, keep: int) -> list[int]:
-        """Remove this rank's files of all but the newest ``keep`` versions it has; drop empty dirs."""
+    def complete_versions(self, world_size: int) -> list[int]:
+        """Versions whose files are complete for every one of ``world_size`` ranks."""
+        return [v for v in self.versions() if all(os.path.exists(self.paths(v, r)[1]) for r in range(world_size))]
+
+    def prune(self, rank: int, keep: int, world_size: int | None = None) -> list[int]:
+        """Remove this rank's files of all but its newest ``keep`` versions, and its leftovers of a torn flush
+        (a holder killed mid-write: a ``.tmp``, or a payload without its manifest) below its newest complete
+        version; drop empty dirs. With ``world_size`` nothing at or above the newest version complete on every rank
+        is removed: ranks flush on their own, and a rank whose holder died mid-flush lags behind, so its peers
+        pruning by their own count alone could delete the only version all ranks have. Returns the complete
+        versions removed."""
         mine = self.rank_versions(rank)
-        gone = mine[:-keep] if keep > 0 else []
-        for v in gone:
+        floor = None
+        if world_size:
+            common = self.complete_versions(world_size)
+            floor = max(common) if common else -1
+        gone = [v for v in (mine[:-keep] if keep > 0 else []) if floor is None or v < floor]
+        kept = set(mine) - set(gone)
+        # a flush is never resumed (flushes of a rank go in version order): a torn one below this rank's newest
+        # complete version stays torn
+        torn = [v for v in self.versions() if v not in mine and mine and v < max(mine)
+                and (floor is None or v < floor)]
+        for v in gone + torn:
             for p in self.paths(v, rank):
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
+                for q in (p, p + ".tmp"):
+                    try:
+                        os.unlink(q)
+                    except FileNotFoundError:
+                        pass
             try:
                 os.rmdir(self.version_dir(v))
             except OSError:
@@ -112,13 +133,17 @@ class PersistentStore:
         return manifest, mm
 
 
-def _write_file(path: str, data: memoryview, mbps: float) -> None:
+def _write_file(path: str, data: memoryview, mbps: float, on_progress: Callable[[float], None] | None = None) -> None:
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # A progress hook sees at least two steps, so a payload below one chunk can still be torn halfway.
+    step = CHUNK if on_progress is None else max(1, min(CHUNK, (len(data) + 1) // 2))
     try:
         t0, done = time.perf_counter(), 0
         while done < len(data):
-            done += os.write(fd, data[done: done + CHUNK])
+            done += os.write(fd, data[done: done + step])
+            if on_progress is not None:
+                on_progress(done / len(data))
             if mbps > 0:   # bandwidth cap: never let a flush starve the job's own I/O
                 ahead = done / (mbps * 1e6) - (time.perf_counter() - t0)
                 if ahead > 0:

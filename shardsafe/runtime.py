@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import time
 from datetime import timedelta
 from typing import Any, Optional
 
-from .config import ConfigError, ShardsafeConfig
+from .config import ENV_HOLDER_BUDGET, ConfigError, ShardsafeConfig
 from .persist import PersistentStore
 from .exchange import ExchangeError, ParityExchange, gather_places, plan_parity
 from .topology import TopologyError
@@ -60,7 +61,8 @@ class Runtime:
         claim(cfg.holder_dir, cfg.job_id, cfg.node)
         try:
             self.client = connect_or_start(self.paths, budget_gb=cfg.memory_budget_gb, start=cfg.start_holder,
-                                           timeout_s=cfg.timeout_s, run_dir=cfg.run_dir)
+                                           timeout_s=cfg.timeout_s, idle_exit_s=cfg.holder_idle_exit_s,
+                                           run_dir=cfg.run_dir)
         except (HolderUnavailable, OSError) as e:
             log.warning("[rank %d] no holder for job %s on node %s (%s): training runs unprotected", rank,
                         cfg.job_id, cfg.node, e)
@@ -121,8 +123,35 @@ class Runtime:
         self.pipeline.client.flush(rank=self.rank, version=version, dir=self.cfg.persist_dir, job_id=self.cfg.job_id,
                                    keep=self.cfg.persist_keep, mbps=self.cfg.persist_mbps)
 
+    # After a failed start, ranks only try to connect for this long before starting a holder again: a start
+    # that keeps failing must not cost every snapshot a process start on the snapshot worker.
+    HOLDER_RESTART_BACKOFF_S = 30.0
+    _holder_retry_at = 0.0
+
     def _reconnect(self) -> HolderClient:
-        return HolderClient(self.paths, timeout_s=self.cfg.timeout_s).connect()
+        """A new connection to this node's holder once the old one broke (the pipeline calls it before the next
+        snapshot). A killed holder leaves nobody to answer: the node's first rank (its lowest) then starts a
+        new, empty one, detached, with this job's budget and idle exit, and records ``holder_restarted``; the
+        node's other ranks connect to it once it serves (a snapshot they take before then is skipped)."""
+        first = min((r for r, n in enumerate(self.nodes) if n == self.cfg.node), default=self.rank) \
+            if self.nodes else self.rank
+        start = self.cfg.start_holder and self.rank == first and time.monotonic() >= self._holder_retry_at
+        # A launcher that started the holders says their budget; a config without one leaves it to them.
+        budget = self.cfg.memory_budget_gb or float(os.environ.get(ENV_HOLDER_BUDGET) or 0)
+        try:
+            c = connect_or_start(self.paths, budget_gb=budget, start=start, timeout_s=self.cfg.timeout_s,
+                                 idle_exit_s=self.cfg.holder_idle_exit_s, run_dir=self.cfg.run_dir)
+        except (HolderUnavailable, OSError, subprocess.SubprocessError) as e:
+            if start:
+                self._holder_retry_at = time.monotonic() + self.HOLDER_RESTART_BACKOFF_S
+            raise HolderUnavailable(f"{e}" if isinstance(e, HolderUnavailable) else
+                                    f"starting a new holder failed ({type(e).__name__}: {e})") from None
+        if c.started_holder:
+            log.warning("[rank %d] the holder of node %s was gone: started a new one (pid %d); snapshots resume "
+                        "(the versions the old one held are lost on this node)", self.rank, self.cfg.node, c.holder_pid)
+            self.events.emit("holder_restarted", node=self.cfg.node, pid=c.holder_pid)
+        self.client = c   # close() closes the live connection, not the broken one
+        return c
 
     # ---- the three calls adapters make ------------------------------------------------------------
     def try_restore(self, adapter: StateAdapter) -> RestoreResult:

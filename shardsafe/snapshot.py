@@ -263,12 +263,27 @@ class SnapshotPipeline:
             return self.client
         if self.reconnect is not None:
             try:
-                self.client = self.reconnect()
-                return self.client
+                fresh = self.reconnect()   # the runtime's: the node's first rank starts a new holder if none runs
             except HolderUnavailable as e:
                 raise HolderUnavailable(f"holder for node {self.node!r} is gone: snapshots skipped, training continues "
                                         f"({e})") from None
+            self._forget_client(self.client)
+            self.client = fresh
+            return fresh
         raise HolderUnavailable(f"no holder for node {self.node!r}: snapshots skipped, training continues")
+
+    def _forget_client(self, old: Optional[HolderClient]) -> None:
+        """Let go of a broken connection's mappings: they keep a killed holder's memory alive, and a new
+        holder numbers its slots from 1 again, so CUDA registrations by slot id would point at old memory."""
+        if old is None:
+            return
+        if self._registered:
+            cudart = torch.cuda.cudart()
+            for slot, m in list(old._maps.items()):
+                if slot in self._registered:
+                    cudart.cudaHostUnregister(torch.frombuffer(m, dtype=torch.uint8, count=1).data_ptr())
+            self._registered.clear()
+        old.close()
 
     def _write(self, job: _Job) -> tuple[dict, Any]:
         client = self._ensure_client()

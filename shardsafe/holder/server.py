@@ -122,6 +122,13 @@ class Holder:
         self._flush_q: "queue.Queue[dict | None]" = queue.Queue()
         self._flush_pending = 0    # queued or being written; a shutdown reports it so launchers wait for them
         self._events = None
+        self._run_dir = run_dir
+        from shardsafe.faults import flush_fault
+        try:
+            self._flush_fault = flush_fault(paths.node)   # kill-flush: fault injection (tests, demos)
+        except ValueError as e:
+            log.warning("SHARDSAFE_INJECT ignored by the holder: %s", e)
+            self._flush_fault = None
         if run_dir:
             try:
                 from shardsafe.tor import EventLog
@@ -421,10 +428,12 @@ class Holder:
                 mv = memoryview(s.seg.map)[: job["_nbytes"]]
                 try:
                     secs = store.write(version=job["version"], rank=job["rank"], payload=mv, manifest=job["_manifest"],
-                                       mbps=float(job.get("mbps") or 0))
+                                       mbps=float(job.get("mbps") or 0), on_progress=self._flush_progress(job["version"]))
                 finally:
                     mv.release()
-                store.prune(job["rank"], int(job.get("keep") or 0))
+                ws = job["_manifest"].get("world_size") if isinstance(job["_manifest"], dict) else None
+                store.prune(job["rank"], int(job.get("keep") or 0),
+                            world_size=ws if isinstance(ws, int) and ws > 0 else None)
                 self.flush_stats["done"] += 1
                 self.flush_stats["bytes"] += job["_nbytes"]
                 self._emit("flush", version=job["version"], seconds=secs, bytes=job["_nbytes"], rank=job["rank"], ok=True)
@@ -441,6 +450,18 @@ class Holder:
                     self._unpin(job["rank"], "data", s)
                     self._flush_pending -= 1
                     self._last_activity = time.monotonic()   # the idle exit counts from the last flush's end
+
+    def _flush_progress(self, version: int):
+        """The kill-flush fault's hook for writing ``version`` (None: no fault there)."""
+        f = self._flush_fault
+        if f is None or f.step != version:
+            return None
+
+        def progress(fraction: float) -> None:
+            if fraction >= 0.5:
+                from shardsafe.faults import kill_self_in_flush
+                kill_self_in_flush(f, self._run_dir, version)
+        return progress
 
     # ---- scrubbing --------------------------------------------------------------------------------
     def scrub(self, req: dict | None = None) -> dict:

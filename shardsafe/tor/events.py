@@ -60,6 +60,11 @@ EVENT_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "iteration": ("trainer", ("iteration", "seconds")),
     "snapshot": ("trainer", ("version", "stall_s", "copy_s", "bytes")),
     "snapshot_skipped": ("trainer", ("version", "reason")),
+    # The node's first rank found its holder gone (killed) and started a new, empty one: snapshots resume.
+    "holder_restarted": ("trainer", ("node",)),
+    # A holder SIGKILLed by the fault injector (kill-holder by the launcher, kill-flush by the holder itself):
+    # no attempt ends with it, so it is not a fault_injected (that one dates the failure that follows).
+    "holder_killed": ("launcher", ("node", "fault")),
     "running_tor": ("trainer", ("tor",)),
     "holder_start": ("holder", ()),
     "holder_stop": ("holder", ()),

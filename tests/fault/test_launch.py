@@ -116,7 +116,7 @@ def test_kill_rank_then_node_loss_with_ranks_moved_to_other_nodes(tmp_path, refe
     assert moved[2] > 0, restore[2]          # data + parity of rank 2: node2 -> node3
     assert max(e.get("rebuilt_bytes", 0) for e in restore[2] if e["rank"] == 1) > 0
     cmp = compare_runs(str(tmp_path), str(ref), NODES, STEPS)
-    assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches, cmp.state_mismatches)
     rep, _ = check_tor(tmp_path, wall, 2)
     assert rep.breakdown["restore_parity"] > 0 and rep.breakdown["restore_memory"] > 0
 
@@ -137,7 +137,7 @@ def test_hang_detected_by_the_progress_watchdog(tmp_path, reference):
     assert {e["tier"] for e in restore[1]} == {"memory"} and len({e["version"] for e in restore[1]}) == 1
     assert {e["version"] for e in restore[1]} <= {3, 4}
     cmp = compare_runs(str(tmp_path), str(ref), NODES, STEPS)
-    assert cmp.bit_identical, (cmp.loss_mismatches, cmp.state_mismatches)
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches, cmp.state_mismatches)
     rep, _ = check_tor(tmp_path, wall, 1)
     assert rep.breakdown["detection"] >= 8.0
 

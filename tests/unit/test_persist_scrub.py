@@ -363,7 +363,7 @@ def test_flush_survives_another_holders_prune_removing_the_empty_version_dir(tmp
     store = PersistentStore(str(tmp_path / "persist"), "job")
     real, raced = persist._write_file, []
 
-    def racing_write(path, data, mbps):
+    def racing_write(path, data, mbps, **kw):
         if not raced:
             raced.append(path)
             os.rmdir(os.path.dirname(path))   # what the other holder's prune does to an empty dir
@@ -408,3 +408,52 @@ def test_snapshots_of_another_world_size_are_named_as_such(holder):
     with pytest.raises(RestoreError, match=r"world size \[4\], and this job runs at world size 1"):
         restore_from_holder(ToyAdapter(2), c, rank=0, coll=Collectives())
     assert c.sealed_versions(0) == [1]                 # nothing deleted
+
+
+def _flush_files(store, version, rank, world_size=2, nbytes=64, torn=False):
+    """One rank's flush of ``version`` as a holder writes it; ``torn``: the holder died halfway."""
+    if torn:   # in a child that dies without any cleanup, as a SIGKILLed holder does
+        pid = os.fork()
+        if pid == 0:
+            try:
+                store.write(version=version, rank=rank, payload=memoryview(bytes(nbytes)), manifest={},
+                            on_progress=lambda fraction: os._exit(7) if fraction >= 0.5 else None)
+            finally:
+                os._exit(1)
+        assert os.waitpid(pid, 0)[1] >> 8 == 7, "the progress hook was never told half the payload was written"
+        return
+    store.write(version=version, rank=rank, payload=memoryview(bytes(nbytes)),
+                manifest={"world_size": world_size})
+
+
+def test_a_torn_flush_is_never_a_version_and_prune_keeps_the_newest_common_one(tmp_path):
+    """A holder killed halfway through a flush leaves a .tmp of half the payload and no manifest: the version
+    is not complete for that rank. Its peer flushing on must not prune the newest version every rank has
+    (ranks prune on their own), and the torn leftovers go once newer versions are kept."""
+    store = PersistentStore(str(tmp_path / "disk"), "job")
+    for v in (2, 4):
+        for r in (0, 1):
+            _flush_files(store, v, r)
+    _flush_files(store, 6, 0)
+    _flush_files(store, 6, 1, torn=True)               # rank 1's holder died mid-write of version 6
+    tmp = store.paths(6, 1)[0] + ".tmp"
+    assert os.path.getsize(tmp) == 32 and not os.path.exists(store.paths(6, 1)[1])
+    assert store.rank_versions(1) == [2, 4] and store.complete_versions(2) == [2, 4]
+    # rank 0 flushes 8 and 10 (rank 1's new holder has nothing older than its next snapshot)
+    for v in (8, 10):
+        _flush_files(store, v, 0)
+        store.prune(0, keep=2, world_size=2)
+    assert store.rank_versions(0) == [4, 6, 8, 10], "4 is the newest version both ranks have: it must stay"
+    # without the world size (an old holder's rule) rank 0 would have deleted it
+    probe = PersistentStore(str(tmp_path / "probe"), "job")
+    for v in (4, 6, 8):
+        _flush_files(probe, v, 0)
+    probe.prune(0, keep=2)
+    assert probe.rank_versions(0) == [6, 8]
+    # rank 1 flushes 10: now 10 is common, its torn 6 and old versions go, and so do rank 0's
+    _flush_files(store, 10, 1)
+    store.prune(1, keep=2, world_size=2)
+    assert store.rank_versions(1) == [4, 10] and not os.path.exists(tmp)
+    store.prune(0, keep=2, world_size=2)
+    assert store.rank_versions(0) == [8, 10] and store.complete_versions(2) == [10]
+    assert store.versions() == [4, 8, 10]
