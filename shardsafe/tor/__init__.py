@@ -14,6 +14,8 @@ every equation. One module per concept:
 - :mod:`.classes`, :mod:`.project`, :mod:`.profiles`, :mod:`.simulate`
                       TOR at cluster scale: failure classes, the closed-form projection, published failure
                       profiles and the Monte Carlo simulator that checks the closed form
+- :mod:`.inputs`      rates and costs from files, a bench JSON or a run's events (``project --from``);
+                      :mod:`.projection_report` the projection's and the simulation's JSON and text
 - :mod:`.cli`         ``shardsafe tor report|project|simulate`` (``python -m shardsafe.tor`` too)
 
 Every public name of the former single module ``shardsafe.tor`` is re-exported here, so importers need not

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from ._checks import _is_num
@@ -24,7 +24,7 @@ from .errors import TorError
 from .attempts import _median, _Run, _assign_failures, _collect_failures, _collect_runs
 from .events import EVENT_KINDS, TIERS, _num_field
 from .model import predict_tor, young_interval
-from .records import CATEGORIES, Attempt, Failure, Segment, TorModel, TorOptions, TorReport
+from .records import CATEGORIES, RECOVERY_PARTS, Attempt, Failure, Segment, TorModel, TorOptions, TorReport
 
 __all__ = ["compute_tor"]
 
@@ -86,7 +86,8 @@ def compute_tor(events: Iterable[Mapping[str, Any]], *, ideal_iteration_s: float
         ideal_source=ideal_source, breakdown=breakdown, failures=failures, attempts=attempts, segments=segments,
         lost_spans=tally.lost_spans, snapshots=sum(len(r.snaps) for r in runs),
         snapshots_skipped=sum(len(r.skipped) for r in runs),
-        flushes=sum(1 for e in evs if e["kind"] == "flush"), model=model, warnings=warnings)
+        flushes=sum(1 for e in evs if e["kind"] == "flush"), model=model, warnings=warnings,
+        by_class=_by_class(runs, failures, segments, tally.lost_at))
 
 
 def _ordered_events(events: Iterable[Mapping[str, Any]], warnings: list[str]) -> list[dict[str, Any]]:
@@ -259,6 +260,9 @@ class _Tally:
     acc: _Acc
     lost_spans: list[tuple[float, float]]
     used_iter: set[tuple[int, int]]
+    lost_at: list[tuple[float, float]] = field(default_factory=list)
+    """(end of a failed training segment, its lost_progress seconds): a lost span holds the stall of a kept
+    snapshot too, which is snapshot_stall, so the per-class breakdown reads the lost seconds from here."""
     n_iter: int = 0
     first_it: int | None = None
     last_it: int | None = None
@@ -327,7 +331,9 @@ def _tally_training(seg: Segment, i: int, r: _Run, limit: float, tally: _Tally) 
         math.fsum(st for t, v, st in snaps if not v < limit and t <= t_last)
     work = math.fsum(s for _, _, s in keep)
     tally.acc.add("snapshot_stall", stall_kept_early + stall_kept_late)
-    tally.acc.add("lost_progress", lost_early + (b - t_last) - stall_kept_late)
+    lost = lost_early + (b - t_last) - stall_kept_late
+    tally.acc.add("lost_progress", lost)
+    tally.lost_at.append((b, lost))
     tally.acc.add("other", (t_last - a) - work - stall_kept_early - lost_early)
     if b > t_last:
         tally.lost_spans.append((t_last, b))
@@ -472,3 +478,51 @@ def _baseline_costs(evs: list[dict[str, Any]], opts: TorOptions) -> tuple[float 
     if opts.ckpt_save_s is not None or opts.ckpt_load_s is not None:
         sources.append("arguments")
     return save, load, "+".join(sources) or None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run's own failures by class (the tier that recovered them)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _by_class(runs: list[_Run], failures: list[Failure], segments: list[Segment],
+              lost_at: list[tuple[float, float]]) -> dict[str, dict[str, float]]:
+    """Each failure's recovery window runs from its fault (else its detection) to the next attempt's
+    train_ready, cut short by the next failure (a failure during a recovery takes the rest of it over). Its
+    class is the tier of the restore that ended the window: memory (a process failure), parity (a node loss),
+    persistent (beyond m), none (no later attempt trained). The phases inside the window are summed by
+    label; its lost progress is that of the training segment that ends at its fault (a failure during a
+    recovery loses none). The parts of all failures add up to the breakdown's detection, restart, restore and
+    lost progress after the first fault (startup too, less the one-time startup before it)."""
+    fails = sorted(failures, key=lambda f: f.t_fault if f.t_fault is not None else f.t_detect)
+    starts = [(f.t_fault if f.t_fault is not None else f.t_detect) for f in fails]
+    sums: dict[str, dict[str, float]] = {}
+    for k, f in enumerate(fails):
+        t_f = starts[k]
+        nxt = next((r for r in runs if r.start > f.t_detect), None)
+        end = nxt.train_ready if nxt is not None and nxt.train_ready is not None else None
+        tier = "none"
+        if nxt is not None:
+            tier = nxt.restore_tier if nxt.restore_tier in TIERS else (nxt.restore_start_tier or "none")
+        if end is None:
+            end = nxt.end if nxt is not None else t_f
+        if k + 1 < len(fails):
+            end = min(end, starts[k + 1])
+        parts = dict.fromkeys(RECOVERY_PARTS, 0.0)
+        for s in segments:
+            d = min(s.t1, end) - max(s.t0, t_f)
+            if d <= 0:
+                continue
+            cat = "restore" if s.label.startswith("restore_") else s.label
+            if cat in parts:
+                parts[cat] += d
+        parts["lost_progress"] = math.fsum(v for b, v in lost_at if abs(b - t_f) <= 1e-6)
+        acc = sums.setdefault(tier, {"failures": 0.0, **dict.fromkeys(RECOVERY_PARTS, 0.0)})
+        acc["failures"] += 1
+        for p, v in parts.items():
+            acc[p] += v
+    out = {}
+    for tier, acc in sums.items():
+        n = acc["failures"]
+        means = {p: acc[p] / n for p in RECOVERY_PARTS}
+        out[tier] = {"failures": int(n), **means, "seconds": math.fsum(means.values())}
+    return out

@@ -8,7 +8,7 @@ from typing import Any, Iterable, Mapping
 from ._checks import _is_num
 from .records import TorReport
 
-__all__ = ["plot_timeline"]
+__all__ = ["plot_timeline", "plot_sweep"]
 
 _COLORS = {
     "startup": "#9e9e9e", "restart": "#ff9800", "detection": "#e53935", "restore_memory": "#1e88e5",
@@ -98,3 +98,45 @@ def plot_timeline(events: Iterable[Mapping[str, Any]], report: TorReport, path: 
     fig.savefig(out, format="png")
     return out
 
+
+
+_STRATEGY_STYLE = {"shardsafe": ("#1e88e5", "o", "shardsafe (memory + parity)"),
+                   "memory_only": ("#fb8c00", "s", "memory-only snapshots (no parity)"),
+                   "disk": ("#6d4c41", "^", "disk checkpoints")}
+
+
+def plot_sweep(rows: list[Mapping[str, Any]], path: str | os.PathLike, *, title: str = "",
+               simulated: Mapping[str, list[tuple[int, float, float]]] | None = None) -> Path:
+    """Write a PNG of TOR versus GPUs (log scale) for each strategy of ``rows`` (``project.sweep``'s rows);
+    ``simulated[strategy]`` adds the simulator's (gpus, tor, ci95) as error bars. Returns the path written."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError("plot_sweep needs matplotlib: pip install 'shardsafe[plot]'") from e
+    if not rows:
+        raise ValueError("plot_sweep: no rows to plot; pass at least one scale")
+    fig = Figure(figsize=(8, 5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    gpus = [r["gpus"] for r in rows]
+    for s, (color, marker, label) in _STRATEGY_STYLE.items():
+        if s not in rows[0]:
+            continue
+        ax.plot(gpus, [r[s] for r in rows], color=color, marker=marker, label=f"{label}, closed form")
+        for g, tor, ci in (simulated or {}).get(s, []):
+            ax.errorbar([g], [tor], yerr=[ci], color=color, fmt="x", capsize=3)
+    if simulated:
+        ax.plot([], [], "kx", label="simulated (95 % CI)")
+    ax.set_xscale("log")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("TOR = T_opt / T_obs")
+    ax.set_ylim(0, 1.0)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    ax.set_title(title or "TOR versus scale, each strategy at its optimal interval", fontsize=9)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    return out

@@ -11,7 +11,7 @@ from typing import Any
 
 from ._checks import _pos
 
-__all__ = ["CATEGORIES", "TorOptions", "Failure", "Segment", "Attempt", "TorModel", "TorReport"]
+__all__ = ["CATEGORIES", "RECOVERY_PARTS", "TorOptions", "Failure", "Segment", "Attempt", "TorModel", "TorReport"]
 
 # Breakdown of T_obs - T_opt, in report order. `shutdown` (after the last kept iteration) is not in the
 # issue's list but is real, one-time wall time; without it `other` would not stay small.
@@ -20,6 +20,8 @@ CATEGORIES = (
     "lost_progress", "snapshot_stall", "slowdown", "shutdown", "other",
 )
 _RESTORE_CATS = ("restore_memory", "restore_parity", "restore_persistent")
+# One failure's cost, as the per-class breakdown of the report and the projection count it.
+RECOVERY_PARTS = ("detection", "restart", "startup", "restore", "lost_progress")
 
 
 @dataclass(kw_only=True)
@@ -149,6 +151,10 @@ class TorReport:
     flushes: int
     model: TorModel
     warnings: list[str] = field(default_factory=list)
+    by_class: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The run's own failures by the tier that recovered them (memory = a process failure, parity = a node
+    loss, persistent = beyond m, none = not recovered): ``failures`` and mean seconds per failure of each
+    :data:`RECOVERY_PARTS`, and ``seconds`` (their sum). The classes of ``shardsafe tor project``."""
 
     @property
     def mtbf(self) -> float | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .records import CATEGORIES, TorReport
+from .records import CATEGORIES, RECOVERY_PARTS, TorReport
 
 __all__ = ["report_dict", "report_text"]
 
@@ -48,6 +48,8 @@ def report_dict(report: TorReport) -> dict[str, Any]:
                       "snapshots": a.snapshots, "snapshots_skipped": a.snapshots_skipped} for a in report.attempts],
         "segments": [[rel(s.t0), rel(s.t1), s.label, s.attempt] for s in report.segments],
         "lost_spans": [[rel(a), rel(b)] for a, b in report.lost_spans],
+        "by_class": {t: {k: (v if k == "failures" else _r(v)) for k, v in d.items()}
+                     for t, d in report.by_class.items()},
         "warnings": list(report.warnings),
     }
 
@@ -75,6 +77,7 @@ def report_text(report: TorReport) -> str:
         pct = 100.0 * v / report.t_obs if report.t_obs > 0 else 0.0
         lines.append(f"    {c:<24}{v:>12.3f}{pct:>13.2f}%")
     lines.append("")
+    lines.extend(_by_class_lines(report))
     lines.append("  TOR model (docs/tor.md):  TOR = (1 - f - s - (R + tau/2)/M) * tau/(tau + C)")
     mt = "n/a" if m.mtbf_s is None else f"{m.mtbf_s:.3f} s ({m.mtbf_source}, {m.n_failures} failure(s))"
     lines.append(f"    M   MTBF                    {mt}")
@@ -107,3 +110,23 @@ def report_text(report: TorReport) -> str:
         lines.append("")
         lines.extend(f"  warning: {w}" for w in report.warnings)
     return "\n".join(lines) + "\n"
+
+
+_CLASS_OF_TIER = {"memory": "process", "parity": "node", "persistent": "beyond m", "none": "not recovered"}
+
+
+def _by_class_lines(report: TorReport) -> list[str]:
+    """The run's failures by the tier that recovered them: the classes ``shardsafe tor project`` uses."""
+    if not report.by_class:
+        return []
+    head = "".join(f"{p:>14}" for p in RECOVERY_PARTS)
+    lines = ["  per failure, by the tier that recovered it (mean seconds; `shardsafe tor project --from`):",
+             f"    {'tier (class)':<26}{'failures':>9}{head}{'total':>10}"]
+    order = ("memory", "parity", "persistent", "none")
+    for tier in sorted(report.by_class, key=lambda t: order.index(t) if t in order else len(order)):
+        d = report.by_class[tier]
+        label = f"{tier} ({_CLASS_OF_TIER.get(tier, '?')})"
+        vals = "".join(f"{d[p]:>14.3f}" for p in RECOVERY_PARTS)
+        lines.append(f"    {label:<26}{d['failures']:>9d}{vals}{d['seconds']:>10.3f}")
+    lines.append("")
+    return lines

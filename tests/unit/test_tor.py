@@ -725,3 +725,16 @@ def test_cli_errors_and_registration(tmp_path, capsys):
     assert args.func is not None and args.ideal_iteration_s == 0.5 and args.run_dir == "RUN"
     with pytest.raises(SystemExit):
         parser.parse_args(["tor", "report", "RUN", "--ideal-iteration-s", "abc"])
+
+
+def test_by_class_of_one_failure_matches_the_breakdown():
+    # The one failure was restored from memory: its parts are the breakdown's recovery categories after the
+    # fault (startup 13..13.5 + 14.3..14.5 = 0.7; lost 2.5, not the 3.0 s lost span, which holds the kept stall).
+    rep = compute_tor(one_failure_trace())
+    assert set(rep.by_class) == {"memory"}
+    got = rep.by_class["memory"]
+    assert got["failures"] == 1
+    for k, v in {"detection": 1.0, "restart": 2.0, "startup": 0.7, "restore": 0.8, "lost_progress": 2.5}.items():
+        assert got[k] == pytest.approx(v), k
+    assert got["seconds"] == pytest.approx(7.0)
+    assert report_dict(rep)["by_class"]["memory"]["lost_progress"] == pytest.approx(2.5)

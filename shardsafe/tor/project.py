@@ -1,0 +1,388 @@
+"""TOR at cluster scale, the closed form: per failure class, per strategy, at the optimal interval (docs/tor.md).
+
+For a strategy with snapshot interval tau (productive seconds) and stall C per snapshot, each failure class c
+arrives at the job rate Lambda_c = N x rate_c and costs D_c seconds of wall time per event (recovery steps,
+replacement wait, lost work, fail-slow slowdown). To first order in Lambda x D:
+
+    TOR = (1 - sum_c Lambda_c D_c) x tau / (tau + C)                                            (P)
+
+which is equation (M) of the single-run model with the failure term split by class. The breakdown of
+``T_obs - T_opt`` over ``T_obs``: class c takes Lambda_c D_c, snapshot stalls take (1 - sum) C / (tau + C);
+with TOR they sum to 1 exactly. (P) neglects failures during a recovery and assumes Lambda_c D_c << 1: where
+the MTBF approaches the recovery time it is too optimistic, and :mod:`.simulate` gives the value to use.
+
+Three strategies: ``shardsafe`` (holder memory + parity m, persistent tier behind), ``memory_only`` (the same
+with m = 0: every node loss goes to the persistent tier) and ``disk`` (synchronous disk checkpoints at their own
+optimal interval; every failure loads one).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .classes import CLASSES, Cluster, Costs, Rates
+
+__all__ = ["STRATEGIES", "PARTS", "ClassCost", "Projection", "node_loss_rate", "away_distribution", "p_no_spare", "p_beyond_m",
+           "class_costs", "flush_every", "tor_at", "project", "optimal_interval", "at_scale", "sweep", "recommend",
+           "DEFAULT_SWEEP_GPUS"]
+
+STRATEGIES = ("shardsafe", "memory_only", "disk")
+# Parts of one event's cost, in report order; their sum is the event's wall-time cost D_c.
+PARTS = ("detection", "restart", "startup", "restore", "replacement_wait", "lost_work", "slowdown")
+DEFAULT_SWEEP_GPUS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 100000)
+_TAU_MIN_S, _TAU_MAX_S = 1.0, 30 * 86400.0
+
+
+@dataclass(kw_only=True)
+class ClassCost:
+    """One failure class under one strategy: how often, through which tiers, and what one event costs."""
+
+    name: str
+    per_hour: float
+    """Events per hour for the whole job (N x rate)."""
+    tiers: dict[str, float]
+    """Probability of each restore tier (memory, parity, persistent, disk)."""
+    parts: dict[str, float]
+    """Expected seconds per event by :data:`PARTS` (tier-weighted)."""
+    p_no_spare: float = 0.0
+    p_beyond_m: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return math.fsum(self.parts.values())
+
+    @property
+    def fraction(self) -> float:
+        """Share of T_obs this class takes: Lambda_c x D_c."""
+        return self.per_hour / 3600.0 * self.seconds
+
+
+@dataclass(kw_only=True)
+class Projection:
+    """TOR of one strategy on one cluster, with its breakdown (fractions of T_obs that sum to 1 - TOR)."""
+
+    strategy: str
+    gpus: int
+    nodes: int
+    parity_m: int
+    spares: int
+    interval_s: float
+    stall_s: float
+    young_interval_s: float
+    persist_interval_s: float | None
+    mtbf_s: float
+    tor: float
+    stall_fraction: float
+    classes: dict[str, ClassCost] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def breakdown(self) -> dict[str, float]:
+        """Fractions of T_obs: per class, plus ``snapshot_stall``; sums to ``1 - tor`` (before clamping at 0)."""
+        out = {c: cc.fraction for c, cc in self.classes.items()}
+        out["snapshot_stall"] = self.stall_fraction
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy, "gpus": self.gpus, "nodes": self.nodes, "parity_m": self.parity_m,
+            "spares": self.spares, "interval_s": self.interval_s, "stall_s": self.stall_s,
+            "young_interval_s": self.young_interval_s, "persist_interval_s": self.persist_interval_s,
+            "mtbf_s": self.mtbf_s, "tor": self.tor, "breakdown": self.breakdown(),
+            "classes": {c: {"per_hour": cc.per_hour, "tiers": cc.tiers, "seconds_per_event": cc.seconds,
+                            "parts_s": cc.parts, "fraction": cc.fraction, "p_no_spare": cc.p_no_spare,
+                            "p_beyond_m": cc.p_beyond_m} for c, cc in self.classes.items()},
+            "notes": list(self.notes),
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Probabilities: spares and more than m losses in a group
+# ---------------------------------------------------------------------------------------------------------------
+
+def node_loss_rate(cluster: Cluster, rates: Rates) -> float:
+    """Rate (per second) at which one given node leaves the job: its own loss, its rack's events (each takes
+    ``rack_nodes`` nodes, so a node is hit at rack_nodes x the per-node rack rate), and evictions after
+    fail-slow."""
+    return (rates.node + cluster.rack_nodes * rates.rack + rates.slow) / 3600.0
+
+
+def away_distribution(cluster: Cluster, rates: Rates, costs: Costs, kmax: int) -> list[float]:
+    """P(k nodes are away in repair) for k = 0..kmax.
+
+    Every lost node is away ``repair_h``. Single-node losses (node, fail-slow evictions) and rack events (each
+    takes ``rack_nodes`` nodes at once) are Poisson, so the count away is compound Poisson (an M^X/G/inf
+    queue): mean mu_1 + r mu_r with mu_1 = N (rate_node + rate_slow) x repair and mu_r = N rate_rack x repair
+    rack events. Rack batches make its tail much heavier than a plain Poisson of the same mean (at 256 nodes
+    with 8 spares, a node loss waits about 6x more often). Panjer's recursion:
+    p(0) = exp(-mu_1 - mu_r), k p(k) = mu_1 p(k-1) + r mu_r p(k-r).
+    """
+    rep = costs.repair_h
+    mu1 = cluster.nodes * (rates.node + rates.slow) * rep
+    mur = cluster.nodes * rates.rack * rep
+    r = cluster.rack_nodes
+    p = [math.exp(-(mu1 + mur))]
+    for k in range(1, kmax + 1):
+        v = mu1 * p[k - 1] + (r * mur * p[k - r] if k >= r else 0.0)
+        p.append(v / k)
+    return p
+
+
+_NO_SPARE_MEMO: dict[tuple, float] = {}
+
+
+def p_no_spare(cluster: Cluster, rates: Rates, costs: Costs, need: int = 1) -> float:
+    """Probability that a loss needing ``need`` nodes finds fewer than that idle: idle spares = spares - away,
+    and a loss sees the stationary distribution of the nodes away (PASTA), :func:`away_distribution`."""
+    room = cluster.spares - need            # the loss waits when more than this many are away
+    if room < 0:
+        return 1.0
+    # Memoised: the interval search calls this hundreds of times with the same inputs (it does not depend on
+    # the interval), and the recursion is O(spares x rack_nodes).
+    key = (cluster.nodes, cluster.rack_nodes, room, rates.node, rates.rack, rates.slow, costs.repair_h)
+    v = _NO_SPARE_MEMO.get(key)
+    if v is None:
+        if len(_NO_SPARE_MEMO) > 4096:
+            _NO_SPARE_MEMO.clear()
+        v = _NO_SPARE_MEMO[key] = max(0.0, min(1.0, 1.0 - math.fsum(away_distribution(cluster, rates, costs, room))))
+    return v
+
+
+def _binom_tail(n: int, k: int, q: float) -> float:
+    """P(Binomial(n, q) >= k)."""
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    return max(0.0, min(1.0, math.fsum(math.comb(n, i) * q ** i * (1 - q) ** (n - i) for i in range(k, n + 1))))
+
+
+def p_beyond_m(cluster: Cluster, rates: Rates, window_s: float, lost_members: int = 1) -> float:
+    """Probability that a group which just lost ``lost_members`` members loses more than m in all before it is
+    healed ``window_s`` later: at least m - lost_members + 1 of its other n - lost_members members leave within
+    the window, each independently with q = 1 - exp(-node loss rate x window). 1 when lost_members > m."""
+    m, n = cluster.parity_m, cluster.group_nodes
+    if lost_members > m:
+        return 1.0
+    q = -math.expm1(-node_loss_rate(cluster, rates) * window_s)
+    return _binom_tail(n - lost_members, m - lost_members + 1, q)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-class cost of one event
+# ---------------------------------------------------------------------------------------------------------------
+
+def flush_every(costs: Costs, interval_s: float) -> int:
+    """k: the holders flush every k-th snapshot, the first one at least ``persist_interval_s`` after the last (the
+    flush cadence is what the persistent storage can take, so a longer snapshot interval cannot shorten it)."""
+    return max(1, math.ceil(costs.persist_interval_s / interval_s - 1e-9))
+
+
+def _recovery_parts(costs: Costs, restore_s: float, wait_s: float, lost_s: float) -> dict[str, float]:
+    return {"detection": costs.detect_s, "restart": costs.restart_s, "startup": costs.startup_s,
+            "restore": restore_s, "replacement_wait": wait_s, "lost_work": lost_s, "slowdown": 0.0}
+
+
+def _mix(paths: Sequence[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    return {p: math.fsum(w * parts[p] for w, parts in paths) for p in PARTS}
+
+
+def class_costs(strategy: str, cluster: Cluster, rates: Rates, costs: Costs, *, interval_s: float,
+                stall_s: float) -> dict[str, ClassCost]:
+    """Expected cost of one event of each class under ``strategy`` at snapshot interval ``interval_s`` (for
+    ``disk``: the checkpoint interval) with ``stall_s`` per snapshot (docs/tor.md, table of recovery paths)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}: expected one of {', '.join(STRATEGIES)}")
+    tau, c = interval_s, stall_s
+    lost_snap = (tau + c) / 2.0                      # wall time since the last committed snapshot, on average
+    m = cluster.parity_m if strategy == "shardsafe" else 0
+    cl = dataclasses.replace(cluster, parity_m=m) if m != cluster.parity_m else cluster
+    # Persistent versions are every k-th snapshot: a persistent restore loses half of k cycles.
+    k = flush_every(costs, tau)
+    lost_persist = k * (tau + c) / 2.0
+    r = cluster.rack_nodes
+    ns1, ns_rack = p_no_spare(cl, rates, costs, 1), p_no_spare(cl, rates, costs, r)
+    wait1, wait_rack = ns1 * costs.replace_wait_s, ns_rack * costs.replace_wait_s
+    # Slow: the job runs at (1 - s) for the detection time and until the next snapshot commits, then evicts.
+    s = costs.slowdown
+    slow_wall = costs.slow_detect_s + (tau + c) / (2.0 * (1.0 - s))
+    out: dict[str, ClassCost] = {}
+    per_hour = {cname: cluster.nodes * getattr(rates, cname) for cname in CLASSES}
+
+    if strategy == "disk":
+        disk = _recovery_parts(costs, costs.disk_load_s, 0.0, lost_snap)
+        for cname, wait, pns in (("process", 0.0, 0.0), ("node", wait1, ns1), ("rack", wait_rack, ns_rack)):
+            out[cname] = ClassCost(name=cname, per_hour=per_hour[cname], tiers={"disk": 1.0},
+                                   parts={**disk, "replacement_wait": wait}, p_no_spare=pns)
+        slow = {**_recovery_parts(costs, costs.disk_load_s, wait1, 0.0), "slowdown": s * slow_wall}
+        out["slow"] = ClassCost(name="slow", per_hour=per_hour["slow"], tiers={"disk": 1.0}, parts=slow,
+                                p_no_spare=ns1)
+        return out
+
+    mem = _recovery_parts(costs, costs.restore_memory_s, 0.0, lost_snap)
+    out["process"] = ClassCost(name="process", per_hour=per_hour["process"], tiers={"memory": 1.0}, parts=mem)
+    # A node loss: parity unless the group loses more than m before it is healed, i.e. before the replacement
+    # restored and the next snapshot re-encoded the group's parity.
+    par = _recovery_parts(costs, costs.restore_parity_s, wait1, lost_snap)
+    per = _recovery_parts(costs, costs.restore_persistent_s, wait1, lost_persist)
+    window = math.fsum(par.values()) - par["lost_work"] + tau + c
+    pb = p_beyond_m(cl, rates, window, 1)
+    out["node"] = ClassCost(name="node", per_hour=per_hour["node"], tiers=_tiers(pb),
+                            parts=_mix([(1 - pb, par), (pb, per)]), p_no_spare=ns1, p_beyond_m=pb)
+    # A rack event hits rack_nodes groups (spread) with members_per_rack members each: beyond m if any does.
+    k_rack = cl.members_per_rack
+    groups_hit = r if cl.spread else max(1, math.ceil(r / cl.group_nodes))
+    p_one = p_beyond_m(cl, rates, window, k_rack)
+    pr = 1.0 - (1.0 - p_one) ** groups_hit
+    rpar = {**par, "replacement_wait": wait_rack}
+    rper = {**per, "replacement_wait": wait_rack}
+    out["rack"] = ClassCost(name="rack", per_hour=per_hour["rack"], tiers=_tiers(pr),
+                            parts=_mix([(1 - pr, rpar), (pr, rper)]), p_no_spare=ns_rack, p_beyond_m=pr)
+    # Fail-slow: eviction right after a snapshot commits, so no work is lost; the evicted node is rebuilt like a
+    # lost one (parity; or, beyond m and always for memory-only, the persistent tier, which rolls the whole job
+    # back to the last flushed version: half a flush interval lost).
+    ps = p_beyond_m(cl, rates, window, 1)
+    spar = {**_recovery_parts(costs, costs.restore_parity_s, wait1, 0.0), "slowdown": s * slow_wall}
+    sper = {**_recovery_parts(costs, costs.restore_persistent_s, wait1, lost_persist), "slowdown": s * slow_wall}
+    out["slow"] = ClassCost(name="slow", per_hour=per_hour["slow"], tiers=_tiers(ps),
+                            parts=_mix([(1 - ps, spar), (ps, sper)]), p_no_spare=ns1, p_beyond_m=ps)
+    return out
+
+
+def _tiers(p_persistent: float) -> dict[str, float]:
+    return {"parity": 1.0 - p_persistent, "persistent": p_persistent}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TOR, the optimal interval, a projection, a sweep, a recommendation
+# ---------------------------------------------------------------------------------------------------------------
+
+def _stall(strategy: str, costs: Costs) -> float:
+    return costs.disk_save_s if strategy == "disk" else costs.snapshot_stall_s
+
+
+def tor_at(strategy: str, cluster: Cluster, rates: Rates, costs: Costs, interval_s: float) -> float:
+    """Equation (P) at one interval, not clamped (negative when failures eat more than the wall time)."""
+    c = _stall(strategy, costs)
+    cc = class_costs(strategy, cluster, rates, costs, interval_s=interval_s, stall_s=c)
+    return (1.0 - math.fsum(x.fraction for x in cc.values())) * interval_s / (interval_s + c)
+
+
+def optimal_interval(strategy: str, cluster: Cluster, rates: Rates, costs: Costs, *,
+                     min_interval_s: float = _TAU_MIN_S) -> float:
+    """The interval maximising (P): a log-spaced scan, then golden-section refinement around the best point.
+    (Young's sqrt(2 C M) is the optimum when only lost work and stalls depend on the interval; here the
+    fail-slow wait for the next snapshot, the parity healing window and the persistent cadence do too.)"""
+    f = lambda t: tor_at(strategy, cluster, rates, costs, t)  # noqa: E731
+    lo_b, hi_b = math.log(max(min_interval_s, 1e-3)), math.log(max(_TAU_MAX_S, min_interval_s * 2))
+    grid = [lo_b + (hi_b - lo_b) * i / 160 for i in range(161)]
+    vals = [f(math.exp(g)) for g in grid]
+    i = max(range(len(grid)), key=lambda j: vals[j])
+    a, b = grid[max(0, i - 1)], grid[min(len(grid) - 1, i + 1)]
+    g = (math.sqrt(5) - 1) / 2
+    x1, x2 = b - g * (b - a), a + g * (b - a)
+    f1, f2 = f(math.exp(x1)), f(math.exp(x2))
+    for _ in range(60):
+        if f1 < f2:
+            a, x1, f1 = x1, x2, f2
+            x2 = a + g * (b - a)
+            f2 = f(math.exp(x2))
+        else:
+            b, x2, f2 = x2, x1, f1
+            x1 = b - g * (b - a)
+            f1 = f(math.exp(x1))
+    best = math.exp((a + b) / 2)
+    return best if f(best) >= vals[i] else math.exp(grid[i])
+
+
+def project(strategy: str, cluster: Cluster, rates: Rates, costs: Costs, *, interval_s: float | None = None,
+            min_interval_s: float = _TAU_MIN_S) -> Projection:
+    """TOR of ``strategy`` at ``interval_s`` (default: its optimal interval) with the breakdown per class."""
+    tau = interval_s if interval_s is not None else optimal_interval(strategy, cluster, rates, costs,
+                                                                      min_interval_s=min_interval_s)
+    if not (tau > 0 and math.isfinite(tau)):
+        raise ValueError(f"interval_s={interval_s!r}: expected a finite number of seconds > 0")
+    c = _stall(strategy, costs)
+    cc = class_costs(strategy, cluster, rates, costs, interval_s=tau, stall_s=c)
+    fail = math.fsum(x.fraction for x in cc.values())
+    tor = (1.0 - fail) * tau / (tau + c)
+    lam = cluster.nodes * rates.total() / 3600.0
+    notes = []
+    if fail > 0.1:
+        # Measured against the simulator (docs/tor.md, "Closed form against the simulator"): beyond ~10 % the
+        # first-order form is pessimistic by more than ~0.01 TOR.
+        notes.append(f"failures take {100 * fail:.0f}% of the wall time: beyond ~10% the first-order form (P) "
+                     "is pessimistic by more than ~0.01 TOR (it charges a failure during a recovery the lost work "
+                     "and the whole recovery again); use `shardsafe tor simulate` for this point")
+    if tor < 0:
+        notes.append("failures cost more than the wall time: the job makes no progress; TOR clamped at 0")
+    return Projection(
+        strategy=strategy, gpus=cluster.gpus, nodes=cluster.nodes,
+        parity_m=cluster.parity_m if strategy == "shardsafe" else 0, spares=cluster.spares, interval_s=tau,
+        stall_s=c, young_interval_s=math.sqrt(2.0 * c / lam), mtbf_s=1.0 / lam,
+        persist_interval_s=None if strategy == "disk" else flush_every(costs, tau) * tau,
+        tor=max(0.0, tor), stall_fraction=(1.0 - fail) * c / (tau + c), classes=cc, notes=notes)
+
+
+def at_scale(cluster: Cluster, gpus: int) -> Cluster:
+    """The same cluster at ``gpus`` GPUs: nodes rounded up, spares scaled with the node count (same fraction)."""
+    nodes = max(cluster.group_nodes, math.ceil(gpus / cluster.gpus_per_node))
+    spares = math.ceil(cluster.spares * nodes / cluster.nodes)
+    return dataclasses.replace(cluster, nodes=nodes, spares=spares)
+
+
+def sweep(cluster: Cluster, rates: Rates, costs: Costs, gpus: Sequence[int] = DEFAULT_SWEEP_GPUS,
+          strategies: Sequence[str] = STRATEGIES, intervals: dict[str, float | None] | None = None
+          ) -> list[dict[str, Any]]:
+    """TOR at each scale for each strategy, at ``intervals[strategy]`` or else its optimal interval:
+    ``[{gpus, nodes, spares, <strategy>: tor, <strategy>_interval_s: s}, ...]``. Spares scale with the nodes."""
+    rows = []
+    for g in gpus:
+        cl = at_scale(cluster, g)
+        row: dict[str, Any] = {"gpus": cl.gpus, "nodes": cl.nodes, "spares": cl.spares}
+        for s in strategies:
+            p = project(s, cl, rates, costs, interval_s=(intervals or {}).get(s))
+            row[s], row[s + "_interval_s"] = p.tor, p.interval_s
+        rows.append(row)
+    return rows
+
+
+def recommend(cluster: Cluster, rates: Rates, costs: Costs, target_tor: float, *,
+              max_m: int = 3) -> dict[str, Any]:
+    """The cheapest shardsafe setup reaching ``target_tor``: the smallest m, then the fewest spares, each at the
+    optimal interval. Spares are tried from 0 up to the number that makes a wait for a node rare (P < 1e-3);
+    more spares than that buy nothing. Returns the setup, or the best reachable one with ``reached: False``."""
+    if not 0 < target_tor < 1:
+        raise ValueError(f"target_tor={target_tor!r}: expected a fraction in (0, 1)")
+    best: dict[str, Any] | None = None
+    cap = _spares_for(cluster, rates, costs, 1e-3)
+    for m in range(0, min(max_m, cluster.group_nodes - 1) + 1):
+        for spares in _spare_steps(cap):
+            cl = dataclasses.replace(cluster, parity_m=m, spares=spares)
+            p = project("shardsafe", cl, rates, costs)
+            cand = {"parity_m": m, "spares": spares, "interval_s": p.interval_s, "tor": p.tor,
+                    "p_no_spare": p.classes["node"].p_no_spare, "p_beyond_m": p.classes["node"].p_beyond_m}
+            if best is None or p.tor > best["tor"] + 1e-12:
+                best = cand
+            if p.tor >= target_tor:
+                return {**cand, "target_tor": target_tor, "reached": True}
+    assert best is not None
+    return {**best, "target_tor": target_tor, "reached": False}
+
+
+def _spares_for(cluster: Cluster, rates: Rates, costs: Costs, p: float) -> int:
+    s = 0
+    while p_no_spare(dataclasses.replace(cluster, spares=s), rates, costs, cluster.rack_nodes) > p and s < 10 * cluster.nodes:
+        s += 1
+    return s
+
+
+def _spare_steps(cap: int) -> list[int]:
+    steps, s = [0], 1
+    while s < cap:
+        steps.append(s)
+        s = s * 2 if s >= 4 else s + 1
+    if cap not in steps:
+        steps.append(cap)
+    return steps
