@@ -12,6 +12,10 @@ from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
+try:
+    from setuptools.command.editable_wheel import editable_wheel
+except ImportError:   # setuptools < 64: no PEP 660 editable installs to extend
+    editable_wheel = None
 
 HERE = Path(__file__).resolve().parent
 
@@ -80,10 +84,39 @@ def build_cuda_kernels_optional(out_dir: Path) -> None:
         _BUILT["lib"] = out
 
 
+# Automatic activation (adapters/autoload.py): site-packages/shardsafe-autoload.pth runs at every interpreter
+# start. It only installs an import finder (nothing else of shardsafe is imported until the program imports
+# DeepSpeed); SHARDSAFE_AUTO=0 skips even that. One line: site.py executes .pth lines that start with "import".
+AUTOLOAD_PTH = "shardsafe-autoload.pth"
+AUTOLOAD_LINE = ("import os; os.environ.get('SHARDSAFE_AUTO', '').strip().lower() in ('0', 'false', 'off', 'no') "
+                 "or __import__('shardsafe.adapters.autoload', fromlist=['install']).install()\n")
+
+
+def write_autoload_pth(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / AUTOLOAD_PTH
+    out.write_text(AUTOLOAD_LINE)
+    return out
+
+
 class BuildPyWithKernels(build_py):
     def run(self):
         super().run()
         build_cuda_kernels_optional(Path(self.build_lib) / "shardsafe" / "kernels")
+        write_autoload_pth(Path(self.build_lib))   # the wheel's root: lands in site-packages
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [str(Path(self.build_lib) / AUTOLOAD_PTH)]
+
+
+class EditableWheelWithAutoload(editable_wheel or object):
+    """``pip install -e``: setuptools' editable wheel holds only its own path hooks, not build_py's extra
+    outputs; the files beside the wheel's dist-info are written to site-packages, so the .pth goes there."""
+
+    def _run_build_commands(self, dist_name, unpacked_wheel, build_lib, tmp_dir):
+        out = super()._run_build_commands(dist_name, unpacked_wheel, build_lib, tmp_dir)
+        write_autoload_pth(Path(unpacked_wheel))
+        return out
 
 
 if __name__ == "__main__":
@@ -112,5 +145,6 @@ if __name__ == "__main__":
             "mpi": ["mpi4py>=3.1,<5"],
         },
         entry_points={"console_scripts": ["shardsafe=shardsafe.cli:main"]},
-        cmdclass={"build_py": BuildPyWithKernels},
+        cmdclass={"build_py": BuildPyWithKernels,
+                  **({"editable_wheel": EditableWheelWithAutoload} if editable_wheel is not None else {})},
     )

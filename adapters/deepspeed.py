@@ -163,7 +163,7 @@ class DeepSpeedStateAdapter:
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups],
             "opt_scalars": scalars,
             "state_devices": {n: str(t.device) for n, t in st.tensors.items()},
-            "lr_scheduler": e.lr_scheduler.state_dict() if e.lr_scheduler is not None else None,
+            "lr_scheduler": scheduler_state(e.lr_scheduler),
             "counters": {k: int(getattr(e, k)) for k in COUNTERS},
             "loss_scaler": scaler, "overflow": bool(getattr(o, "overflow", False)),
             "extra": dict(self.extra), "ds_checkpoint": self.checkpoint_layout(), **rng.meta,
@@ -329,14 +329,63 @@ def check_supported(engine: Any) -> None:
         if dev == "nvme":
             raise ConfigError(f"shardsafe does not protect zero_optimization.{what}.device=nvme (state lives on "
                               "NVMe, not in memory); use device cpu or none, or set shardsafe.enabled=false.")
-    sd = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    sd = scheduler_state(engine.lr_scheduler)
     try:
         from shardsafe.manifest import to_jsonable
         json.dumps(to_jsonable(sd))
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"the LR scheduler {type(engine.lr_scheduler).__name__} has a state_dict that is not "
-                          f"plain data ({e}); shardsafe stores scheduler state as JSON. Use a DeepSpeed or torch "
-                          "scheduler without callables, or set shardsafe.enabled=false.") from None
+        bad = sorted(k for k, v in (sd or {}).items() if not _jsonable(v)) if isinstance(sd, dict) else []
+        raise ConfigError(f"the LR scheduler {type(engine.lr_scheduler).__name__} has state that is not plain data "
+                          f"({', '.join(bad) or e}); shardsafe stores scheduler state as JSON and cannot restore "
+                          "it. Use a DeepSpeed or torch scheduler (LambdaLR with any callables is fine), or set "
+                          "shardsafe.enabled=false.") from None
+
+
+def _jsonable(v: Any) -> bool:
+    from shardsafe.manifest import to_jsonable
+    try:
+        json.dumps(to_jsonable(v))
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def scheduler_state(sched: Any) -> Any:
+    """The scheduler's ``state_dict`` as shardsafe stores it. LambdaLR / MultiplicativeLR (HF's schedulers) keep
+    each lr_lambda's ``__dict__`` there (None for a plain function or lambda); a callable whose ``__dict__`` is
+    not plain data is stored as None, so restoring keeps the callable the restarted program built again (the same
+    one: it is rebuilt from the program's own arguments), and everything else of the state is restored."""
+    if sched is None:
+        return None
+    sd = sched.state_dict()
+    lambdas = sd.get("lr_lambdas") if isinstance(sd, dict) else None
+    if isinstance(lambdas, list) and not _jsonable(lambdas):
+        sd = {**sd, "lr_lambdas": [x if _jsonable(x) else None for x in lambdas]}
+    return sd
+
+
+# What DeepSpeed keeps for itself in a checkpoint's model-states file (engine._load_checkpoint); the rest is the
+# program's client state.
+_DS_CHECKPOINT_KEYS = frozenset({"module", "buffer_names", "optimizer", "lr_scheduler", "sparse_tensor_module_names",
+                                 "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+                                 "data_sampler", "random_ltd", "ds_config", "ds_version", "shared_params",
+                                 "frozen_param_shapes", "frozen_param_fragments", "param_shapes"})
+_CLIENT_COUNTERS = ("iteration", "step", "steps", "global_step", "global_steps")
+
+
+def _disk_checkpoint(engine: Any, load_dir: Any, tag: Any) -> tuple[Any, dict | None]:
+    """(tag, the model-states dict) of the checkpoint ``engine.load_checkpoint(load_dir, tag)`` would load, or
+    (tag, None) when there is none. The file is the program's own checkpoint, read as DeepSpeed reads it."""
+    if tag is None:
+        latest = os.path.join(str(load_dir), "latest")
+        if not os.path.isfile(latest):
+            return None, None
+        with open(latest) as f:
+            tag = f.read().strip()
+    path = engine._get_ckpt_name(str(load_dir), tag)
+    if not os.path.isfile(path):
+        return tag, None
+    return tag, torch.load(path, map_location="cpu", weights_only=False)
 
 
 def _coords(engine: Any, rank: int) -> dict[str, int]:
@@ -355,10 +404,11 @@ def _coords(engine: Any, rank: int) -> dict[str, int]:
 class ShardsafeEngineHook:
     """What ``initialize`` attaches to the engine as ``engine.shardsafe``."""
 
-    def __init__(self, engine: Any, cfg: ShardsafeConfig):
+    def __init__(self, engine: Any, cfg: ShardsafeConfig, *, auto: bool = False):
         from shardsafe.runtime import Runtime
         import torch.distributed as dist
-        self.cfg = cfg
+        self.cfg, self.auto = cfg, auto
+        self._stepped = False   # load_checkpoint calls before the first step are the program's resume
         self.adapter = DeepSpeedStateAdapter(engine)
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -380,6 +430,7 @@ class ShardsafeEngineHook:
         rt, adapter = self.runtime, self.adapter
 
         def _take_model_step(*args: Any, **kwargs: Any) -> Any:
+            self._stepped = True
             rt.before_step(engine.global_steps + 1)
             return orig_take(*args, **kwargs)
 
@@ -392,6 +443,43 @@ class ShardsafeEngineHook:
 
         engine._take_model_step = _take_model_step
         engine.step = step
+        orig_load = engine.load_checkpoint
+
+        def load_checkpoint(load_dir: Any, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if self._stepped or self.restored.version < 0:
+                return orig_load(load_dir, tag, *args, **kwargs)
+            return self._resume_load(orig_load, load_dir, tag, args, kwargs)
+
+        engine.load_checkpoint = load_checkpoint
+
+    def _resume_load(self, orig_load: Any, load_dir: Any, tag: Any, args: tuple, kwargs: dict) -> Any:
+        """The program's own resume after a restore to version v: its ``load_checkpoint(dir)`` loads the disk
+        checkpoint only if that is newer than v. Otherwise the engine keeps the snapshot, and the call returns
+        what DeepSpeed's would: ``(None, None)`` when the directory holds no checkpoint, else the checkpoint's
+        path and its client state, with the step counters the program saved there (``iteration``, ``step``,
+        ``global_step(s)`` when they equal the checkpoint's step) moved to v."""
+        v, engine = self.restored.version, self.adapter.engine
+        rank0 = self.runtime.rank == 0
+        tag, states = _disk_checkpoint(engine, load_dir, tag)
+        if states is None:
+            if rank0:
+                log.warning("shardsafe: load_checkpoint(%r): no checkpoint there; the engine continues from snapshot "
+                            "version %d (restored at initialize)", str(load_dir), v)
+            return None, None
+        step = int(states.get("global_steps", -1))
+        if step > v:
+            if rank0:
+                log.warning("shardsafe: disk checkpoint %s (step %d) is newer than the snapshot (version %d): "
+                            "loading it", tag, step, v)
+            return orig_load(load_dir, tag, *args, **kwargs)
+        if rank0:
+            log.warning("shardsafe: snapshot version %d is newer than disk checkpoint %s (step %d): continuing from "
+                        "the snapshot; the checkpoint was not loaded", v, tag, step)
+        client = {k: val for k, val in states.items() if k not in _DS_CHECKPOINT_KEYS}
+        for k in _CLIENT_COUNTERS:
+            if isinstance(client.get(k), int) and not isinstance(client[k], bool) and client[k] == step:
+                client[k] = v
+        return os.path.join(str(load_dir), str(tag)), client
 
     def flush(self) -> bool:
         return self.runtime.pipeline.flush()
@@ -406,10 +494,30 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     """Same arguments and return value as ``deepspeed.initialize``; protects the engine when the config
     has ``"shardsafe": {"enabled": true, ...}``. A malformed block raises ConfigError before DeepSpeed runs."""
     import deepspeed
-    ds_cfg = _load_config(args, config, config_params)
+    # DeepSpeed's own initialize, also when the automatic activation (adapters/autoload.py) has wrapped it
+    original = getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)
+    return protect(original, (args, model, optimizer, model_parameters, training_data, lr_scheduler, *pos),
+                   dict(config=config, config_params=config_params, **kwargs))
+
+
+def protect(ds_initialize: Any, args: tuple, kwargs: dict, *, auto: bool = False):
+    """``ds_initialize(*args, **kwargs)`` (DeepSpeed's own), with the engine protected when its config has an
+    enabled ``"shardsafe"`` block. ``auto``: reached through the automatic activation (the program itself
+    calls ``deepspeed.initialize``); rank 0 then says so in one log line."""
+    from .autoload import ENV_AUTO, deepspeed_config_source, read_config
+    ns = kwargs.get("args", args[0] if args else None)
+    src = deepspeed_config_source(args, kwargs)
+    ds_cfg = _load_config(ns, src, None) if not isinstance(src, Mapping) else src
+    if ds_cfg is None and src is not None:
+        ds_cfg = read_config(src)
     cfg = config_from_ds(ds_cfg)   # validate first: a typo fails fast, before the engine is built
-    ret = deepspeed.initialize(args, model, optimizer, model_parameters, training_data, lr_scheduler, *pos,
-                               config=config, config_params=config_params, **kwargs)
+    ret = ds_initialize(*args, **kwargs)
     engine = ret[0]
-    engine.shardsafe = ShardsafeEngineHook(engine, cfg) if cfg.enabled else None
+    engine.shardsafe = ShardsafeEngineHook(engine, cfg, auto=auto) if cfg.enabled else None
+    if engine.shardsafe is not None and engine.shardsafe.runtime.rank == 0:
+        how = ("the \"shardsafe\" block of the DeepSpeed config (automatic activation; " f"{ENV_AUTO}=0 turns "
+               "the activation off)") if auto else "shardsafe.adapters.deepspeed.initialize"
+        log.warning("shardsafe: this DeepSpeed engine is protected (in-memory snapshots every %d step(s), job %s), "
+                    "switched on by %s; \"enabled\": false in the block turns protection off. %s", cfg.interval,
+                    cfg.job_id, how, engine.shardsafe.restored.message)
     return ret

@@ -109,6 +109,9 @@ class Runtime:
             self.exchange.on_phase = self.injector.phase
         self.persist = PersistentStore(cfg.persist_dir, cfg.job_id) if cfg.persist_dir else None
         self.restored: RestoreResult | None = None
+        self._closed = False
+        if world_size > 1:
+            _guard_teardown(self)
 
     def _flush_due(self, version: int) -> bool:
         return (version // self.cfg.interval) % self.cfg.persist_every == 0
@@ -216,6 +219,45 @@ class Runtime:
             log.warning("[rank %d] final snapshot %d not flushed to %s: %s", self.rank, step, self.cfg.persist_dir, e)
 
     def close(self) -> None:
+        """Finish the snapshot in flight, stop the worker, let the holder go. Idempotent; also run when the
+        program tears torch.distributed down or exits without calling it (an unchanged program never does)."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE.discard(self)
         self.pipeline.close()
         if self.client is not None:
             self.client.close()
+
+
+# Runtimes not yet closed. A program that knows nothing of shardsafe (automatic activation) ends with
+# torch.distributed.destroy_process_group() while the last snapshot's commit vote may still run on shardsafe's
+# own gloo group in the background: destroying that group under a running collective aborts the process
+# ("terminate called without an active exception"). So the teardown first closes these runtimes (the vote
+# finishes, the worker stops), and an exit without any teardown closes them too.
+_LIVE: "set[Runtime]" = set()
+
+
+def _guard_teardown(rt: "Runtime") -> None:
+    import atexit
+    import functools
+    import torch.distributed as dist
+    _LIVE.add(rt)
+    if getattr(dist.destroy_process_group, "__shardsafe_guard__", False):
+        return
+    original = dist.destroy_process_group
+
+    @functools.wraps(original)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        group = args[0] if args else kwargs.get("group")
+        if group is None:   # the whole of torch.distributed: shardsafe's groups go with it
+            for live in list(_LIVE):
+                try:
+                    live.close()
+                except Exception as e:  # noqa: BLE001 - the program's own teardown must go on
+                    log.warning("[rank %d] closing shardsafe before destroy_process_group: %s", live.rank, e)
+        return original(*args, **kwargs)
+
+    destroy_process_group.__shardsafe_guard__ = True
+    dist.destroy_process_group = destroy_process_group
+    atexit.register(lambda: [live.close() for live in list(_LIVE)])

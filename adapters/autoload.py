@@ -1,0 +1,156 @@
+"""Automatic activation: unchanged programs are protected by their configuration alone.
+
+Installed as ``shardsafe-autoload.pth`` in site-packages (setup.py puts it there, for wheels and editable
+installs alike), so every interpreter start imports this module. It imports nothing but ``sys`` and ``os``
+and puts one finder on ``sys.meta_path``; the rest of shardsafe is imported only when the program itself
+imports a framework the finder knows and then asks for protection:
+
+- ``deepspeed``: once DeepSpeed's package has loaded, ``deepspeed.initialize`` is wrapped. A call whose config
+  (a dict, a JSON/HJSON path, ``config_params``, or ``args.deepspeed_config``, as DeepSpeed itself accepts it)
+  has a ``"shardsafe"`` block that is not ``{"enabled": false}`` goes to
+  :func:`shardsafe.adapters.deepspeed.protect` with DeepSpeed's own initialize; any other call goes straight to
+  DeepSpeed's initialize, and nothing more of shardsafe is imported. Programs that call it through a wrapper
+  (HF Accelerate / ``Trainer``, Lightning) reach the same wrapper: they look ``deepspeed.initialize`` up at
+  call time.
+
+``SHARDSAFE_AUTO=0`` in the environment turns all of this off (the finder is not installed); the explicit
+``shardsafe.adapters.deepspeed.initialize`` keeps working either way.
+
+Why a meta-path finder and not a patch at startup: importing DeepSpeed costs seconds and programs that never
+use it must not pay that, nor see a different ``deepspeed`` module; the finder only wraps the loader of the one
+module it names and hands every other import back untouched.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+ENV_AUTO = "SHARDSAFE_AUTO"
+"""``0`` (or ``false``/``off``/``no``) turns the automatic activation off."""
+
+_BUSY: set[str] = set()
+
+
+def disabled() -> bool:
+    return os.environ.get(ENV_AUTO, "").strip().lower() in ("0", "false", "off", "no")
+
+
+class _Loader:
+    """The framework's own loader, plus a patch once the module has executed."""
+
+    def __init__(self, loader, patch):
+        self._loader, self._patch = loader, patch
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        try:
+            self._patch(module)
+        except Exception as e:  # noqa: BLE001 - activation must never break the user's import
+            sys.stderr.write(f"shardsafe: automatic activation for {module.__name__} failed ({type(e).__name__}: "
+                             f"{e}); the program runs unprotected. Set {ENV_AUTO}=0 to silence this.\n")
+
+    def __getattr__(self, name):   # is_package, get_resource_reader, get_code, ... of the real loader
+        return getattr(self._loader, name)
+
+
+class Finder:
+    """A ``sys.meta_path`` finder for the modules in :data:`PATCHES` only (importlib's MetaPathFinder
+    protocol: ``find_spec`` returns None for every other name)."""
+
+    def find_spec(self, name, path=None, target=None):
+        patch = PATCHES.get(name)
+        if patch is None or name in _BUSY:
+            return None
+        import importlib.util
+        _BUSY.add(name)
+        try:   # the spec the other finders give (this one declines while asked again inside)
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            return None
+        finally:
+            _BUSY.discard(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        spec.loader = _Loader(spec.loader, patch)
+        return spec
+
+
+def _patch_deepspeed(module) -> None:
+    import functools
+    original = module.initialize
+    if getattr(original, "__shardsafe_auto__", False):
+        return
+
+    @functools.wraps(original)
+    def initialize(*args, **kwargs):
+        if not wants_protection(args, kwargs):
+            return original(*args, **kwargs)
+        from shardsafe.adapters.deepspeed import protect
+        return protect(original, args, kwargs, auto=True)
+
+    initialize.__shardsafe_auto__ = True   # functools.wraps also sets __wrapped__ = DeepSpeed's own
+    module.initialize = initialize
+
+
+PATCHES = {"deepspeed": _patch_deepspeed}
+
+
+def deepspeed_config_source(args: tuple, kwargs: dict):
+    """Where ``deepspeed.initialize(*args, **kwargs)`` takes its config from, as DeepSpeed reads it."""
+    src = kwargs.get("config")
+    if src is None:
+        src = kwargs.get("config_params")
+    if src is None:
+        ns = kwargs.get("args", args[0] if args else None)
+        if ns is not None:
+            src = getattr(ns, "deepspeed_config", None) or getattr(ns, "deepscale_config", None)
+    return src
+
+
+def read_config(src):
+    """The config as a mapping (a dict as is; a path parsed as JSON, else HJSON as DeepSpeed does), or None."""
+    if isinstance(src, dict):
+        return src
+    if isinstance(src, (str, os.PathLike)):
+        import json
+        with open(src) as f:
+            text = f.read()
+        try:
+            return json.loads(text)
+        except ValueError:
+            try:
+                import hjson   # DeepSpeed's own parser (comments allowed)
+            except ImportError:
+                raise
+            return hjson.loads(text)
+    try:   # a Mapping that is not a dict (DeepSpeed accepts any)
+        from collections.abc import Mapping
+        return src if isinstance(src, Mapping) else None
+    except ImportError:
+        return None
+
+
+def wants_protection(args: tuple, kwargs: dict) -> bool:
+    """True when the config has a ``"shardsafe"`` block other than ``{"enabled": false}``. A block that is
+    malformed is routed to shardsafe too, whose config check names what is wrong."""
+    try:
+        cfg = read_config(deepspeed_config_source(args, kwargs))
+    except (OSError, ValueError):
+        return False   # DeepSpeed reports an unreadable config itself
+    if not cfg or "shardsafe" not in cfg:
+        return False
+    block = cfg["shardsafe"]
+    return not (isinstance(block, dict) and block.get("enabled", True) is False)
+
+
+def install() -> None:
+    """Called by shardsafe-autoload.pth at every interpreter start."""
+    if disabled() or any(isinstance(f, Finder) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, Finder())
+    mod = sys.modules.get("deepspeed")   # imported before this ran (an interactive session, a test)
+    if mod is not None and hasattr(mod, "initialize"):
+        _patch_deepspeed(mod)

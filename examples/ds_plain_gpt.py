@@ -1,0 +1,97 @@
+"""A plain DeepSpeed training script that knows nothing of shardsafe: protection comes from its config alone.
+
+    torchrun --nproc-per-node 2 examples/ds_plain_gpt.py --config configs/deepspeed/plain_zero2_bf16.json \
+        --ckpt-dir ckpt --steps 50
+    shardsafe launch --nodes 2 --nproc-per-node 1 examples/ds_plain_gpt.py --config ... --steps 50
+
+It is written the way user scripts are: ``deepspeed.initialize(...)``, then ``engine.load_checkpoint(ckpt_dir)``
+to resume, a loop from ``engine.global_steps``, and ``engine.save_checkpoint`` every ``--save-every`` steps.
+There is no ``import shardsafe`` below: with shardsafe installed, a ``"shardsafe"`` block in the config switches
+protection on (adapters/autoload.py), and after a crash the restarted script continues from the newest
+snapshot (its ``load_checkpoint`` of an older checkpoint keeps the snapshot).
+
+For the tests it also writes, like examples/ds_pretrain_gpt.py, ``losses_rank{R}.jsonl`` (float.hex losses) and
+``final_rank{R}``, and ``modules_rank{R}.json``: the shardsafe modules the program had imported when its
+training ended (before the test-only state dump below imports shardsafe's adapter).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ds_pretrain_gpt import TinyGPT, batch  # noqa: E402  (the same model and data as the other example)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="DeepSpeed JSON config")
+    p.add_argument("--config-as", choices=["path", "dict", "config_params", "args"], default="path",
+                   help="how the config reaches deepspeed.initialize (every form DeepSpeed accepts)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--ckpt-dir", default="", help="engine.load_checkpoint from here at start, save_checkpoint here")
+    p.add_argument("--save-every", type=int, default=0, help="save_checkpoint every N steps (0 = never)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    torch.set_num_threads(1)
+    import deepspeed
+    import deepspeed.ops
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False   # CPU: no shm-comm JIT build
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=30))
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(a.seed)
+    model = TinyGPT(vocab=256, d=64, layers=2, heads=4, seq=32)
+    torch.manual_seed(a.seed + 1 + rank)
+    random.seed(a.seed + rank)
+    np.random.seed(a.seed + rank)
+    with open(a.config) as f:
+        cfg = json.load(f)
+    kw = {"path": {"config": a.config}, "dict": {"config": cfg}, "config_params": {"config_params": cfg},
+          "args": {"args": argparse.Namespace(deepspeed_config=a.config, local_rank=int(os.environ.get("LOCAL_RANK", 0)))}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), **kw[a.config_as])
+    if a.ckpt_dir:
+        path, client = engine.load_checkpoint(a.ckpt_dir)
+        print(f"[rank {rank}] load_checkpoint({a.ckpt_dir}) -> {path}, client state {sorted(client or {})}; "
+              f"continuing after step {engine.global_steps}", flush=True)
+    attempt = int(os.environ.get("SHARDSAFE_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    losses = open(os.path.join(a.out, f"losses_rank{rank}.jsonl"), "a") if a.out else None
+    gas = engine.gradient_accumulation_steps()
+    dp_rank = rank % engine.dp_world_size
+    while engine.global_steps < a.steps:
+        total = 0.0
+        for i in range(gas):
+            x, y = batch(a.seed, engine.micro_steps, dp_rank, engine.train_micro_batch_size_per_gpu(), 32, 256)
+            loss = engine(x, y)
+            engine.backward(loss)
+            total += loss.item()
+            if losses and i == gas - 1:
+                losses.write(json.dumps({"step": engine.global_steps + 1, "loss": float(total).hex(),
+                                         "attempt": attempt}) + "\n")
+                losses.flush()
+            engine.step()
+        if a.ckpt_dir and a.save_every and engine.global_steps % a.save_every == 0:
+            engine.save_checkpoint(a.ckpt_dir, client_state={"step": engine.global_steps})
+    if a.out:
+        with open(os.path.join(a.out, f"modules_rank{rank}.json"), "w") as f:
+            json.dump(sorted(m for m in sys.modules if m == "shardsafe" or m.startswith("shardsafe.")), f)
+        # test-only: the state to compare bit for bit, in shardsafe's format (imports its adapter)
+        from ds_pretrain_gpt import final_state
+        from shardsafe.manifest import save_tensors
+        save_tensors(os.path.join(a.out, f"final_rank{rank}"), final_state(engine))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
