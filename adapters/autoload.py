@@ -5,6 +5,9 @@ installs alike), so every interpreter start imports this module. It imports noth
 and puts one finder on ``sys.meta_path``; the rest of shardsafe is imported only when the program itself
 imports a framework the finder knows and then asks for protection:
 
+- ``megatron.training`` (Megatron-LM's loop): with ``--shardsafe`` on the command line, ``pretrain`` and, from
+  megatron-core 0.18 on, ``parse_and_validate_args`` are wrapped so that the shardsafe flags parse and the hooks
+  are installed: an unmodified ``pretrain_gpt.py`` is protected by its flags alone.
 - ``deepspeed``: once DeepSpeed's package has loaded, ``deepspeed.initialize`` is wrapped. A call whose config
   (a dict, a JSON/HJSON path, ``config_params``, or ``args.deepspeed_config``, as DeepSpeed itself accepts it)
   has a ``"shardsafe"`` block that is not ``{"enabled": false}`` goes to
@@ -12,6 +15,11 @@ imports a framework the finder knows and then asks for protection:
   DeepSpeed's initialize, and nothing more of shardsafe is imported. Programs that call it through a wrapper
   (HF Accelerate / ``Trainer``, Lightning) reach the same wrapper: they look ``deepspeed.initialize`` up at
   call time.
+- ``transformers.trainer``: once HF's Trainer module has loaded, the ``Trainer`` methods named in
+  :data:`HF_TRAINER_HOOKS` are wrapped on the class. Each looks at ``trainer.model_wrapped.shardsafe`` (set by
+  the ``deepspeed`` branch above when HF's DeepSpeed config has the block) and, when the engine is not protected,
+  is HF's own method and nothing more; otherwise :mod:`shardsafe.adapters.hf` makes a restored snapshot resume the
+  Trainer as ``resume_from_checkpoint`` would (global step, data position, LR schedule, RNG).
 
 ``SHARDSAFE_AUTO=0`` in the environment turns all of this off (the finder is not installed); the explicit
 ``shardsafe.adapters.deepspeed.initialize`` keeps working either way.
@@ -95,7 +103,103 @@ def _patch_deepspeed(module) -> None:
     module.initialize = initialize
 
 
-PATCHES = {"deepspeed": _patch_deepspeed}
+def megatron_wanted(argv: list[str] | None = None) -> bool:
+    """Megatron-LM programs ask for protection on their command line: ``--shardsafe``."""
+    return "--shardsafe" in (sys.argv if argv is None else argv)
+
+
+def _patch_megatron_training(module) -> None:
+    """``megatron.training`` has loaded (its ``training`` and ``arguments`` modules with it): ``pretrain`` (both
+    names an entry script imports it by) and, from megatron-core 0.18 on, where the script parses arguments
+    itself first, ``parse_and_validate_args`` are wrapped. A call whose command line has ``--shardsafe`` gets
+    shardsafe's flags added to Megatron's parser and the hooks installed; any other call goes straight to
+    Megatron's own, and nothing of shardsafe is imported. (Decided at call time, not at import: a fork server
+    imports Megatron once, before the command line of the trainer it forks exists.)"""
+    import functools
+    training = sys.modules.get(module.__name__ + ".training")
+    arguments = sys.modules.get(module.__name__ + ".arguments")
+    original = getattr(training, "pretrain", None) or getattr(module, "pretrain", None)
+    if original is not None and not getattr(original, "__shardsafe_auto__", False):
+        @functools.wraps(original)
+        def pretrain(*args, **kwargs):
+            if not megatron_wanted():
+                return original(*args, **kwargs)
+            if _rank0():
+                sys.stderr.write("shardsafe: --shardsafe on the command line: Megatron-LM's pretrain is protected "
+                                 f"(automatic activation; {ENV_AUTO}=0 turns it off)\n")
+            from shardsafe.adapters.megatron import protected_pretrain
+            return protected_pretrain(original, args, kwargs)
+
+        pretrain.__shardsafe_auto__ = True
+        for owner in (module, training):
+            if owner is not None and getattr(owner, "pretrain", None) is original:
+                owner.pretrain = pretrain
+    parse = getattr(arguments, "parse_and_validate_args", None) if arguments is not None else None
+    if parse is not None and not getattr(parse, "__shardsafe_auto__", False):
+        @functools.wraps(parse)
+        def parse_and_validate_args(*args, extra_args_provider=None, **kwargs):
+            if megatron_wanted():
+                from shardsafe.adapters.megatron_args import compose_extra_args_provider
+                extra_args_provider = compose_extra_args_provider(extra_args_provider)
+            return parse(*args, extra_args_provider=extra_args_provider, **kwargs)
+
+        parse_and_validate_args.__shardsafe_auto__ = True
+        arguments.parse_and_validate_args = parse_and_validate_args
+        if getattr(module, "parse_and_validate_args", None) is parse:
+            module.parse_and_validate_args = parse_and_validate_args
+
+
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+HF_TRAINER_HOOKS = ("_prepare_for_training", "_run_epoch", "_load_optimizer_and_scheduler", "_load_scaler")
+"""The ``transformers.Trainer`` methods wrapped (the same as ``shardsafe.adapters.hf.HOOKS``)."""
+
+
+def _protected_engine(trainer) -> bool:
+    return getattr(getattr(trainer, "model_wrapped", None), "shardsafe", None) is not None
+
+
+def _patch_transformers_trainer(module) -> None:
+    """``transformers.trainer`` has loaded: the :data:`HF_TRAINER_HOOKS` methods of ``Trainer`` are wrapped on
+    the class. Each is HF's own method, and nothing of shardsafe is imported, unless the trainer's DeepSpeed
+    engine is protected (``engine.shardsafe``, set by the ``deepspeed`` branch from HF's config dict)."""
+    import functools
+    cls = getattr(module, "Trainer", None)
+    if cls is None or getattr(cls, "__shardsafe_auto__", False):
+        return
+    missing = [n for n in HF_TRAINER_HOOKS if not callable(getattr(cls, n, None))]
+    if missing:   # another transformers: say so instead of a restore that HF's loop would then ignore
+        raise AttributeError(f"transformers.Trainer has no {', '.join(missing)} (shardsafe resumes the Trainer "
+                             "through them; transformers 5.24 is tested)")
+
+    def wrap(name, original):
+        if name == "_prepare_for_training":   # the engine (and its restore) exists only after HF's method
+            @functools.wraps(original)
+            def method(self, *args, **kwargs):
+                out = original(self, *args, **kwargs)
+                if _protected_engine(self):
+                    from shardsafe.adapters.hf import after_prepare_call
+                    after_prepare_call(original, self, args, kwargs)
+                return out
+        else:
+            @functools.wraps(original)
+            def method(self, *args, **kwargs):
+                if not _protected_engine(self):
+                    return original(self, *args, **kwargs)
+                from shardsafe.adapters.hf import call
+                return call(name, original, self, args, kwargs)
+        method.__shardsafe_auto__ = True
+        return method
+
+    for name in HF_TRAINER_HOOKS:
+        setattr(cls, name, wrap(name, getattr(cls, name)))
+    cls.__shardsafe_auto__ = True
+
+
+PATCHES = {"deepspeed": _patch_deepspeed, "megatron.training": _patch_megatron_training,
+           "transformers.trainer": _patch_transformers_trainer}
 
 
 def deepspeed_config_source(args: tuple, kwargs: dict):
@@ -151,6 +255,7 @@ def install() -> None:
     if disabled() or any(isinstance(f, Finder) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, Finder())
-    mod = sys.modules.get("deepspeed")   # imported before this ran (an interactive session, a test)
-    if mod is not None and hasattr(mod, "initialize"):
-        _patch_deepspeed(mod)
+    for name, patch in PATCHES.items():   # imported before this ran (an interactive session, a test)
+        mod = sys.modules.get(name)
+        if mod is not None:
+            patch(mod)

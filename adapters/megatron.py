@@ -1512,14 +1512,24 @@ def pretrain(*args: Any, runtime_factory: Callable[[ShardsafeConfig], Runtime] =
     the runtime closed; the holder keeps the snapshots for a restart.
     """
     import megatron.training.training as T
+    # Megatron's own pretrain, also when the automatic activation (adapters/autoload.py) has wrapped it
+    return protected_pretrain(getattr(T.pretrain, "__wrapped__", T.pretrain), args, kwargs,
+                              runtime_factory=runtime_factory)
 
-    sig = inspect.signature(T.pretrain)
+
+def protected_pretrain(original: Callable[..., Any], args: tuple, kwargs: dict, *,
+                       runtime_factory: Callable[[ShardsafeConfig], Runtime] = default_runtime_factory) -> Any:
+    """``original(*args, **kwargs)`` (Megatron-LM's ``pretrain``) with shardsafe's flags added to its parser
+    (<= 0.17) and the hooks installed into ``megatron.training.training`` for the call."""
+    import megatron.training.training as T
+
+    sig = inspect.signature(original)
     if "extra_args_provider" in sig.parameters:
         bound = sig.bind_partial(*args, **kwargs)
         bound.arguments["extra_args_provider"] = compose_extra_args_provider(bound.arguments.get("extra_args_provider"))
         args, kwargs = bound.args, bound.kwargs
     handle = install_hooks(runtime_factory, training_module=T)
     try:
-        return T.pretrain(*args, **kwargs)
+        return original(*args, **kwargs)
     finally:
         handle.remove()

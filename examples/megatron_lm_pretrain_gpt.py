@@ -165,11 +165,17 @@ def main(argv: Optional[list[str]] = None, *, runtime_factory=None) -> list[tupl
         with open(argv[0][1:]) as f:
             argv = f.read().split() + argv[1:]
     out_dir = os.environ.get("SHARDSAFE_RUN_DIR", "")
+    # --plain-entry: call Megatron-LM's own pretrain (and parse_and_validate_args from 0.18 on) exactly as its
+    # pretrain_gpt.py does, importing nothing of shardsafe: --shardsafe on the command line is then all that
+    # protects the run (automatic activation, adapters/autoload.py).
+    plain = "--plain-entry" in argv
+    if plain:
+        argv.remove("--plain-entry")
     if "--out" in argv:
         i = argv.index("--out")
         out_dir = argv[i + 1]
         del argv[i:i + 2]
-    if os.environ.get("SHARDSAFE_RUN_DIR"):
+    if os.environ.get("SHARDSAFE_RUN_DIR") and not plain:
         from shardsafe.tor import EventLog   # process start, before the slow framework imports
         EventLog(os.environ["SHARDSAFE_RUN_DIR"], source="trainer", rank=int(os.environ.get("RANK", 0)),
                  attempt=_attempt()).emit("trainer_start")
@@ -198,13 +204,21 @@ def main(argv: Optional[list[str]] = None, *, runtime_factory=None) -> list[tupl
         deterministic.fill_uninitialized_memory = True
 
     from megatron.core.enums import ModelType
-    from shardsafe.adapters import megatron as ss_megatron
 
     _record(out_dir)
     sys.argv = [sys.argv[0]] + argv  # Megatron-LM parses sys.argv
     kw = {"runtime_factory": runtime_factory} if runtime_factory is not None else {}
     import inspect
     import megatron.training.training as T
+    if plain:
+        _plain_entry(ModelType.encoder_or_decoder)
+        if out_dir:
+            with open(os.path.join(out_dir, f"modules_rank{torch.distributed.get_rank()}.json"), "w") as f:
+                json.dump(sorted(m for m in sys.modules if m == "shardsafe" or m.startswith("shardsafe.")), f)
+            if "model" in RUN:
+                _save_final(out_dir)
+        return list(LOSSES)
+    from shardsafe.adapters import megatron as ss_megatron
     if "extra_args_provider" in inspect.signature(T.pretrain).parameters:   # megatron-core <= 0.17
         ss_megatron.pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
                              args_defaults={"tokenizer_type": "NullTokenizer"}, **kw)
@@ -218,6 +232,21 @@ def main(argv: Optional[list[str]] = None, *, runtime_factory=None) -> list[tupl
     if out_dir and "model" in RUN:
         _save_final(out_dir)
     return list(LOSSES)
+
+
+def _plain_entry(model_type: Any) -> None:
+    """What Megatron-LM's pretrain_gpt.py does (both calling conventions), with this file's providers."""
+    from megatron.training import pretrain
+    import inspect
+    if "extra_args_provider" in inspect.signature(pretrain).parameters:   # megatron-core <= 0.17
+        pretrain(datasets_provider, model_provider, model_type, forward_step,
+                 args_defaults={"tokenizer_type": "NullTokenizer"}, extra_args_provider=None)
+    else:
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+        from megatron.training.arguments import parse_and_validate_args
+        args = parse_and_validate_args(extra_args_provider=None, args_defaults={"tokenizer_type": "NullTokenizer"})
+        pretrain(pretrain_cfg_container_from_args(args), datasets_provider, model_type, forward_step,
+                 model_provider=model_provider)
 
 
 if __name__ == "__main__":  # the guard matters: Megatron's async saving starts spawn-based helpers

@@ -19,6 +19,7 @@ Fault points are drawn from SHARDSAFE_FAULT_SEED (printed; default fixed) so a f
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -255,6 +256,34 @@ def test_megatron_lm_pretrain_kill_and_resume(tmp_path, megatron_reference):
     assert got[0] == -1 and got[1] in (2, 3), got
     ev = events(tmp_path)
     assert any(e.get("kind") == "train_ready" and e.get("attempt") == 1 and e["iteration"] == got[1] + 1 for e in ev)
+    assert_resumed_after(tmp_path, 1, got[1])
+    assert_bit_identical(tmp_path, ref, steps=steps)
+
+
+@needs_lm
+def test_megatron_lm_unmodified_entry_protected_by_its_flags_alone(tmp_path, megatron_reference):
+    """The entry script calls Megatron-LM's own ``pretrain`` as pretrain_gpt.py does and imports nothing of
+    shardsafe (``--plain-entry``); ``--shardsafe`` on the command line is what protects it (adapters/autoload.py
+    wraps pretrain when megatron.training loads). Without the flag, the same script runs plain Megatron-LM and
+    imports nothing of shardsafe beyond the hook; with it, a SIGKILL of rank 2 before iteration 4 resumes from
+    the snapshot and ends bit-identical to the plain run."""
+    steps = 6
+    ref = megatron_reference("megatron_lm_plain_entry", [*lm_args(), "--plain-entry"], script=MEGATRON_LM,
+                             env=lm_env())
+    hook_only = ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload"]
+    for r in range(4):
+        with open(os.path.join(str(ref), f"modules_rank{r}.json")) as f:
+            assert json.load(f) == hook_only
+    assert "Megatron-LM's pretrain is protected" not in trainer_logs(str(ref))
+    res = run_megatron(tmp_path, [*lm_args(), "--plain-entry"], script=MEGATRON_LM, env=lm_env(),
+                       inject="kill-rank:2@4")
+    assert res.ok and res.attempts == 2, (res, trainer_logs(str(tmp_path))[-3000:])
+    logs = trainer_logs(str(tmp_path))
+    assert "Megatron-LM's pretrain is protected (automatic activation; SHARDSAFE_AUTO=0" in logs, logs[-3000:]
+    with open(os.path.join(str(tmp_path), "modules_rank0.json")) as f:
+        assert "shardsafe.adapters.megatron" in json.load(f)
+    got = restores(tmp_path)
+    assert got[0] == -1 and got[1] in (2, 3), got
     assert_resumed_after(tmp_path, 1, got[1])
     assert_bit_identical(tmp_path, ref, steps=steps)
 
