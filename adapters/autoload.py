@@ -104,8 +104,9 @@ def _patch_deepspeed(module) -> None:
 
 
 def megatron_wanted(argv: list[str] | None = None) -> bool:
-    """Megatron-LM programs ask for protection on their command line: ``--shardsafe``."""
-    return "--shardsafe" in (sys.argv if argv is None else argv)
+    """Megatron-LM programs ask for shardsafe on their command line: ``--shardsafe`` (protection on) or any
+    ``--shardsafe-*`` flag (the flags must parse either way; without ``--shardsafe`` the hooks pass through)."""
+    return any(a == "--shardsafe" or a.startswith("--shardsafe-") for a in (sys.argv if argv is None else argv))
 
 
 def _patch_megatron_training(module) -> None:
@@ -124,7 +125,7 @@ def _patch_megatron_training(module) -> None:
         def pretrain(*args, **kwargs):
             if not megatron_wanted():
                 return original(*args, **kwargs)
-            if _rank0():
+            if _rank0() and "--shardsafe" in sys.argv:
                 sys.stderr.write("shardsafe: --shardsafe on the command line: Megatron-LM's pretrain is protected "
                                  f"(automatic activation; {ENV_AUTO}=0 turns it off)\n")
             from shardsafe.adapters.megatron import protected_pretrain

@@ -1,0 +1,95 @@
+"""The automatic activation's contract (adapters/autoload.py): installed by the package, lazy, off by env.
+
+The end-to-end checks (a plain DeepSpeed script and Megatron-LM's loop protected by their configuration alone)
+are in tests/fault/test_unchanged_programs.py and tests/fault/test_megatron_resume.py.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+from shardsafe.adapters import autoload
+
+
+def _py(code, **env):
+    e = {k: v for k, v in os.environ.items() if k != "SHARDSAFE_AUTO"}
+    e.update(env)
+    return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60)
+
+
+def test_the_install_puts_the_pth_into_site_packages():
+    pth = os.path.join(sysconfig.get_paths()["purelib"], "shardsafe-autoload.pth")
+    assert os.path.isfile(pth), f"{pth} missing: setup.py's build_py/editable_wheel should write it"
+    with open(pth) as f:
+        line = f.read()
+    assert line.startswith("import ") and "shardsafe.adapters.autoload" in line and line.count("\n") == 1
+
+
+def test_a_new_interpreter_imports_only_the_hook_and_none_with_the_switch_off():
+    probe = ("import sys, json; print(json.dumps([sorted(m for m in sys.modules if m.startswith('shardsafe')), "
+             "[type(f).__name__ for f in sys.meta_path]]))")
+    mods, finders = json.loads(_py(probe).stdout)
+    assert mods == ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload"] and "Finder" in finders
+    for off in ("0", "false", "off", "no", " OFF "):
+        mods, finders = json.loads(_py(probe, SHARDSAFE_AUTO=off).stdout)
+        assert mods == [] and "Finder" not in finders, off
+
+
+def test_importing_an_unrelated_module_is_untouched_and_json_still_loads():
+    out = _py("import json, email.message, shardsafe.adapters.autoload as a; print(a.PATCHES.keys() >= {'deepspeed'})")
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+
+
+@pytest.mark.parametrize("block, want", [({"enabled": True}, True), ({}, True), ({"enabled": False}, False),
+                                         ({"enabled": "yes"}, True), ("bad", True), (None, False)])
+def test_which_configs_ask_for_protection(tmp_path, block, want):
+    """A block other than {"enabled": false} goes to shardsafe (whose check names a malformed one); no block,
+    no protection. The config is found wherever DeepSpeed looks for it."""
+    cfg = {"train_micro_batch_size_per_gpu": 1}
+    if block is not None:
+        cfg["shardsafe"] = block
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    ns = argparse.Namespace(deepspeed_config=str(path))
+    for args, kwargs in (((), {"config": cfg}), ((), {"config": str(path)}), ((), {"config_params": cfg}),
+                         ((ns,), {}), ((), {"args": ns})):
+        assert autoload.wants_protection(args, kwargs) is want, (args, kwargs)
+
+
+def test_hjson_config_and_unreadable_config(tmp_path):
+    p = tmp_path / "ds.hjson"
+    p.write_text('{\n  // a comment, as DeepSpeed allows\n  "shardsafe": {"enabled": true}\n}\n')
+    pytest.importorskip("hjson", reason="hjson comes with deepspeed")
+    assert autoload.wants_protection((), {"config": str(p)}) is True
+    assert autoload.wants_protection((), {"config": str(tmp_path / "missing.json")}) is False   # DeepSpeed says so
+    assert autoload.wants_protection((), {}) is False
+
+
+def test_the_deepspeed_wrapper_goes_straight_to_the_original_without_a_block():
+    calls = []
+
+    class FakeDS:   # stands in for the deepspeed module object only: the wrapping, not DeepSpeed, is tested
+        __name__ = "deepspeed"
+
+        @staticmethod
+        def initialize(*args, **kwargs):
+            calls.append((args, kwargs))
+            return "engine"
+
+    original = FakeDS.initialize
+    autoload._patch_deepspeed(FakeDS)
+    assert FakeDS.initialize is not original and FakeDS.initialize.__wrapped__ is original
+    autoload._patch_deepspeed(FakeDS)           # idempotent
+    assert FakeDS.initialize.__wrapped__ is original
+    assert FakeDS.initialize(model=1, config={"x": 1}) == "engine" and calls == [((), {"model": 1, "config": {"x": 1}})]
+
+
+def test_megatron_wanted_reads_the_command_line():
+    assert autoload.megatron_wanted(["pretrain_gpt.py", "--num-layers", "2", "--shardsafe"])
+    assert autoload.megatron_wanted(["pretrain_gpt.py", "--shardsafe-interval", "2"])   # flags parse, protection off
+    assert not autoload.megatron_wanted(["pretrain_gpt.py", "--shardsafer"])
+    assert not autoload.megatron_wanted(["pretrain_gpt.py"])
