@@ -29,14 +29,21 @@ def _seconds(text: str) -> float:
     return v
 
 
-def _iterations(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of iterations >= 1") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of iterations >= 1")
-    return v
+def _whole(low: int, what: str = ""):
+    """An argparse type: a whole number >= ``low`` (``what`` names its unit in the message)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = None
+        if v is None or v < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number{' of ' + what if what else ''} "
+                                             f">= {low}")
+        return v
+    return parse
+
+
+_iterations = _whole(1, "iterations")
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -85,14 +92,7 @@ _COST_HELP = {
 }
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 0") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 0")
-    return v
+_positive_int = _whole(0)
 
 
 def _number(text: str) -> float:
