@@ -37,6 +37,9 @@ ENV_AUTO = "SHARDSAFE_AUTO"
 """``0`` (or ``false``/``off``/``no``) turns the automatic activation off."""
 
 _BUSY: set[str] = set()
+FAILED: dict[str, str] = {}
+"""Module -> why its activation failed. A protected engine built for a program whose resume hooks are missing
+would restore a snapshot its training loop then ignores: the deepspeed branch refuses that case."""
 
 
 def disabled() -> bool:
@@ -57,6 +60,7 @@ class _Loader:
         try:
             self._patch(module)
         except Exception as e:  # noqa: BLE001 - activation must never break the user's import
+            FAILED[module.__name__] = f"{type(e).__name__}: {e}"
             sys.stderr.write(f"shardsafe: automatic activation for {module.__name__} failed ({type(e).__name__}: "
                              f"{e}); the program runs unprotected. Set {ENV_AUTO}=0 to silence this.\n")
 
@@ -96,11 +100,29 @@ def _patch_deepspeed(module) -> None:
     def initialize(*args, **kwargs):
         if not wants_protection(args, kwargs):
             return original(*args, **kwargs)
+        why = FAILED.get("transformers.trainer")
+        if why and _called_from(("transformers.", "accelerate.")):
+            from shardsafe.config import ConfigError
+            raise ConfigError(f"shardsafe cannot resume this Hugging Face Trainer ({why}): its engine would restore "
+                              "a snapshot the Trainer's loop then ignores. Set \"enabled\": false in the "
+                              "\"shardsafe\" block, or use the transformers version shardsafe is tested with (5.24).")
         from shardsafe.adapters.deepspeed import protect
         return protect(original, args, kwargs, auto=True)
 
     initialize.__shardsafe_auto__ = True   # functools.wraps also sets __wrapped__ = DeepSpeed's own
     module.initialize = initialize
+
+
+def _called_from(prefixes: tuple[str, ...]) -> bool:
+    """Whether a caller up the stack is a module of one of these packages (HF's Trainer reaches
+    deepspeed.initialize through accelerate)."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_globals.get("__name__", "")
+        if name.startswith(prefixes):
+            return True
+        f = f.f_back
+    return False
 
 
 def megatron_wanted(argv: list[str] | None = None) -> bool:

@@ -93,3 +93,28 @@ def test_megatron_wanted_reads_the_command_line():
     assert autoload.megatron_wanted(["pretrain_gpt.py", "--shardsafe-interval", "2"])   # flags parse, protection off
     assert not autoload.megatron_wanted(["pretrain_gpt.py", "--shardsafer"])
     assert not autoload.megatron_wanted(["pretrain_gpt.py"])
+
+
+def test_a_trainer_whose_resume_hooks_failed_is_refused_not_restored_behind_its_back(monkeypatch):
+    """HF's Trainer resumes only through the hooks on its class; when they could not be installed (another
+    transformers), a protected engine would restore a snapshot the Trainer's loop then ignores: refused, with
+    what to do."""
+    import types
+
+    from shardsafe.config import ConfigError
+
+    class FakeDS:   # stands in for the deepspeed module object: the refusal happens before DeepSpeed is called
+        __name__ = "deepspeed"
+
+        @staticmethod
+        def initialize(*args, **kwargs):
+            return "engine"
+
+    autoload._patch_deepspeed(FakeDS)
+    monkeypatch.setitem(autoload.FAILED, "transformers.trainer", "AttributeError: no _run_epoch")
+    fake_accelerate = types.ModuleType("accelerate.fake")
+    exec("def prepare(init, cfg):\n    return init(model=None, config_params=cfg)\n", fake_accelerate.__dict__)
+    with pytest.raises(ConfigError, match="cannot resume this Hugging Face Trainer.*enabled.*false"):
+        fake_accelerate.prepare(FakeDS.initialize, {"shardsafe": {"enabled": True}})
+    assert fake_accelerate.prepare(FakeDS.initialize, {"no": "block"}) == "engine"
+    assert autoload._called_from(("accelerate.",)) is False

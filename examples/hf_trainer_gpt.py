@@ -1,0 +1,133 @@
+"""A plain Hugging Face ``Trainer`` script that knows nothing of shardsafe: protection comes from its config alone.
+
+    torchrun --nproc-per-node 2 examples/hf_trainer_gpt.py --out run --steps 10
+    shardsafe launch --nodes 2 --nproc-per-node 1 examples/hf_trainer_gpt.py --out run --steps 10
+
+A tiny GPT-2 (``transformers.GPT2Config``: 2 layers, width 64, vocabulary 256, built from the config: nothing is
+downloaded) trained on a synthetic, deterministic dataset with ``Trainer.train()`` and a DeepSpeed ZeRO-2 config
+passed as ``TrainingArguments(deepspeed=<dict>)`` with HF's ``"auto"`` values. HF/Accelerate call
+``deepspeed.initialize`` with that dict; the ``"shardsafe"`` block in it switches protection on
+(adapters/autoload.py), and after a crash the same command continues at the snapshot's step with its data
+position, LR schedule and RNG, as ``trainer.train(resume_from_checkpoint=...)`` would (adapters/hf.py).
+``--no-shardsafe`` drops the block (the reference run of the tests).
+
+For the tests it writes, like examples/ds_plain_gpt.py, ``losses_rank{R}.jsonl`` (this rank's loss of every
+optimizer step as float.hex, recorded by a ``compute_loss`` override that calls HF's own), ``modules_rank{R}.json``
+(the shardsafe modules imported by the end of training) and ``final_rank{R}`` (the engine's state in shardsafe's
+format: the only shardsafe import, after training).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+VOCAB, SEQ = 256, 32
+
+
+class SyntheticLM(torch.utils.data.Dataset):
+    """``n`` token sequences, each a pure function of (seed, index): every run and rank sees the same data."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        g = torch.Generator().manual_seed(self.seed * 100003 + i)
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def ds_config(shardsafe: bool, interval: int) -> dict:
+    """ZeRO-2, bf16, DeepSpeed's AdamW, HF's own (LambdaLR) schedule: the "auto" values are HF's to fill in."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                  "weight_decay": "auto"}},
+        "zero_optimization": {"stage": 2},
+        "bf16": {"enabled": "auto"},
+        "steps_per_print": 1000000000,
+    }
+    if shardsafe:
+        cfg["shardsafe"] = {"enabled": True, "interval": interval}
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--gas", type=int, default=1, help="gradient_accumulation_steps")
+    p.add_argument("--samples", type=int, default=256, help="dataset size (samples per epoch, all ranks)")
+    p.add_argument("--interval", type=int, default=1, help="shardsafe snapshot interval")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--no-shardsafe", action="store_true", help="no \"shardsafe\" block in the DeepSpeed config")
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+
+    torch.set_num_threads(1)
+    import deepspeed.ops
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False   # CPU: no shm-comm JIT build
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=os.path.join(a.out or ".", "hf_output"), max_steps=a.steps, per_device_train_batch_size=4,
+        gradient_accumulation_steps=a.gas, learning_rate=1e-3, weight_decay=0.01, warmup_steps=2,
+        lr_scheduler_type="linear", logging_steps=1, save_strategy="no", report_to=[], seed=a.seed,
+        dataloader_num_workers=0, bf16=True, use_cpu=True, deepspeed=ds_config(not a.no_shardsafe, a.interval),
+        ddp_backend="gloo", disable_tqdm=True)
+    rank = args.process_index
+    # the model after TrainingArguments (it sets up the process group) and with the seed fixed, as HF examples do
+    from transformers import set_seed
+    set_seed(a.seed)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4))
+    attempt = int(os.environ.get("SHARDSAFE_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    losses = open(os.path.join(a.out, f"losses_rank{rank}.jsonl"), "a") if a.out else None
+
+    class LoggingTrainer(Trainer):
+        """Trainer with the loss of every optimizer step recorded in the tests' format (nothing else changed)."""
+
+        _acc = 0.0
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            out = super().compute_loss(model, inputs, *args, **kwargs)
+            loss = out[0] if isinstance(out, tuple) else out
+            self._acc += float(loss.detach().float().item())
+            micro = getattr(self, "_micro", 0) + 1
+            self._micro = micro
+            if losses and micro % a.gas == 0:
+                losses.write(json.dumps({"step": self.state.global_step + 1, "loss": float(self._acc).hex(),
+                                         "attempt": attempt}) + "\n")
+                losses.flush()
+                self._acc = 0.0
+            return out
+
+    trainer = LoggingTrainer(model=model, args=args, train_dataset=SyntheticLM(a.samples, a.seed))
+    result = trainer.train()
+    print(f"[rank {rank}] train() done at global step {trainer.state.global_step} "
+          f"(epoch {trainer.state.epoch:.3f}, training loss {result.training_loss:.4f})", flush=True)
+    if a.out:
+        with open(os.path.join(a.out, f"modules_rank{rank}.json"), "w") as f:
+            json.dump(sorted(m for m in sys.modules if m == "shardsafe" or m.startswith("shardsafe.")), f)
+        # test-only: the state to compare bit for bit, in shardsafe's format (imports its adapter)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from ds_pretrain_gpt import final_state
+        from shardsafe.manifest import save_tensors
+        save_tensors(os.path.join(a.out, f"final_rank{rank}"), final_state(trainer.model_wrapped))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""HF ``transformers.Trainer`` protected by its DeepSpeed config's "shardsafe" block alone (issue 16, HF part).
+
+examples/hf_trainer_gpt.py is a plain Trainer script: a tiny GPT-2 built from its config, ``TrainingArguments(
+deepspeed=<ZeRO-2 bf16 dict with "auto" values>)``, ``Trainer.train()`` without ``resume_from_checkpoint``. Real
+transformers and accelerate (the test extra), DeepSpeed on the CPU accelerator, 2 ranks on 2 simulated nodes,
+a real SIGKILL at step 5; the same command restarted finishes with the losses and weights of an uninterrupted
+run of the script without the block, and its second attempt started right after the restored step (no start
+over). The dataset is 24 samples (3 optimizer steps per epoch at 2 ranks x 4): the restores land on an epoch
+boundary (v=3) and inside an epoch (v=2, v=4), so the epoch skip, the batch skip of HF's resume and the seeded
+sampler's epoch are all on the path; GPT-2's dropout makes the RNG part of what must match.
+"""
+import os
+import sys
+import uuid
+
+import pytest
+
+from shardsafe.launch import PRELOAD_DEEPSPEED, LaunchConfig
+from shardsafe.runcheck import compare_runs, losses_by_attempt
+
+from .helpers import ROOT, launch, restores, trainer_logs
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+pytestmark = pytest.mark.slow
+SCRIPT = os.path.join(ROOT, "examples", "hf_trainer_gpt.py")
+STEPS = 10
+SAMPLES = 24
+
+
+def hf_job(run_dir, *, inject="", max_restarts=1, protected=True):
+    cfg = LaunchConfig(nodes=2, nproc_per_node=1, job_id=f"h{uuid.uuid4().hex[:8]}", run_dir=str(run_dir),
+                       inject=inject, max_restarts=max_restarts, memory_budget_gb=0.5, start_holders=protected,
+                       holder_dir=str(run_dir / "holders"), attempt_timeout_s=300,
+                       env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"})
+    cmd = [sys.executable, SCRIPT, "--steps", str(STEPS), "--samples", str(SAMPLES), "--out", str(run_dir)] + \
+        ([] if protected else ["--no-shardsafe"])
+    return launch(cfg, cmd, preload=PRELOAD_DEEPSPEED if protected else ())
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf-ref")
+    res = hf_job(d, max_restarts=0, protected=False)
+    assert res.ok, trainer_logs(str(d))[-3000:]
+    return d
+
+
+@pytest.mark.parametrize("kill_at", [5, 4])
+def test_hf_trainer_killed_mid_run_resumes_at_the_snapshot_bit_exact(tmp_path, hf_reference, kill_at):
+    """Killed before step 5's optimizer step: restored 4 (inside epoch 1: one batch skipped) or 3 (the snapshot
+    of 4 was still copying). Killed at 4: restored 3 (epoch 1 starts: epoch 0 not run, no batch skipped) or 2."""
+    res = hf_job(tmp_path, inject=f"kill-rank:1@{kill_at}")
+    assert res.ok and res.attempts == 2, (res, trainer_logs(str(tmp_path))[-4000:])
+    got = restores(tmp_path)
+    assert got[0] == -1 and got[1] in (kill_at - 2, kill_at - 1), got
+    v = got[1]
+    logs = trainer_logs(str(tmp_path))
+    assert "this DeepSpeed engine is protected" in logs and "automatic activation" in logs, logs[-3000:]
+    assert f"HF Trainer resumed from snapshot version {v} without resume_from_checkpoint being passed" in logs, \
+        logs[-3000:]
+    assert f"continues at global step {v}" in logs
+    for r in range(2):   # no start over: attempt 1's first step is v+1, step 1 ran once
+        by = losses_by_attempt(str(tmp_path), r)
+        assert min(by[1]) == v + 1 and 1 in by[0] and 1 not in by[1], (r, v, by)
+        assert max(by[1]) == STEPS, (r, by)
+    assert f"train() done at global step {STEPS}" in logs
+    cmp = compare_runs(str(tmp_path), str(hf_reference), 2, STEPS)
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
+                                                           cmp.state_mismatches)
+
+
+def test_without_the_block_the_trainer_imports_nothing_of_shardsafe_beyond_the_hook(hf_reference):
+    import json
+    for r in range(2):
+        with open(os.path.join(str(hf_reference), f"modules_rank{r}.json")) as f:
+            assert json.load(f) == ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload"]
+    assert "protected" not in trainer_logs(str(hf_reference))
