@@ -13,7 +13,7 @@ from .classes import CLASSES, Cluster, Costs, Rates
 from .events import EVENTS_FILE, read_events
 from .inputs import costs_from_mapping, load_mapping, measured_costs, rates_from_file, resolve_run_dir
 from .plot import plot_timeline
-from .project import DEFAULT_SWEEP_GPUS, STRATEGIES
+from .project import DEFAULT_SIM_REPLICAS, DEFAULT_SWEEP_GPUS, SIM_FAILURES_PER_REPLICA, STRATEGIES
 from .report import report_dict, report_text
 
 __all__ = ["register_cli", "main"]
@@ -221,9 +221,13 @@ def _cmd_project(args: argparse.Namespace) -> int:
         cluster, rates, costs, measured, profile, notes = _build_inputs(args)
         if args.target_tor is not None and not 0 < args.target_tor < 1:
             raise ValueError(f"--target-tor {args.target_tor}: expected a fraction in (0, 1), e.g. 0.95")
+        if args.no_simulate and (args.sim_replicas is not None or args.sim_seed is not None):
+            raise ValueError("pass --no-simulate or --sim-replicas/--sim-seed, not both")
         sweep_gpus = args.sweep if args.sweep is not None else (list(DEFAULT_SWEEP_GPUS) if args.plot else None)
         d = projection_dict(cluster, rates, costs, interval_s=args.interval_s, disk_interval_s=args.disk_interval_s,
-                            sweep_gpus=sweep_gpus, target_tor=args.target_tor, measured=measured, profile=profile)
+                            sweep_gpus=sweep_gpus, target_tor=args.target_tor, measured=measured, profile=profile,
+                            simulate_flagged=not args.no_simulate,
+                            sim_replicas=args.sim_replicas or DEFAULT_SIM_REPLICAS, sim_seed=args.sim_seed or 0)
     except (OSError, ValueError) as e:  # TorError is a ValueError
         return _fail("project", e)
     for n in notes:
@@ -287,6 +291,13 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     pj.add_argument("--sweep", type=_gpu_list, metavar="GPUS", nargs="?", const=list(DEFAULT_SWEEP_GPUS),
                     help="also TOR at these GPU counts (comma-separated; default "
                          + ",".join(map(str, DEFAULT_SWEEP_GPUS)) + ")")
+    sv = pj.add_argument_group("where the closed form breaks (failures take > 10% of the wall time)")
+    sv.add_argument("--sim-replicas", type=_whole(2, "replicas"), metavar="K",
+                    help=f"simulate such points with K replicas (default {DEFAULT_SIM_REPLICAS}; "
+                         f"each of ~{SIM_FAILURES_PER_REPLICA} failures) and report the simulated TOR")
+    sv.add_argument("--sim-seed", type=_positive_int, metavar="N", help="seed of those simulations (default 0)")
+    sv.add_argument("--no-simulate", action="store_true",
+                    help="report the first-order closed form (P) everywhere, with a note where it is off")
     pj.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     pj.add_argument("--plot", metavar="FILE.png", help="write TOR versus GPUs for the three strategies (implies --sweep)")
     pj.set_defaults(func=_cmd_project)

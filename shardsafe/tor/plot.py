@@ -107,8 +107,12 @@ _STRATEGY_STYLE = {"shardsafe": ("#1e88e5", "o", "shardsafe (memory + parity)"),
 
 def plot_sweep(rows: list[Mapping[str, Any]], path: str | os.PathLike, *, title: str = "",
                simulated: Mapping[str, list[tuple[int, float, float]]] | None = None) -> Path:
-    """Write a PNG of TOR versus GPUs (log scale) for each strategy of ``rows`` (``project.sweep``'s rows);
-    ``simulated[strategy]`` adds the simulator's (gpus, tor, ci95) as error bars. Returns the path written."""
+    """Write a PNG of TOR versus GPUs (log scale) for each strategy of ``rows`` (``project.sweep``'s rows).
+
+    Each strategy's solid line goes through the values the projection reports: (P), or the simulator's at
+    points whose ``points[strategy]["tor_source"]`` is ``"simulated"``; those are drawn with their 95 % CI as
+    error bars, and (P) is drawn dashed over the stretch where it was replaced. ``simulated[strategy]`` adds
+    further (gpus, tor, ci95) error bars. Returns the path written."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -120,14 +124,33 @@ def plot_sweep(rows: list[Mapping[str, Any]], path: str | os.PathLike, *, title:
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     gpus = [r["gpus"] for r in rows]
+    any_sim = bool(simulated)
     for s, (color, marker, label) in _STRATEGY_STYLE.items():
         if s not in rows[0]:
             continue
-        ax.plot(gpus, [r[s] for r in rows], color=color, marker=marker, label=f"{label}, closed form")
+        pts = [(r.get("points") or {}).get(s) or {"tor": r[s]} for r in rows]
+        sim = [p.get("tor_source") == "simulated" for p in pts]
+        closed = [p.get("tor_closed", p["tor"]) for p in pts]
+        if any(sim):
+            any_sim = True
+            ax.plot(gpus, [p["tor"] for p in pts], color=color, label=f"{label}")
+            # (P) dashed on every segment that touches a replaced point; solid (under the line above) elsewhere.
+            for i in range(len(rows) - 1):
+                if sim[i] or sim[i + 1]:
+                    ax.plot(gpus[i:i + 2], closed[i:i + 2], color=color, linestyle="--", linewidth=1.0, alpha=0.8)
+            xs = [g for g, f in zip(gpus, sim) if not f]
+            ax.plot(xs, [p["tor"] for p, f in zip(pts, sim) if not f], color=color, marker=marker, linestyle="none")
+            ax.plot([g for g, f in zip(gpus, sim) if f], [c for c, f in zip(closed, sim) if f], color=color,
+                    marker=marker, linestyle="none", fillstyle="none", alpha=0.8)
+            ax.errorbar([g for g, f in zip(gpus, sim) if f], [p["tor"] for p, f in zip(pts, sim) if f],
+                        yerr=[p["ci95"] for p, f in zip(pts, sim) if f], color=color, fmt="x", capsize=3)
+        else:
+            ax.plot(gpus, [p["tor"] for p in pts], color=color, marker=marker, label=f"{label}, closed form")
         for g, tor, ci in (simulated or {}).get(s, []):
             ax.errorbar([g], [tor], yerr=[ci], color=color, fmt="x", capsize=3)
-    if simulated:
-        ax.plot([], [], "kx", label="simulated (95 % CI)")
+    if any_sim:
+        ax.plot([], [], "kx", label="simulated (95 % CI): where (P) is off by > 0.01")
+        ax.plot([], [], "k--", linewidth=1.0, label="closed form (P) where it was replaced")
     ax.set_xscale("log")
     ax.set_xlabel("GPUs")
     ax.set_ylabel("TOR = T_opt / T_obs")

@@ -20,19 +20,30 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .classes import CLASSES, Cluster, Costs, Rates
 
 __all__ = ["STRATEGIES", "PARTS", "ClassCost", "Projection", "node_loss_rate", "away_distribution", "p_no_spare", "p_beyond_m",
            "class_costs", "flush_every", "tor_at", "project", "optimal_interval", "at_scale", "sweep", "recommend",
-           "DEFAULT_SWEEP_GPUS"]
+           "DEFAULT_SWEEP_GPUS", "FIRST_ORDER_LIMIT", "first_order_note", "closed_point",
+           "DEFAULT_SIM_REPLICAS", "SIM_FAILURES_PER_REPLICA"]
 
 STRATEGIES = ("shardsafe", "memory_only", "disk")
 # Parts of one event's cost, in report order; their sum is the event's wall-time cost D_c.
 PARTS = ("detection", "restart", "startup", "restore", "replacement_wait", "lost_work", "slowdown")
 DEFAULT_SWEEP_GPUS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 100000)
 _TAU_MIN_S, _TAU_MAX_S = 1.0, 30 * 86400.0
+# Beyond this share of the wall time taken by failures, (P) is off by more than ~0.01 TOR (measured against the
+# simulator, docs/tor.md "Closed form against the simulator"): the projection notes it, and the report
+# (:mod:`.projection_report`) replaces (P) by the simulator's value there.
+FIRST_ORDER_LIMIT = 0.1
+DEFAULT_SIM_REPLICAS = 16
+"""Replicas per simulated point of ``tor project`` (``--sim-replicas``): the default 8-scale sweep simulates
+its 11 points past the limit in ~10-20 s on two cores; the CI shrinks as 1/sqrt(replicas)."""
+SIM_FAILURES_PER_REPLICA = 400
+"""The horizon of a simulated point: whole days holding about this many job failures per replica (so every
+point costs about the same and its CI stays a few 0.001 TOR), and at least 4 x ``repair_h``."""
 
 
 @dataclass(kw_only=True)
@@ -78,6 +89,24 @@ class Projection:
     classes: dict[str, ClassCost] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def failure_fraction(self) -> float:
+        """Share of T_obs the failures take to first order: sum_c Lambda_c D_c (> 1 when they eat it all)."""
+        return math.fsum(cc.fraction for cc in self.classes.values())
+
+    @property
+    def first_order_ok(self) -> bool:
+        """Whether (P) holds here to ~0.01 TOR: failures take at most :data:`FIRST_ORDER_LIMIT` of the wall time."""
+        return self.failure_fraction <= FIRST_ORDER_LIMIT
+
+    @property
+    def tor_upper_bound(self) -> float:
+        """A cheap optimistic TOR where (P) breaks: tau/(tau+C) / (1 + sum Lambda D). A failure during a recovery
+        costs less than (P) charges, but every failure that lands while the job runs costs at least D_c, and
+        those arrive at Lambda x (share of time running): running <= 1 / (1 + Lambda D). Used to skip
+        simulating points that cannot reach a target; not a value to report."""
+        return self.interval_s / (self.interval_s + self.stall_s) / (1.0 + max(0.0, self.failure_fraction))
+
     def breakdown(self) -> dict[str, float]:
         """Fractions of T_obs: per class, plus ``snapshot_stall``; sums to ``1 - tor`` (before clamping at 0)."""
         out = {c: cc.fraction for c, cc in self.classes.items()}
@@ -89,7 +118,8 @@ class Projection:
             "strategy": self.strategy, "gpus": self.gpus, "nodes": self.nodes, "parity_m": self.parity_m,
             "spares": self.spares, "interval_s": self.interval_s, "stall_s": self.stall_s,
             "young_interval_s": self.young_interval_s, "persist_interval_s": self.persist_interval_s,
-            "mtbf_s": self.mtbf_s, "tor": self.tor, "breakdown": self.breakdown(),
+            "mtbf_s": self.mtbf_s, "tor": self.tor, "failure_fraction": self.failure_fraction,
+            "breakdown": self.breakdown(),
             "classes": {c: {"per_hour": cc.per_hour, "tiers": cc.tiers, "seconds_per_event": cc.seconds,
                             "parts_s": cc.parts, "fraction": cc.fraction, "p_no_spare": cc.p_no_spare,
                             "p_beyond_m": cc.p_beyond_m} for c, cc in self.classes.items()},
@@ -309,12 +339,8 @@ def project(strategy: str, cluster: Cluster, rates: Rates, costs: Costs, *, inte
     tor = (1.0 - fail) * tau / (tau + c)
     lam = cluster.nodes * rates.total() / 3600.0
     notes = []
-    if fail > 0.1:
-        # Measured against the simulator (docs/tor.md, "Closed form against the simulator"): beyond ~10 % the
-        # first-order form is pessimistic by more than ~0.01 TOR.
-        notes.append(f"failures take {100 * fail:.0f}% of the wall time: beyond ~10% the first-order form (P) "
-                     "is pessimistic by more than ~0.01 TOR (it charges a failure during a recovery the lost work "
-                     "and the whole recovery again); use `shardsafe tor simulate` for this point")
+    if fail > FIRST_ORDER_LIMIT:
+        notes.append(first_order_note(fail))
     if tor < 0:
         notes.append("failures cost more than the wall time: the job makes no progress; TOR clamped at 0")
     return Projection(
@@ -325,6 +351,17 @@ def project(strategy: str, cluster: Cluster, rates: Rates, costs: Costs, *, inte
         tor=max(0.0, tor), stall_fraction=(1.0 - fail) * c / (tau + c), classes=cc, notes=notes)
 
 
+def first_order_note(fail: float, simulated: str | None = None) -> str:
+    """The note for a point where failures take ``fail`` > :data:`FIRST_ORDER_LIMIT` of the wall time; with
+    ``simulated`` (what replaced (P), e.g. "0.8125 +- 0.0043"), says that the value shown is the simulator's."""
+    head = (f"failures take {100 * fail:.0f}% of the wall time: beyond ~{100 * FIRST_ORDER_LIMIT:.0f}% the "
+            "first-order form (P) is pessimistic by more than ~0.01 TOR (it charges a failure during a recovery "
+            "the lost work and the whole recovery again); ")
+    if simulated is None:
+        return head + "use `shardsafe tor simulate` for this point"
+    return head + f"TOR here is the simulator's, {simulated}"
+
+
 def at_scale(cluster: Cluster, gpus: int) -> Cluster:
     """The same cluster at ``gpus`` GPUs: nodes rounded up, spares scaled with the node count (same fraction)."""
     nodes = max(cluster.group_nodes, math.ceil(gpus / cluster.gpus_per_node))
@@ -333,42 +370,71 @@ def at_scale(cluster: Cluster, gpus: int) -> Cluster:
 
 
 def sweep(cluster: Cluster, rates: Rates, costs: Costs, gpus: Sequence[int] = DEFAULT_SWEEP_GPUS,
-          strategies: Sequence[str] = STRATEGIES, intervals: dict[str, float | None] | None = None
-          ) -> list[dict[str, Any]]:
+          strategies: Sequence[str] = STRATEGIES, intervals: dict[str, float | None] | None = None, *,
+          refine: Callable[[Cluster, Projection], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """TOR at each scale for each strategy, at ``intervals[strategy]`` or else its optimal interval:
-    ``[{gpus, nodes, spares, <strategy>: tor, <strategy>_interval_s: s}, ...]``. Spares scale with the nodes."""
+    ``[{gpus, nodes, spares, <strategy>: tor, <strategy>_interval_s: s, points: {<strategy>: point}}, ...]``.
+    Spares scale with the nodes. A point is ``refine(cluster, projection)`` (the simulator's value where (P)
+    breaks, :class:`shardsafe.tor.projection_report.Refiner`), or else (P) alone: ``{tor, tor_closed,
+    tor_source: "closed", ci95: None, ci: None, failure_fraction, simulation: None}``."""
     rows = []
     for g in gpus:
         cl = at_scale(cluster, g)
         row: dict[str, Any] = {"gpus": cl.gpus, "nodes": cl.nodes, "spares": cl.spares}
+        points: dict[str, Any] = {}
         for s in strategies:
             p = project(s, cl, rates, costs, interval_s=(intervals or {}).get(s))
-            row[s], row[s + "_interval_s"] = p.tor, p.interval_s
+            pt = refine(cl, p) if refine is not None else closed_point(p)
+            row[s], row[s + "_interval_s"] = pt["tor"], p.interval_s
+            points[s] = pt
+        row["points"] = points
         rows.append(row)
     return rows
 
 
+def closed_point(p: Projection) -> dict[str, Any]:
+    """One point of a projection where (P) is the value: the fields a simulated point fills in are None."""
+    return {"tor": p.tor, "tor_closed": p.tor, "tor_source": "closed", "ci95": None, "ci": None,
+            "failure_fraction": p.failure_fraction, "simulation": None}
+
+
 def recommend(cluster: Cluster, rates: Rates, costs: Costs, target_tor: float, *,
-              max_m: int = 3) -> dict[str, Any]:
+              max_m: int = 3, refine: Callable[[Cluster, Projection], dict[str, Any]] | None = None
+              ) -> dict[str, Any]:
     """The cheapest shardsafe setup reaching ``target_tor``: the smallest m, then the fewest spares, each at the
     optimal interval. Spares are tried from 0 up to the number that makes a wait for a node rare (P < 1e-3);
-    more spares than that buy nothing. Returns the setup, or the best reachable one with ``reached: False``."""
+    more spares than that buy nothing. Returns the setup, or the best reachable one with ``reached: False``.
+
+    ``refine(cluster, projection)`` gives the better value where (P) breaks (``{"tor", "tor_source", "ci95",
+    ...}``, :class:`shardsafe.tor.projection_report.Refiner`); it is asked only for candidates past
+    :data:`FIRST_ORDER_LIMIT` whose optimistic bound (:attr:`Projection.tor_upper_bound`) can reach the target,
+    and for the setup returned when it is past the limit. Without it every candidate is (P) alone."""
     if not 0 < target_tor < 1:
         raise ValueError(f"target_tor={target_tor!r}: expected a fraction in (0, 1)")
-    best: dict[str, Any] | None = None
+    best: tuple[dict[str, Any], Cluster, Projection] | None = None
     cap = _spares_for(cluster, rates, costs, 1e-3)
+
+    def value(cl: Cluster, p: Projection, *, force: bool = False) -> dict[str, Any]:
+        # The bound is approximate (as good as (P)'s D_c), hence the slack.
+        if refine is None or p.first_order_ok or not (force or p.tor_upper_bound + 0.01 >= target_tor):
+            return closed_point(p)
+        return refine(cl, p)
+
     for m in range(0, min(max_m, cluster.group_nodes - 1) + 1):
         for spares in _spare_steps(cap):
             cl = dataclasses.replace(cluster, parity_m=m, spares=spares)
             p = project("shardsafe", cl, rates, costs)
-            cand = {"parity_m": m, "spares": spares, "interval_s": p.interval_s, "tor": p.tor,
+            cand = {"parity_m": m, "spares": spares, "interval_s": p.interval_s, **value(cl, p),
                     "p_no_spare": p.classes["node"].p_no_spare, "p_beyond_m": p.classes["node"].p_beyond_m}
-            if best is None or p.tor > best["tor"] + 1e-12:
-                best = cand
-            if p.tor >= target_tor:
+            if best is None or cand["tor"] > best[0]["tor"] + 1e-12:
+                best = (cand, cl, p)
+            if cand["tor"] >= target_tor:
                 return {**cand, "target_tor": target_tor, "reached": True}
     assert best is not None
-    return {**best, "target_tor": target_tor, "reached": False}
+    cand, cl, p = best
+    if cand["tor_source"] == "closed" and refine is not None and not p.first_order_ok:
+        cand = {**cand, **value(cl, p, force=True)}    # report the better value of the best one found
+    return {**cand, "target_tor": target_tor, "reached": cand["tor"] >= target_tor}
 
 
 def _spares_for(cluster: Cluster, rates: Rates, costs: Costs, p: float) -> int:

@@ -4,21 +4,83 @@ The text is rendered from the dict, so ``--json`` and the table always show the 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .classes import CLASSES, Cluster, Costs, Rates
-from .project import PARTS, STRATEGIES, project, recommend, sweep
+from .project import (DEFAULT_SIM_REPLICAS, FIRST_ORDER_LIMIT, PARTS, SIM_FAILURES_PER_REPLICA, STRATEGIES,
+                      Projection, closed_point, first_order_note, project, recommend, sweep)
 from .simulate import simulate
 
-__all__ = ["PROJECT_SCHEMA", "SIMULATE_SCHEMA", "projection_dict", "projection_text", "simulation_dict",
-           "simulation_text"]
+__all__ = ["PROJECT_SCHEMA", "SIMULATE_SCHEMA", "DEFAULT_SIM_REPLICAS", "SIM_FAILURES_PER_REPLICA", "Refiner",
+           "projection_dict", "projection_text", "simulation_dict", "simulation_text"]
 
 PROJECT_SCHEMA = "shardsafe.tor.project/1"
 SIMULATE_SCHEMA = "shardsafe.tor.simulate/1"
 _LABEL = {"shardsafe": "shardsafe", "memory_only": "memory-only", "disk": "disk ckpt"}
 _SHORT = {"detection": "detect", "restart": "restart", "startup": "startup", "restore": "restore",
           "replacement_wait": "wait", "lost_work": "lost", "slowdown": "slow"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where (P) breaks: the simulator's value instead
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Refiner:
+    """The value ``tor project`` reports at one (cluster, strategy) point: (P) where failures take at most
+    :data:`~shardsafe.tor.project.FIRST_ORDER_LIMIT` of the wall time, else the simulator's mean and 95 % CI
+    (:func:`~shardsafe.tor.simulate.simulate`, at (P)'s interval, ``seed``, ``replicas`` runs of
+    :meth:`horizon_s`). ``enabled=False`` keeps (P) everywhere. Results are cached per point, so the single
+    point, the sweep and the recommendation simulate a shared point once."""
+
+    enabled: bool = True
+    replicas: int = DEFAULT_SIM_REPLICAS
+    seed: int = 0
+    failures_per_replica: int = SIM_FAILURES_PER_REPLICA
+    rates: Rates | None = None
+    costs: Costs | None = None
+    simulated: int = 0
+    """How many points were simulated (cache misses)."""
+    _cache: dict[tuple, dict[str, Any]] = field(default_factory=dict, repr=False)
+
+    def horizon_s(self, cluster: Cluster, rates: Rates, costs: Costs) -> float:
+        per_day = cluster.nodes * rates.total() * 24.0
+        days = max(math.ceil(self.failures_per_replica / per_day), math.ceil(4 * costs.repair_h / 24.0), 1)
+        return 86400.0 * min(days, 3650)
+
+    def settings(self) -> dict[str, Any]:
+        return {"enabled": self.enabled, "limit_failure_fraction": FIRST_ORDER_LIMIT, "replicas": self.replicas,
+                "seed": self.seed, "failures_per_replica": self.failures_per_replica}
+
+    def __call__(self, cluster: Cluster, p: Projection) -> dict[str, Any]:
+        """The point for projection ``p`` of ``cluster`` (with the rates and costs given at construction)."""
+        if self.rates is None or self.costs is None:
+            raise ValueError("Refiner: pass rates= and costs= (the ones the projection used)")
+        return self.point(p.strategy, cluster, self.rates, self.costs, p)
+
+    def point(self, strategy: str, cluster: Cluster, rates: Rates, costs: Costs, p: Projection) -> dict[str, Any]:
+        base = closed_point(p)
+        if not self.enabled or p.first_order_ok:
+            return base
+        horizon = self.horizon_s(cluster, rates, costs)
+        key = (strategy, tuple(dataclasses.astuple(cluster)), tuple(rates.as_dict().values()),
+               tuple(costs.as_dict()[f] for f in Costs.field_names()), p.interval_s, horizon, self.replicas,
+               self.seed)
+        sim = self._cache.get(key)
+        if sim is None:
+            r = simulate(strategy, cluster, rates, costs, interval_s=p.interval_s, horizon_s=horizon,
+                         replicas=self.replicas, seed=self.seed)
+            self.simulated += 1
+            sim = self._cache[key] = {
+                "tor": r.tor, "ci95": r.ci95, "ci": [r.tor - r.ci95, r.tor + r.ci95],
+                "simulation": {"replicas": r.replicas, "horizon_s": r.horizon_s, "seed": r.seed,
+                               "interval_s": r.interval_s, "failures": sum(r.events.values()),
+                               "failures_during_recovery": r.during_recovery, "replacement_waits": r.waits,
+                               "tiers": dict(r.tiers)}}
+        return {**base, **sim, "simulation": dict(sim["simulation"]), "tor_source": "simulated"}
 
 
 def _inputs(cluster: Cluster, rates: Rates, costs: Costs, measured: dict[str, float] | None,
@@ -36,16 +98,31 @@ def _inputs(cluster: Cluster, rates: Rates, costs: Costs, measured: dict[str, fl
 def projection_dict(cluster: Cluster, rates: Rates, costs: Costs, *, interval_s: float | None = None,
                     disk_interval_s: float | None = None, sweep_gpus: Sequence[int] | None = None,
                     target_tor: float | None = None, measured: dict[str, float] | None = None,
-                    profile: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Everything ``shardsafe tor project`` reports (schema :data:`PROJECT_SCHEMA`, see docs/tor.md)."""
+                    profile: dict[str, Any] | None = None, simulate_flagged: bool = True,
+                    sim_replicas: int = DEFAULT_SIM_REPLICAS, sim_seed: int = 0) -> dict[str, Any]:
+    """Everything ``shardsafe tor project`` reports (schema :data:`PROJECT_SCHEMA`, see docs/tor.md).
+
+    Every point (strategy at the cluster, at each sweep scale, the recommendation) past
+    :data:`~shardsafe.tor.project.FIRST_ORDER_LIMIT` reports the simulator's TOR (``tor_source: "simulated"``,
+    ``ci95``) with (P) kept as ``tor_closed``, unless ``simulate_flagged`` is False (then (P) everywhere)."""
+    refine = Refiner(enabled=simulate_flagged, replicas=sim_replicas, seed=sim_seed, rates=rates, costs=costs)
     intervals = {"shardsafe": interval_s, "memory_only": interval_s, "disk": disk_interval_s}
-    strategies = {s: project(s, cluster, rates, costs, interval_s=intervals[s]).as_dict() for s in STRATEGIES}
+    strategies = {}
+    for s in STRATEGIES:
+        p = project(s, cluster, rates, costs, interval_s=intervals[s])
+        pt = refine(cluster, p)
+        d = {**p.as_dict(), **pt}
+        if pt["tor_source"] == "simulated":
+            d["notes"] = [first_order_note(p.failure_fraction, f"{pt['tor']:.4f} ± {pt['ci95']:.4f} (closed form "
+                                           f"{p.tor:.4f})") if n == first_order_note(p.failure_fraction) else n
+                          for n in p.notes]
+        strategies[s] = d
     out = {"schema": PROJECT_SCHEMA, **_inputs(cluster, rates, costs, measured, profile),
-           "strategies": strategies, "recommendation": None, "sweep": None}
+           "strategies": strategies, "recommendation": None, "sweep": None, "simulation": refine.settings()}
     if target_tor is not None:
-        out["recommendation"] = recommend(cluster, rates, costs, target_tor)
+        out["recommendation"] = recommend(cluster, rates, costs, target_tor, refine=refine if simulate_flagged else None)
     if sweep_gpus:
-        out["sweep"] = sweep(cluster, rates, costs, sweep_gpus, intervals=intervals)
+        out["sweep"] = sweep(cluster, rates, costs, sweep_gpus, intervals=intervals, refine=refine)
     return out
 
 
@@ -79,17 +156,47 @@ def _header(d: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _tor_cells(pt: dict[str, Any], wide: bool = True) -> str:
+    """TOR (9: a trailing * when simulated), its 95 % CI half-width (8) and (P) where it was replaced (8); just
+    TOR (8) when no point of the table was simulated (``wide=False``: the layout of (P) alone)."""
+    if not wide:
+        return f"{pt['tor']:>8.4f}"
+    if pt.get("tor_source") == "simulated":
+        return f"{pt['tor']:>8.4f}*{'±' + format(pt['ci95'], '.4f'):>8}{pt['tor_closed']:>8.4f}"
+    return f"{pt['tor']:>8.4f} {'':>8}{'':>8}"
+
+
+def _legend(d: dict[str, Any], again: bool = False) -> list[str]:
+    if again:
+        return ["  * simulated, as above (closed = the closed form (P) it replaces)"]
+    sim = d.get("simulation") or {}
+    return [f"  * simulated: the first-order form is off here by more than 0.01 TOR (failures take > "
+            f"{100 * sim.get('limit_failure_fraction', FIRST_ORDER_LIMIT):.0f}% of the wall time);",
+            f"    closed = the closed form (P) it replaces; ±95% = half-width of the simulator's 95% CI "
+            f"({sim.get('replicas')} replicas of",
+            f"    ~{sim.get('failures_per_replica')} failures each, seed {sim.get('seed')}; --sim-replicas N "
+            "narrows it, --no-simulate keeps (P) alone)"]
+
+
 def projection_text(d: dict[str, Any]) -> str:
     st = d["strategies"]
-    lines = ["TOR projection (first-order closed form, docs/tor.md equation (P))", *_header(d), ""]
-    lines.append("  T_obs - T_opt as % of T_obs, by failure class and snapshot stall (sums to 1 - TOR):")
-    lines.append(f"  {'strategy':<16}{'interval':>10}{'TOR':>8}" + "".join(f"{c:>9}" for c in (*CLASSES, "stall")))
+    any_sim = any(p.get("tor_source") == "simulated" for p in st.values())
+    title = ("TOR projection (first-order closed form, docs/tor.md equation (P); the simulator's value where it "
+             "breaks)" if (d.get("simulation") or {}).get("enabled") else
+             "TOR projection (first-order closed form, docs/tor.md equation (P))")
+    lines = [title, *_header(d), ""]
+    lines.append("  T_obs - T_opt as % of T_obs, by failure class and snapshot stall, from (P) (sums to 1 - closed):"
+                 if any_sim else "  T_obs - T_opt as % of T_obs, by failure class and snapshot stall (sums to 1 - TOR):")
+    lines.append(f"  {'strategy':<16}{'interval':>10}{'TOR':>8}" + (f" {'±95%':>8}{'closed':>8}" if any_sim else "")
+                 + "".join(f"{c:>9}" for c in (*CLASSES, "stall")))
     for s in STRATEGIES:
         p = st[s]
         br = p["breakdown"]
         cells = "".join(f"{100 * br[c]:>8.2f}%" for c in (*CLASSES, "snapshot_stall"))
         m = f" (m={p['parity_m']})" if s == "shardsafe" else ""
-        lines.append(f"  {_LABEL[s] + m:<16}{_fmt_s(p['interval_s']):>10}{p['tor']:>8.4f}{cells}")
+        lines.append(f"  {_LABEL[s] + m:<16}{_fmt_s(p['interval_s']):>10}{_tor_cells(p, any_sim)}{cells}")
+    if any_sim:
+        lines += _legend(d)
     p = st["shardsafe"]
     lines += ["", f"  shardsafe per class: job events per hour, restore tiers, mean seconds per event (wait = for a "
                   f"replacement node; persistent versions every {_fmt_s(p['persist_interval_s'])})"]
@@ -107,19 +214,36 @@ def projection_text(d: dict[str, Any]) -> str:
     if rec:
         lines.append("")
         verb = "reaches" if rec["reached"] else "does NOT reach; best found"
+        tor = f"TOR {rec['tor']:.4f}"
+        if rec.get("tor_source") == "simulated":
+            tor += f" ± {rec['ci95']:.4f}* (closed form {rec['tor_closed']:.4f})"
         lines.append(f"  target TOR {rec['target_tor']:.3f}: m={rec['parity_m']}, {rec['spares']} spare(s), snapshot "
-                     f"every {_fmt_s(rec['interval_s'])} {verb}: TOR {rec['tor']:.4f} (no spare: P={rec['p_no_spare']:.2g}, "
+                     f"every {_fmt_s(rec['interval_s'])} {verb}: {tor} (no spare: P={rec['p_no_spare']:.2g}, "
                      f"beyond m: P={rec['p_beyond_m']:.2g})")
         if not rec["reached"]:
             lines.append("    the recovery path itself (detection + restart + startup) then dominates: shorten it "
                          "(--detect-s, --restart-s, --startup-s) or add spares")
+        if rec.get("tor_source") == "simulated":
+            lines += _legend(d, again=any_sim)
+            any_sim = True
     if d.get("sweep"):
+        rows = d["sweep"]
+        pts = [row.get("points") or {s: {"tor": row[s]} for s in STRATEGIES} for row in rows]
+        wide = any(pt.get("tor_source") == "simulated" for r in pts for pt in r.values())
         lines += ["", "  TOR versus scale (each strategy at its optimal interval unless one was given; spares scale "
-                      "with the nodes):",
-                  f"    {'GPUs':>8}{'nodes':>8}{'spares':>8}" + "".join(f"{_LABEL[s]:>13}" for s in STRATEGIES)]
-        for row in d["sweep"]:
-            lines.append(f"    {row['gpus']:>8}{row['nodes']:>8}{row['spares']:>8}"
-                         + "".join(f"{row[s]:>13.4f}" for s in STRATEGIES))
+                      "with the nodes):"]
+        if wide:
+            lines += [(f"    {'':>24}" + "".join(f"{_LABEL[s]:^25}" for s in STRATEGIES)).rstrip(),
+                      f"    {'GPUs':>8}{'nodes':>8}{'spares':>8}"
+                      + f"{'TOR':>8} {'±95%':>8}{'closed':>8}" * len(STRATEGIES)]
+        else:
+            lines.append(f"    {'GPUs':>8}{'nodes':>8}{'spares':>8}" + "".join(f"{_LABEL[s]:>13}" for s in STRATEGIES))
+        for row, pt in zip(rows, pts):
+            cells = "".join(_tor_cells(pt[s]) for s in STRATEGIES) if wide else \
+                "".join(f"{pt[s]['tor']:>13.4f}" for s in STRATEGIES)
+            lines.append(f"    {row['gpus']:>8}{row['nodes']:>8}{row['spares']:>8}{cells}".rstrip())
+        if wide:
+            lines += _legend(d, again=any_sim)
     return "\n".join(lines) + "\n"
 
 

@@ -16,8 +16,9 @@ from shardsafe.tor.classes import Cluster, Costs, Rates
 from shardsafe.tor.cli import main
 from shardsafe.tor.inputs import costs_from_mapping, resolve_run_dir
 from shardsafe.tor.profiles import LLAMA3_CAUSES, PROFILES, get_profile
-from shardsafe.tor.project import (away_distribution, class_costs, flush_every, optimal_interval, p_beyond_m,
-                                   p_no_spare, project, recommend, sweep, tor_at)
+from shardsafe.tor.project import (FIRST_ORDER_LIMIT, at_scale, away_distribution, class_costs, flush_every,
+                                   optimal_interval, p_beyond_m, p_no_spare, project, recommend, sweep, tor_at)
+from shardsafe.tor.projection_report import Refiner, projection_dict, projection_text
 from shardsafe.tor.simulate import simulate
 
 from .test_tor import E, iters
@@ -259,6 +260,113 @@ def test_sweep_scales_nodes_and_spares():
     rows = sweep(Cluster(**SIM_CLUSTER), SIM_RATES, costs(), [512, 1024])
     assert [(r["gpus"], r["nodes"], r["spares"]) for r in rows] == [(512, 64, 8), (1024, 128, 16)]
     assert rows[1]["shardsafe"] < rows[0]["shardsafe"]     # twice the nodes, twice the failures
+    # Without a refiner every point is (P) alone.
+    for r in rows:
+        assert all(pt["tor_source"] == "closed" and pt["tor"] == pt["tor_closed"] == r[s] and pt["ci95"] is None
+                   for s, pt in r["points"].items())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where (P) breaks, the projection reports the simulator's value
+# ---------------------------------------------------------------------------------------------------------------
+
+# 64 nodes at SIM_RATES: failures take 1.5-4 % of the wall time, (P) holds; 512 nodes: 8x that, 12-24 % for
+# memory-only and disk, past the 10 % limit, but 6 % for shardsafe. Few replicas, fixed seed: ~1 s in all.
+SWEEP_KW = dict(sweep_gpus=[512, 4096], sim_replicas=4, sim_seed=7)
+
+
+@pytest.fixture(scope="module")
+def refined():
+    cl, co = Cluster(**SIM_CLUSTER), costs()
+    return cl, co, projection_dict(cl, SIM_RATES, co, **SWEEP_KW)
+
+
+def test_flagged_points_report_the_simulators_value(refined):
+    cl, co, d = refined
+    assert d["simulation"] == {"enabled": True, "limit_failure_fraction": FIRST_ORDER_LIMIT, "replicas": 4,
+                               "seed": 7, "failures_per_replica": 400}
+    flagged = 0
+    for row in d["sweep"]:
+        at = at_scale(cl, row["gpus"])
+        for s, pt in row["points"].items():
+            p = project(s, at, SIM_RATES, co)
+            assert pt["tor_closed"] == pytest.approx(p.tor, abs=1e-12)
+            assert pt["failure_fraction"] == pytest.approx(p.failure_fraction)
+            assert row[s] == pt["tor"]
+            if p.failure_fraction <= FIRST_ORDER_LIMIT:          # (P) holds: it stays the value
+                assert row["gpus"] == 512 or s == "shardsafe"
+                assert pt["tor_source"] == "closed" and pt["tor"] == pt["tor_closed"]
+                assert pt["ci95"] is None and pt["ci"] is None and pt["simulation"] is None
+                continue
+            flagged += 1
+            assert row["gpus"] == 4096 and s != "shardsafe"
+            assert pt["tor_source"] == "simulated" and 0 < pt["ci95"] < 0.02
+            assert pt["ci"] == pytest.approx([pt["tor"] - pt["ci95"], pt["tor"] + pt["ci95"]])
+            sim = pt["simulation"]
+            assert sim["replicas"] == 4 and sim["seed"] == 7 and sim["interval_s"] == p.interval_s
+            assert sim["failures"] >= 4 * 400 and sim["horizon_s"] % 86400 == 0
+            # A direct simulate() with the same seed, replicas and horizon gives the same value; another seed
+            # lands within the two CIs.
+            r = simulate(s, at, SIM_RATES, co, interval_s=p.interval_s, horizon_s=sim["horizon_s"], replicas=4,
+                         seed=7)
+            assert abs(r.tor - pt["tor"]) <= pt["ci95"] and r.tor == pytest.approx(pt["tor"], abs=1e-12)
+            r2 = simulate(s, at, SIM_RATES, co, interval_s=p.interval_s, horizon_s=sim["horizon_s"], replicas=4,
+                          seed=8)
+            assert abs(r2.tor - pt["tor"]) <= pt["ci95"] + r2.ci95
+            # (P) is pessimistic there.
+            assert pt["tor"] > pt["tor_closed"]
+    assert flagged == 2
+
+
+def test_single_point_and_legend(refined):
+    cl, co, d = refined
+    text = projection_text(d)
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\s+(4096|512)\s+\d+\s+\d+.*$", text, re.M)}
+    assert rows["4096"].count("*") == 2 and "*" not in rows["512"]
+    pt = d["sweep"][1]["points"]["memory_only"]
+    assert f"{pt['tor']:.4f}* ±{pt['ci95']:.4f}  {pt['tor_closed']:.4f}" in rows["4096"]
+    assert "* simulated: the first-order form is off here by more than 0.01 TOR" in text
+    assert "closed = the closed form (P) it replaces" in text and "4 replicas" in text
+    # The single point (64 nodes) holds: (P), no star in the strategy table, the old notes.
+    for s, p in d["strategies"].items():
+        assert p["tor_source"] == "closed" and p["tor"] == p["tor_closed"] and p["ci95"] is None
+        assert math.fsum(p["breakdown"].values()) + p["tor_closed"] == pytest.approx(1.0)
+    # At 512 nodes the strategy table is simulated too, with its note saying so.
+    big = projection_dict(at_scale(cl, 4096), SIM_RATES, co, sim_replicas=4, sim_seed=7)
+    mo = big["strategies"]["memory_only"]
+    assert mo["tor_source"] == "simulated" and mo["tor"] == d["sweep"][1]["points"]["memory_only"]["tor"]
+    assert any("TOR here is the simulator's" in n for n in mo["notes"])
+    assert math.fsum(mo["breakdown"].values()) + mo["tor_closed"] == pytest.approx(1.0)
+    line = next(x for x in projection_text(big).splitlines() if x.startswith("  memory-only"))
+    assert f"{mo['tor']:.4f}* ±{mo['ci95']:.4f}  {mo['tor_closed']:.4f}" in line
+
+
+def test_refiner_caches_and_can_be_off():
+    cl, co = at_scale(Cluster(**SIM_CLUSTER), 4096), costs()
+    p = project("disk", cl, SIM_RATES, co)
+    r = Refiner(replicas=3, seed=1, rates=SIM_RATES, costs=co)
+    a, b = r(cl, p), r(cl, p)
+    assert a == b and r.simulated == 1 and a["tor_source"] == "simulated"
+    off = Refiner(enabled=False, rates=SIM_RATES, costs=co)(cl, p)
+    assert off["tor_source"] == "closed" and off["tor"] == p.tor
+
+
+def test_recommendation_uses_the_simulated_value_where_p_breaks():
+    # Only process failures (m and spares change nothing): 64 x 0.3/h, MTBF 188 s against 65 s of recovery.
+    # (P) says ~0.57, the simulator ~0.63: a target between them is out of (P)'s reach, within the simulator's.
+    cl, co, rates = Cluster(**SIM_CLUSTER), costs(), Rates(process=0.3)
+    p = project("shardsafe", cl, rates, co)
+    ref = Refiner(replicas=4, seed=1, rates=rates, costs=co)
+    sim = ref(cl, p)["tor"]
+    assert sim - p.tor > 0.03
+    target = (p.tor + sim) / 2
+    assert not recommend(cl, rates, co, target)["reached"]
+    rec = recommend(cl, rates, co, target, refine=ref)
+    assert rec["reached"] and rec["tor_source"] == "simulated" and rec["tor"] == sim
+    assert rec["tor_closed"] == pytest.approx(p.tor, abs=1e-9) and rec["parity_m"] == 0 and rec["spares"] == 0
+    # Out of reach of both: the best found still reports the better value.
+    rec = recommend(cl, rates, co, 0.99, refine=ref)
+    assert not rec["reached"] and rec["tor_source"] == "simulated" and rec["tor"] > rec["tor_closed"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -352,7 +460,7 @@ def test_report_on_a_demo_run_dir_finds_the_protected_run(tmp_path, capsys):
     out = capsys.readouterr()
     assert "reporting the protected run" in out.err
     assert len(json.loads(out.out)["failures"]) == 2
-    assert main(["project", "--from", str(tmp_path), "--json"]) == 0
+    assert main(["project", "--from", str(tmp_path), "--json", "--no-simulate"]) == 0
     assert json.loads(capsys.readouterr().out)["costs"]["measured"]["restore_parity_s"] == pytest.approx(2.0)
     # An empty directory still fails with the message that says what to pass.
     (tmp_path / "empty").mkdir()
@@ -366,8 +474,9 @@ def test_report_on_a_demo_run_dir_finds_the_protected_run(tmp_path, capsys):
 
 def test_project_json_schema(capsys):
     assert main(["project", "--gpus", "16384", "--spares", "64", "--disk-interval-s", "1800", "--target-tor", "0.9",
-                 "--sweep", "1024,16384", "--json"]) == 0
+                 "--sweep", "1024,16384", "--json", "--no-simulate"]) == 0
     d = json.loads(capsys.readouterr().out)
+    assert d["simulation"]["enabled"] is False
     assert d["schema"] == "shardsafe.tor.project/1"
     assert set(d) >= {"cluster", "rates", "costs", "profile", "strategies", "recommendation", "sweep"}
     assert d["cluster"]["gpus"] == 16384 and d["cluster"]["nodes"] == 2048
@@ -375,6 +484,10 @@ def test_project_json_schema(capsys):
     assert set(d["strategies"]) == {"shardsafe", "memory_only", "disk"}
     for s, p in d["strategies"].items():
         assert 0 <= p["tor"] <= 1
+        # --no-simulate: (P) everywhere, even past the limit, where the note says to simulate (the old output).
+        assert p["tor_source"] == "closed" and p["tor"] == p["tor_closed"] and p["ci95"] is None
+        assert (p["failure_fraction"] > FIRST_ORDER_LIMIT) == any("use `shardsafe tor simulate`" in n
+                                                                  for n in p["notes"])
         assert set(p["classes"]) == {"process", "node", "rack", "slow"}
         assert math.fsum(p["breakdown"].values()) + p["tor"] == pytest.approx(1.0)
         for cc in p["classes"].values():
@@ -385,17 +498,43 @@ def test_project_json_schema(capsys):
     assert d["strategies"]["shardsafe"]["tor"] > d["strategies"]["disk"]["tor"]
     assert d["recommendation"]["reached"] and d["recommendation"]["tor"] >= 0.9
     assert [r["gpus"] for r in d["sweep"]] == [1024, 16384]
+    assert all(pt["tor_source"] == "closed" for r in d["sweep"] for pt in r["points"].values())
+    assert d["strategies"]["memory_only"]["failure_fraction"] > FIRST_ORDER_LIMIT   # so it did keep (P) there
+
+
+def test_project_command_simulates_flagged_points(capsys):
+    argv = ["project", "--nodes", "64", "--rack-nodes", "8", "--spares", "8", "--rate-node", "0.02",
+            "--rate-process", "0.005", "--repair-h", "10"]
+    assert main([*argv, "--sim-replicas", "3", "--sim-seed", "2", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["simulation"]["replicas"] == 3 and d["simulation"]["seed"] == 2
+    src = {s: p["tor_source"] for s, p in d["strategies"].items()}
+    assert "simulated" in src.values()
+    for s, p in d["strategies"].items():
+        assert (src[s] == "simulated") == (p["failure_fraction"] > FIRST_ORDER_LIMIT)
+        assert set(p) >= {"tor", "tor_closed", "tor_source", "ci95", "ci", "simulation"}
+    # The text shows the same numbers, the legend; --no-simulate is the closed form alone, as before.
+    assert main([*argv, "--sim-replicas", "3", "--sim-seed", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "* simulated: the first-order form is off here" in text
+    assert main([*argv, "--no-simulate"]) == 0
+    old = capsys.readouterr().out
+    assert "*" not in old and "use `shardsafe tor simulate`" in old
+    for s in ("memory_only",):
+        assert f"{d['strategies'][s]['tor_closed']:.4f}" in old
+    assert main([*argv, "--no-simulate", "--sim-replicas", "3"]) == 2
+    assert "not both" in capsys.readouterr().err
 
 
 def test_project_text_and_plot(tmp_path, capsys):
     png = tmp_path / "sweep.png"
     assert main(["project", "--profile", "meta-rsc1", "--gpus", "16384", "--plot", str(png),
-                 "--sweep", "1024,8192,65536"]) == 0
+                 "--sweep", "1024,8192,65536", "--sim-replicas", "2"]) == 0
     out = capsys.readouterr()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "sweep plot written" in out.err
     assert "TOR projection" in out.out and "MTBF 1.80 h" in out.out
-    assert re.search(r"^\s+65536\s+8192", out.out, re.M)
+    assert re.search(r"^\s+65536\s+8192.*\*", out.out, re.M)      # simulated there, with its error bars
 
 
 def test_simulate_command_json(capsys):
@@ -427,7 +566,7 @@ def test_rates_and_costs_files(tmp_path, capsys):
     (tmp_path / "bad.json").write_text(json.dumps({"nod": 0.001}))
     (tmp_path / "bench.json").write_text(json.dumps({"stall_ms_median": 12.0, "restore_s": 0.3, "model": "x"}))
     assert main(["project", "--rates", str(tmp_path / "r.json"), "--costs", str(tmp_path / "bench.json"),
-                 "--json"]) == 0
+                 "--json", "--no-simulate"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["rates"]["per_node_hour"]["node"] == 0.001 and d["profile"] is None
     assert d["costs"]["snapshot_stall_s"] == pytest.approx(0.012) and d["costs"]["restore_memory_s"] == 0.3
