@@ -170,8 +170,8 @@ def _legend(d: dict[str, Any], again: bool = False) -> list[str]:
     if again:
         return ["  * simulated, as above (closed = the closed form (P) it replaces)"]
     sim = d.get("simulation") or {}
-    return [f"  * simulated: the first-order form is off here by more than 0.01 TOR (failures take > "
-            f"{100 * sim.get('limit_failure_fraction', FIRST_ORDER_LIMIT):.0f}% of the wall time);",
+    return [f"  * simulated: failures take > {100 * sim.get('limit_failure_fraction', FIRST_ORDER_LIMIT):.0f}% of the "
+            "wall time here, where the first-order form (P) drifts by ~0.01 TOR or more;",
             f"    closed = the closed form (P) it replaces; ±95% = half-width of the simulator's 95% CI "
             f"({sim.get('replicas')} replicas of",
             f"    ~{sim.get('failures_per_replica')} failures each, seed {sim.get('seed')}; --sim-replicas N "
