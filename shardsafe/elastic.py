@@ -980,6 +980,9 @@ class ElasticLauncher:
         agent = self.agents.get(node)
         if agent is not None:
             _kill_tree(agent.pid)
+        from .holder.paths import HolderPaths
+        from .launch import kill_serving_holder
+        kill_serving_holder(HolderPaths(self.cfg.holder_dir, self.cfg.job_id, node))   # also one a rank started
         holder = self.holders.pop(node, None)
         if holder is not None:
             holder.kill()
@@ -1009,6 +1012,9 @@ class ElasticLauncher:
     def kill_holder(self, fault, attempt: int) -> None:
         """kill-holder: the node's holder alone dies (SIGKILL); its workers run on and its first rank starts a
         new one. No incident: the attempt goes on."""
+        from .holder.paths import HolderPaths
+        from .launch import kill_serving_holder
+        kill_serving_holder(HolderPaths(self.cfg.holder_dir, self.cfg.job_id, fault.target))
         holder = self.holders.get(fault.target)
         if holder is not None and holder.poll() is None:
             holder.kill()

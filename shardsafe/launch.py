@@ -86,6 +86,24 @@ def holder_running(paths: HolderPaths) -> bool:
             return False
 
 
+def kill_serving_holder(paths: HolderPaths) -> None:
+    """SIGKILL the holder that serves ``paths`` now, whoever started it (a simulated node loss or holder kill).
+    After an earlier holder kill the node's first rank starts the new holder itself, so the launcher's own
+    process handle is not the live one; the live one says its pid in the hello."""
+    from .holder.client import HolderClient, HolderUnavailable
+    try:
+        c = HolderClient(paths, timeout_s=2.0).connect()
+    except (HolderUnavailable, OSError):
+        return
+    pid = c.holder_pid
+    c.close()
+    if pid > 0 and pid != os.getpid():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 class SignalStop:
     """Turn SIGTERM, SIGINT and SIGHUP (``kill``, Ctrl-C, ``scancel`` of a local run, a closed terminal)
     into a flag the launcher's loop polls, so that it stops its trainers and holders itself instead of
@@ -249,6 +267,7 @@ class LocalLauncher:
 
     def kill_node_holder(self, node: str) -> None:
         """Node loss: the holder dies with SIGKILL and its memory with it."""
+        kill_serving_holder(self.paths(node))
         proc = self.holders.pop(node, None)
         if proc is not None:
             proc.kill()
@@ -310,6 +329,7 @@ class LocalLauncher:
     def _kill_holder(self, fault, attempt: int) -> None:
         """kill-holder: the node's holder alone dies (SIGKILL); its trainers run on and its first rank starts
         a new one. The attempt goes on, so this is no failure of the launcher's."""
+        kill_serving_holder(self.paths(fault.target))
         proc = self.holders.get(fault.target)
         if proc is not None and proc.poll() is None:
             proc.kill()

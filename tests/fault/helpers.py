@@ -85,3 +85,25 @@ def trainer_logs(run_dir):
             with open(os.path.join(run_dir, f), errors="replace") as fh:
                 txt += fh.read()
     return txt
+
+
+def live_holders(run_dir, wait_s=10.0):
+    """Holder processes whose command line names ``run_dir`` that are still alive after ``wait_s`` (a job must
+    leave none behind: launcher-started, rank-started and replacement holders alike)."""
+    import time
+    deadline = time.time() + wait_s
+    while True:
+        alive = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().split(b"\0")
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if b"holder" in cmd and str(run_dir).encode() in cmd and state != "Z":
+                alive.append(int(pid))
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.2)
