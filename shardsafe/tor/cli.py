@@ -19,14 +19,20 @@ from .report import report_dict, report_text
 __all__ = ["register_cli", "main"]
 
 
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds, a number > 0") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds, a finite number >= 0")
-    return v
+def _finite(what: str = ""):
+    """An argparse type: a finite number >= 0 (``what`` names it in the message)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = math.nan
+        if not math.isfinite(v) or v < 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {what + ', ' if what else ''}a finite number >= 0")
+        return v
+    return parse
+
+
+_seconds = _finite("seconds")
 
 
 def _whole(low: int, what: str = ""):
@@ -95,14 +101,7 @@ _COST_HELP = {
 _positive_int = _whole(0)
 
 
-def _number(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number >= 0")
-    return v
+_number = _finite()
 
 
 def _gpu_list(text: str) -> list[int]:
