@@ -50,3 +50,16 @@ def test_demo_json(tmp_path, engine, steps):
     assert out["prewarm"]["preload"] and out["prewarm"]["seconds"] > 0
     assert not any(e["kind"] == "prewarm_ready" for e in map(json.loads, open(tmp_path / "reference" / "events.jsonl")))
     assert "start cold" not in r.stderr, r.stderr[-3000:]
+    # `shardsafe tor project --from` the demo's own run dir takes the costs `tor report` measures there (issue 20)
+    rep = subprocess.run([sys.executable, "-m", "shardsafe.cli", "tor", "report", str(tmp_path), "--json"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert rep.returncode == 0 and "reporting the protected run" in rep.stderr, rep.stderr[-2000:]
+    by_class = json.loads(rep.stdout)["by_class"]
+    proj = subprocess.run([sys.executable, "-m", "shardsafe.cli", "tor", "project", "--from", str(tmp_path),
+                           "--gpus", "1024", "--no-simulate", "--json"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proj.returncode == 0, proj.stderr[-2000:]
+    measured = json.loads(proj.stdout)["costs"]["measured"]
+    for tier in ("memory", "parity"):
+        assert by_class[tier]["failures"] == 1, by_class
+        assert measured[f"restore_{tier}_s"] == pytest.approx(by_class[tier]["restore"], abs=1e-3), (measured, by_class)
