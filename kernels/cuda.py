@@ -29,7 +29,7 @@ _lock = threading.Lock()
 
 
 def _unavailable(msg: str) -> Exception:
-    from shardsafe.parity import BackendUnavailable
+    from shardsafe.parity_errors import BackendUnavailable
     return BackendUnavailable(msg)
 
 
@@ -113,7 +113,7 @@ def _ptrs(tensors: Sequence[Any]) -> ctypes.Array:
 
 def _check(err: int, what: str) -> None:
     if err != 0:
-        from shardsafe.parity import KernelError
+        from shardsafe.parity_errors import KernelError
         raise KernelError(f"{what} failed: CUDA error {err} ({_lib.shardsafe_ec_error_string(err).decode()})")
 
 

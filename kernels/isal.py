@@ -96,7 +96,7 @@ def load() -> ctypes.CDLL:
             else:
                 _load_error = "; ".join(tried) or "no candidate library"
     if _lib is None:
-        from shardsafe.parity import BackendUnavailable
+        from shardsafe.parity_errors import BackendUnavailable
         raise BackendUnavailable(
             f"ISA-L is not loadable (tried: {_load_error}). {_pyeclib_note()}Install one of: the parity extra "
             f"(pip install 'shardsafe[parity]'), or pip install --only-binary pyeclib '{PYECLIB_REQUIREMENT}' (its binary wheels bundle "

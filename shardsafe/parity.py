@@ -47,30 +47,9 @@ MAX_FRAGMENTS = 256
 BACKENDS = ("isal", "reference", "cuda")
 
 
-# --- errors ---------------------------------------------------------------------------------------
-
-class ParityError(Exception):
-    """Base of every error this module raises."""
-
-
-class InvalidParameter(ParityError, ValueError):
-    """A construction argument or an index argument is out of range or of the wrong type."""
-
-
-class InvalidFragment(ParityError, ValueError):
-    """A fragment buffer has the wrong type, dtype, layout, length or is not writable."""
-
-
-class InsufficientFragments(ParityError):
-    """Fewer than k fragments of a codeword survive: it cannot be rebuilt from memory."""
-
-
-class BackendUnavailable(ParityError, RuntimeError):
-    """The requested backend's library, device or Python package is missing."""
-
-
-class KernelError(ParityError, RuntimeError):
-    """A backend call failed at run time (e.g. a CUDA launch error)."""
+# The errors live in a module of their own so that kernels/ (the backends) import them without this module.
+from .parity_errors import (BackendUnavailable, InsufficientFragments, InvalidFragment,  # noqa: E402,F401
+                            InvalidParameter, KernelError, ParityError)
 
 
 def _check_km(k: Any, m: Any) -> tuple[int, int]:
