@@ -10,6 +10,8 @@ frame is closed before it is raised, so nothing a peer sends can leak into the r
 """
 from __future__ import annotations
 
+import math
+
 import array
 import json
 import os
@@ -139,3 +141,35 @@ def close_fds(fds: list[int] | tuple[int, ...]) -> None:
             os.close(fd)
         except OSError:
             pass
+
+
+# ---- request fields (checked where a request is served) ----------------------------------------
+
+def gib_up(nbytes: int) -> float:
+    """``nbytes`` in GiB rounded *up* to the 3 decimals a message prints: a budget set to the printed
+    number must hold what the message says (rounding to nearest could name a budget 1 MB short)."""
+    return math.ceil(nbytes / (1 << 30) * 1000) / 1000
+
+
+def req_int(req: dict, key: str, *, minimum: int | None = None) -> int:
+    """``req[key]`` as an int, or a ``bad_request`` naming the field, what is expected and what came."""
+    if key not in req:
+        raise HolderError("bad_request", f"{req.get('op')!r} needs an integer {key!r}; the request has none")
+    v = req[key]
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise HolderError("bad_request", f"{req.get('op')!r}: {key!r} must be an integer, got "
+                                         f"{type(v).__name__} {str(v)[:60]!r}")
+    if minimum is not None and v < minimum:
+        raise HolderError("bad_request", f"{req.get('op')!r}: {key!r} must be >= {minimum}, got {v}")
+    return v
+
+
+def req_ranks(req: dict) -> list[int]:
+    """The ``ranks`` list of a request (or its single ``rank``), each a non-negative int."""
+    if "ranks" not in req:
+        return [req_int(req, "rank", minimum=0)]
+    v = req["ranks"]
+    if not isinstance(v, list) or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in v):
+        raise HolderError("bad_request", f"{req.get('op')!r}: 'ranks' must be a list of non-negative integers, got "
+                                         f"{str(v)[:60]!r}")
+    return v

@@ -9,7 +9,6 @@ an error naming the bytes needed.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import queue
 import select
@@ -21,7 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .paths import HolderPaths
-from .protocol import (FLUSH_DRAIN_S, BadFrame, HolderError, ProtocolError, close_fds, recv_msg, send_msg)
+from .protocol import (FLUSH_DRAIN_S, BadFrame, HolderError, ProtocolError, close_fds, gib_up, recv_msg, req_int,
+                       req_ranks, send_msg)
+from .background import BackgroundWork
 from .segments import Segment, round_size
 
 log = logging.getLogger("shardsafe.holder")
@@ -36,36 +37,6 @@ DEFAULT_READ_TIMEOUT_S = 30.0
 # Connections served at once (one thread each). A node's trainers hold one or two each, the launcher and
 # `shardsafe status` one briefly; beyond the cap a connection is answered with a `busy` error and closed.
 DEFAULT_MAX_CLIENTS = 128
-
-
-def gib_up(nbytes: int) -> float:
-    """``nbytes`` in GiB rounded *up* to the 3 decimals a message prints: a budget set to the printed
-    number must hold what the message says (rounding to nearest could name a budget 1 MB short)."""
-    return math.ceil(nbytes / (1 << 30) * 1000) / 1000
-
-
-def _int(req: dict, key: str, *, minimum: int | None = None) -> int:
-    """``req[key]`` as an int, or a ``bad_request`` naming the field, what is expected and what came."""
-    if key not in req:
-        raise HolderError("bad_request", f"{req.get('op')!r} needs an integer {key!r}; the request has none")
-    v = req[key]
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise HolderError("bad_request", f"{req.get('op')!r}: {key!r} must be an integer, got "
-                                         f"{type(v).__name__} {str(v)[:60]!r}")
-    if minimum is not None and v < minimum:
-        raise HolderError("bad_request", f"{req.get('op')!r}: {key!r} must be >= {minimum}, got {v}")
-    return v
-
-
-def _ranks(req: dict) -> list[int]:
-    """The ``ranks`` list of a request (or its single ``rank``), each a non-negative int."""
-    if "ranks" not in req:
-        return [_int(req, "rank", minimum=0)]
-    v = req["ranks"]
-    if not isinstance(v, list) or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in v):
-        raise HolderError("bad_request", f"{req.get('op')!r}: 'ranks' must be a list of non-negative integers, got "
-                                         f"{str(v)[:60]!r}")
-    return v
 
 
 @dataclass
@@ -93,7 +64,7 @@ class RankEntry:
     last_committed: dict[str, int] = field(default_factory=lambda: {k: -1 for k in KINDS})
 
 
-class Holder:
+class Holder(BackgroundWork):
     def __init__(self, paths: HolderPaths, *, budget_bytes: int, idle_exit_s: float = 0.0,
                  run_dir: str = "", scrub_interval_s: float = 0.0, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
                  max_clients: int = DEFAULT_MAX_CLIENTS):
@@ -158,8 +129,8 @@ class Holder:
         return kind
 
     def acquire(self, req: dict) -> tuple[dict, list[int]]:
-        rank, kind, version = _int(req, "rank", minimum=0), self._kind(req), _int(req, "version")
-        nbytes = _int(req, "nbytes", minimum=0)
+        rank, kind, version = req_int(req, "rank", minimum=0), self._kind(req), req_int(req, "version")
+        nbytes = req_int(req, "nbytes", minimum=0)
         with self.lock:
             try:
                 return self._acquire(rank, kind, version, nbytes)
@@ -317,7 +288,7 @@ class Holder:
                                        f"for rank {rank}")
 
     def seal(self, req: dict) -> dict:
-        rank, kind, version = _int(req, "rank", minimum=0), self._kind(req), _int(req, "version")
+        rank, kind, version = req_int(req, "rank", minimum=0), self._kind(req), req_int(req, "version")
         manifest = req.get("manifest")
         if not isinstance(manifest, dict):
             raise HolderError("bad_request", "seal needs a JSON object manifest")
@@ -328,7 +299,7 @@ class Holder:
 
     def commit(self, req: dict) -> dict:
         """Mark ``version`` committed for the given ranks; older versions become overwritable."""
-        kind, version, ranks = self._kind(req), _int(req, "version"), _ranks(req)
+        kind, version, ranks = self._kind(req), req_int(req, "version"), req_ranks(req)
         with self.lock:
             for rank in ranks:
                 s = self._find(rank, kind, version, ("sealed",))
@@ -340,7 +311,7 @@ class Holder:
     def list(self, req: dict) -> dict:
         want = req.get("rank")
         if want is not None:
-            want = _int(req, "rank", minimum=0)
+            want = req_int(req, "rank", minimum=0)
         with self.lock:
             out = {}
             for rank, ent in sorted(self.ranks.items()):
@@ -350,14 +321,14 @@ class Holder:
             return {"ranks": out}
 
     def open(self, req: dict) -> tuple[dict, list[int]]:
-        rank, kind, version = _int(req, "rank", minimum=0), self._kind(req), _int(req, "version")
+        rank, kind, version = req_int(req, "rank", minimum=0), self._kind(req), req_int(req, "version")
         with self.lock:
             s = self._find(rank, kind, version, ("sealed",))
             return {"slot": s.slot_id, "manifest": s.manifest, "nbytes": s.nbytes, "committed": s.committed}, [s.seg.readonly_fd()]
 
     def drop(self, req: dict) -> dict:
-        kind, ranks = self._kind(req), _ranks(req)
-        version = _int(req, "version") if req.get("version") is not None else None
+        kind, ranks = self._kind(req), req_ranks(req)
+        version = req_int(req, "version") if req.get("version") is not None else None
         freed = 0
         with self.lock:
             for rank in ranks:
@@ -392,131 +363,6 @@ class Holder:
     def _corrupt(self) -> list[dict]:
         return [{"rank": r, "kind": k, "version": s.version} for r, e in self.ranks.items()
                 for k, lst in e.slots.items() for s in lst if s.state == "corrupt"]
-
-    # ---- persistent tier --------------------------------------------------------------------------
-    def flush(self, req: dict) -> dict:
-        """Queue a committed version for the disk (returns at once; the flush thread writes it)."""
-        rank, version = _int(req, "rank", minimum=0), _int(req, "version")
-        for key in ("dir", "job_id"):
-            if not isinstance(req.get(key), str) or not req[key]:
-                raise HolderError("bad_request", f"flush needs a non-empty string {key!r}, got {str(req.get(key))[:60]!r}")
-        keep = _int(req, "keep", minimum=0) if "keep" in req else 0
-        mbps = req.get("mbps") or 0
-        if not isinstance(mbps, (int, float)) or isinstance(mbps, bool) or not math.isfinite(mbps) or mbps < 0:
-            raise HolderError("bad_request", f"flush: 'mbps' must be a number >= 0 (0 = uncapped), got {str(mbps)[:60]!r}")
-        with self.lock:
-            s = self._find(rank, "data", version, ("sealed",))
-            if not s.committed:
-                raise HolderError("state", f"version {version} of rank {rank} is not committed: only committed "
-                                           "versions are flushed")
-            s.pins += 1
-            self._flush_pending += 1
-            man, nbytes = s.manifest, s.nbytes   # as sealed: a drop while flushing clears the slot's fields
-        self._flush_q.put({**req, "rank": rank, "version": version, "keep": keep, "mbps": float(mbps), "_slot": s,
-                           "_manifest": man, "_nbytes": nbytes})
-        return {"queued": True}
-
-    def _flush_loop(self) -> None:
-        from shardsafe.persist import PersistentStore, PersistError
-        while True:
-            job = self._flush_q.get()
-            if job is None:
-                return
-            s: Slot = job["_slot"]
-            store = PersistentStore(job["dir"], job["job_id"])
-            try:
-                mv = memoryview(s.seg.map)[: job["_nbytes"]]
-                try:
-                    secs = store.write(version=job["version"], rank=job["rank"], payload=mv, manifest=job["_manifest"],
-                                       mbps=float(job.get("mbps") or 0), on_progress=self._flush_progress(job["version"]))
-                finally:
-                    mv.release()
-                ws = job["_manifest"].get("world_size") if isinstance(job["_manifest"], dict) else None
-                store.prune(job["rank"], int(job.get("keep") or 0),
-                            world_size=ws if isinstance(ws, int) and ws > 0 else None)
-                self.flush_stats["done"] += 1
-                self.flush_stats["bytes"] += job["_nbytes"]
-                self._emit("flush", version=job["version"], seconds=secs, bytes=job["_nbytes"], rank=job["rank"], ok=True)
-            except Exception as e:   # PersistError, OSError, or a bug: the flush thread must not die
-                if not isinstance(e, (PersistError, OSError)):
-                    log.exception("flush of version %s rank %s failed", job["version"], job["rank"])
-                self.flush_stats["failed"] += 1
-                self.flush_stats["last_error"] = str(e)
-                log.error("%s", e)
-                self._emit("flush", version=job["version"], seconds=0.0, bytes=0, rank=job["rank"], ok=False,
-                           error=str(e)[:500])
-            finally:
-                with self.lock:
-                    self._unpin(job["rank"], "data", s)
-                    self._flush_pending -= 1
-                    self._last_activity = time.monotonic()   # the idle exit counts from the last flush's end
-
-    def _flush_progress(self, version: int):
-        """The kill-flush fault's hook for writing ``version`` (None: no fault there)."""
-        f = self._flush_fault
-        if f is None or f.step != version:
-            return None
-
-        def progress(fraction: float) -> None:
-            if fraction >= 0.5:
-                from shardsafe.faults import kill_self_in_flush
-                kill_self_in_flush(f, self._run_dir, version)
-        return progress
-
-    # ---- scrubbing --------------------------------------------------------------------------------
-    def scrub(self, req: dict | None = None) -> dict:
-        """Re-verify every sealed slot's checksums; a bad one becomes ``corrupt`` (never listed or
-        opened again, so restore rebuilds that rank from parity or falls back a tier)."""
-        from shardsafe import manifest as mf
-        with self.lock:
-            todo = [(r, k, s, s.version) for r, e in self.ranks.items() for k, lst in e.slots.items() for s in lst
-                    if s.state == "sealed" and s.manifest is not None]
-        bad, checked = [], 0
-        try:
-            for rank, kind, s, version in todo:
-                # One slot pinned at a time, for as long as its hash takes: pinning them all for the whole
-                # scrub made every snapshot in that window need an extra slot (or be skipped).
-                with self.lock:
-                    if s.state != "sealed" or s.version != version or s.manifest is None or s.doomed:
-                        continue     # rewritten or dropped since the list was taken
-                    s.pins += 1
-                    man = s.manifest      # a drop or rewrite meanwhile clears the slot's, not this one
-                try:
-                    mv = memoryview(s.seg.map)
-                    try:
-                        problems = mf.verify_any(man, mv)
-                    finally:
-                        mv.release()
-                    checked += 1
-                    with self.lock:
-                        s.scrubbed_at = time.time()
-                        if problems and s.state == "sealed":
-                            s.state, s.committed = "corrupt", False
-                            ent = self.ranks[rank]
-                            ent.last_committed[kind] = max([x.version for x in ent.slots[kind] if x.committed],
-                                                           default=-1)
-                            bad.append({"rank": rank, "kind": kind, "version": s.version, "problems": problems[:5]})
-                            log.error("scrub: rank %d %s version %d is corrupt (%s): marked unusable; restore will "
-                                      "rebuild it from parity or use another tier", rank, kind, s.version,
-                                      "; ".join(problems[:3]))
-                            self._emit("scrub_failed", rank=rank, slot_kind=kind, version=s.version,
-                                       problems=problems[:5])
-                finally:
-                    with self.lock:
-                        self._unpin(rank, kind, s)
-        finally:
-            self.scrub_stats["runs"] += 1
-            self.scrub_stats["slots"] += checked
-            self.scrub_stats["corrupt"] += len(bad)
-            self.scrub_stats["last"] = time.time()
-        return {"checked": checked, "corrupt": bad}
-
-    def _scrub_loop(self) -> None:
-        while not self._stop.wait(self.scrub_interval_s):
-            try:
-                self.scrub()
-            except Exception:   # a scrub problem must never take the holder down
-                log.exception("scrub failed")
 
     def handle(self, req: dict) -> tuple[dict, list[int]]:
         op = req.get("op")
