@@ -69,12 +69,13 @@ def test_holders_killed_alone_and_mid_flush_then_both_nodes_lost(tmp_path, refer
     holder is killed alone at step 8; the trainers run on and each node's rank starts a new holder. Then both
     nodes are lost (more than parity covers): the restore comes from the persistent tier, from a version every
     rank flushed completely (never the torn one), and the job ends bit-identical, resumed from it."""
-    ref = reference(2, "bf16", STEPS)
+    fused = ["--optimizer", "fused-adamw"]   # DeepSpeed's default optimizer (FusedAdam), as users get it
+    ref = reference(2, "bf16", STEPS, extra=fused)
     disk = tmp_path / "persist"
     faults = "kill-flush:node1@6&kill-holder:node0@8&kill-node:node0+node1@12"
     res = run_job(tmp_path, stage=2, dtype="bf16", steps=STEPS, inject=faults, max_restarts=1,
                   # slower steps from 6 on: the flush of 6 (and its kill) happens before the node loss at 12
-                  extra=["--step-sleep", "0.25", "--step-sleep-after", "5",
+                  extra=[*fused, "--step-sleep", "0.25", "--step-sleep-after", "5",
                          "--shardsafe-json", json.dumps({"persist_dir": str(disk), "persist_every": 2})])
     assert res.ok and res.attempts == 2, res
     evs = read_jsonl(f"{tmp_path}/events.jsonl")
