@@ -1,0 +1,31 @@
+"""Megatron adapter: shardsafe for megatron-core training loops and for Megatron-LM's ``pretrain``.
+
+One module per concept; every name stays importable from ``shardsafe.adapters.megatron``:
+  * :mod:`.state`: :class:`MegatronStateAdapter`, a rank's Megatron state as a ``RankState`` and back,
+    in place (``capture``/``apply``), and its functional form ``snapshot_state``/``apply_state``.
+  * :mod:`.state_checks`: what is checked before state moves: ``check_supported`` (unsupported setups
+    rejected up front), ``rank_coordinates``/``parity_coordinates`` (the parallel layout), ``validate``.
+  * :mod:`.core_api`: a megatron-core loop of your own: ``protect``, or ``restore`` once and ``snapshot``
+    after every step, ``close``; the ``Runtime`` protocol, ``HolderRuntime`` and ``wrap_optimizer_step``.
+  * :mod:`.hooks`: Megatron-LM's loop: ``pretrain`` (drop-in), ``install_hooks``, ``protected_pretrain``.
+  * the flags live beside this package, in ``shardsafe.adapters.megatron_args``.
+"""
+from __future__ import annotations
+
+from ..megatron_args import add_arguments, compose_extra_args_provider, config_from_args
+from .core_api import (HolderRuntime, Protection, Restored, Runtime, close, default_runtime_factory, protect,
+                       protection_of, restore, snapshot, wrap_optimizer_step)
+from .hooks import HookHandle, install_hooks, pretrain, protected_pretrain
+from .state import MegatronStateAdapter, SnapshotMismatch, apply_state, snapshot_state
+from .state_checks import (FORMAT, check_supported, leaf_optimizers, megatron_core_version, parity_coordinates,
+                           rank_coordinates)
+
+__all__ = [
+    "MegatronStateAdapter", "SnapshotMismatch", "Runtime", "HolderRuntime", "Protection", "protect",
+    "restore", "snapshot", "close", "Restored", "protection_of",
+    "snapshot_state", "apply_state", "rank_coordinates", "parity_coordinates", "check_supported",
+    "wrap_optimizer_step", "install_hooks", "pretrain", "add_arguments", "config_from_args", "FORMAT",
+    # public names the single module also had (not in its __all__): importable as before
+    "leaf_optimizers", "megatron_core_version", "default_runtime_factory", "HookHandle", "protected_pretrain",
+    "compose_extra_args_provider",
+]

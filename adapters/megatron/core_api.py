@@ -1,0 +1,478 @@
+"""The Megatron core API: protection for a megatron-core training loop of your own.
+
+Runtime wiring: :class:`HolderRuntime` puts :class:`shardsafe.runtime.Runtime` (node holder, async
+snapshot pipeline, Reed-Solomon parity across DP peers on distinct nodes, restore) behind the
+adapter of :mod:`.state`; :func:`wrap_optimizer_step` makes every optimizer step wait for the pending
+snapshot copy. Two ways in, both fork-free: :func:`protect`, or the two calls :func:`restore` once and
+:func:`snapshot` after every step (a registry keyed by the optimizer keeps the iteration and counters
+between them). Megatron-LM's own loop is driven through the same :class:`Runtime` protocol by :mod:`.hooks`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, MutableMapping, Optional, Protocol
+
+from shardsafe.config import ConfigError, ShardsafeConfig
+from shardsafe.tor.events import NullEventLog
+
+from ..megatron_args import config_from_args
+from .state import MegatronStateAdapter
+from .state_checks import parity_coordinates
+
+# Where the runtime has no event log (disabled, a test double): emits nothing.
+_NO_EVENTS = NullEventLog()
+
+
+class Runtime(Protocol):
+    """What the Megatron-LM hooks and :func:`protect` drive: :class:`HolderRuntime` implements it.
+
+    Optional members, used when present: ``before_step(iteration)`` (run right before every optimizer
+    step; it finishes the pending snapshot copy), ``flush(timeout)``, ``close()``, ``events`` (TOR event
+    log), ``last_stall_s`` and ``restored`` (a ``RestoreResult``). Test doubles may omit them.
+    """
+
+    def after_step(self, iteration: int, adapter: "MegatronStateAdapter") -> None:
+        """Called after every optimizer step (scheduler stepped, ``iteration`` incremented).
+
+        The runtime applies ``ShardsafeConfig.interval`` and may call ``adapter.capture()``; it
+        must finish copying the captured tensors before the next optimizer step.
+        """
+
+    def on_exit(self, iteration: int, adapter: "MegatronStateAdapter") -> None:
+        """Megatron-LM decided to exit (signal, exit interval/duration): seal or flush snapshots."""
+
+    def try_restore(self, adapter: "MegatronStateAdapter") -> Optional[int]:
+        """Restore the newest recoverable version through ``adapter.apply`` (a collective on every
+        rank); return its iteration, or None when nothing was restored."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The holder runtime, and the before-step wait
+# --------------------------------------------------------------------------------------------------
+
+class HolderRuntime:
+    """shardsafe's holder runtime (:class:`shardsafe.runtime.Runtime`) behind the Megatron ``Runtime`` protocol.
+
+    Connects to (or starts) the node's holder, builds the parity plan from Megatron's layout (DP peers
+    with equal TP/PP coordinates, on distinct nodes), restores, and snapshots after optimizer steps.
+    ``before_step`` must run right before every optimizer step that follows a snapshot (it waits for the
+    asynchronous copy; :func:`wrap_optimizer_step` arranges that). Collective: every rank creates one.
+
+    Args:
+        cfg: the checked config (``config_from_args(args)``).
+        rank, world_size: default ``torch.distributed``'s.
+        coords: ``rank_coordinates()``-style dict (default: read from ``megatron.core.parallel_state``).
+
+    Raises:
+        ConfigError: the parity settings cannot be placed on this layout (e.g. a ``--shardsafe-parity-group-size``
+            larger than the number of DP peers on distinct nodes); raised on every rank, before training.
+    """
+
+    def __init__(self, cfg: ShardsafeConfig, *, rank: Optional[int] = None, world_size: Optional[int] = None,
+                 coords: Optional[Mapping[str, Any]] = None) -> None:
+        import torch.distributed as dist
+        from shardsafe.runtime import Runtime as CoreRuntime
+
+        initialized = dist.is_available() and dist.is_initialized()
+        self.rank = int(rank if rank is not None else (dist.get_rank() if initialized else 0))
+        self.world_size = int(world_size if world_size is not None else (dist.get_world_size() if initialized else 1))
+        self.cfg = cfg
+        try:
+            self.core = CoreRuntime(cfg, rank=self.rank, world_size=self.world_size, coords=parity_coordinates(coords))
+        except ConfigError as e:
+            if "parity" not in str(e):
+                raise
+            raise ConfigError(f"{e} Set --shardsafe-parity-group-size (0 = the largest feasible, 1 = no parity) and "
+                              "--shardsafe-parity-shards to fit this layout: parity groups are data-parallel "
+                              "peers (equal tensor/pipeline ranks) on distinct nodes.") from None
+        self.restored = None          # shardsafe.restore.RestoreResult after try_restore
+        self.last_stall_s = 0.0       # seconds the last optimizer step waited for a snapshot copy
+        self._closed = False
+
+    @property
+    def events(self) -> Any:
+        """The TOR event log (``emit(kind, **fields)``; a no-op without a run directory)."""
+        return self.core.events
+
+    @property
+    def pipeline(self) -> Any:
+        return self.core.pipeline
+
+    @property
+    def stall_total_s(self) -> float:
+        """Seconds the training loop has spent blocked by snapshots so far (see shardsafe.runtime)."""
+        return self.core.stall_total_s
+
+    def try_restore(self, adapter: "MegatronStateAdapter") -> Optional[int]:
+        """Collective. The restored iteration, or None on a fresh start.
+
+        Raises:
+            shardsafe.restore.RestoreError: snapshots exist but none is restorable (more lost nodes than
+                parity covers, every version corrupt or not fitting this job); the message says what to do.
+        """
+        self.restored = self.core.try_restore(adapter)
+        return self.restored.version if self.restored.version >= 0 else None
+
+    def before_step(self, iteration: int) -> float:
+        """Right before the optimizer step of ``iteration``: fault injection, then wait for the pending copy."""
+        self.last_stall_s = self.core.before_step(iteration)
+        return self.last_stall_s
+
+    def after_step(self, iteration: int, adapter: "MegatronStateAdapter") -> None:
+        self.core.after_step(iteration, adapter)
+
+    def on_exit(self, iteration: int, adapter: "MegatronStateAdapter") -> None:
+        """Megatron-LM decided to exit after ``iteration``: a final snapshot of it (when the interval skipped
+        it), committed, and flushed to the persistent tier when one is set (Runtime.on_exit)."""
+        self.core.on_exit(iteration, adapter)
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the last submitted snapshot is sealed and voted on; True if it committed."""
+        return self.core.pipeline.flush(timeout)
+
+    def close(self) -> None:
+        """Flush, stop the snapshot worker, disconnect from the holder (which keeps its memory). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.core.close()
+
+
+def default_runtime_factory(cfg: ShardsafeConfig) -> HolderRuntime:
+    """The holder runtime, for this process's rank and Megatron layout (see :class:`HolderRuntime`)."""
+    return HolderRuntime(cfg)
+
+
+def wrap_optimizer_step(optimizer: Any, before_step: Callable[[int], Any],
+                        get_iteration: Callable[[], int]) -> Callable[[], None]:
+    """Run ``before_step(get_iteration() + 1)`` right before every ``optimizer.step()``; return an undo.
+
+    The wrapper is set on the instance (no subclass, no change to Megatron): Megatron-LM's ``train_step``
+    and an own loop both call ``optimizer.step()`` on this object once per iteration, and the step
+    (inner Adam, main -> model params, the scheduler after it) is the first thing that mutates the
+    state a snapshot references. ``get_iteration`` returns the iteration of the last completed step.
+    """
+    d = vars(optimizer)
+    had, previous = "step" in d, d.get("step")
+    orig = optimizer.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        before_step(int(get_iteration()) + 1)
+        return orig(*args, **kwargs)
+
+    step.__wrapped__ = orig  # type: ignore[attr-defined]
+    optimizer.step = step
+
+    def undo() -> None:
+        if vars(optimizer).get("step") is step:
+            if had:
+                optimizer.step = previous
+            else:
+                del optimizer.step
+
+    return undo
+
+
+# --------------------------------------------------------------------------------------------------
+# Core API: protect a megatron-core training loop of your own
+# --------------------------------------------------------------------------------------------------
+
+class Protection:
+    """What :func:`protect` returns.
+
+    Attributes:
+        restored: ``shardsafe.restore.RestoreResult`` (``version`` -1: fresh start; ``tier``, ``seconds``,
+            ``message``). The loop's iteration and counters are already set to the restored values.
+        adapter: the :class:`MegatronStateAdapter`.
+        runtime: the runtime (None when shardsafe is disabled).
+    """
+
+    def __init__(self, adapter: "MegatronStateAdapter", runtime: Any, restored: Any, undo_step: Callable[[], None]):
+        self.adapter, self.runtime, self.restored = adapter, runtime, restored
+        self._undo_step = undo_step
+
+    @property
+    def enabled(self) -> bool:
+        return self.runtime is not None
+
+    @property
+    def events(self) -> Any:
+        """TOR event log of the runtime (``emit(kind, **fields)``); a no-op when disabled or without a run dir."""
+        ev = getattr(self.runtime, "events", None)
+        return ev if ev is not None else _NO_EVENTS
+
+    @property
+    def last_stall_s(self) -> float:
+        """Seconds the last optimizer step waited for the snapshot copy."""
+        return float(getattr(self.runtime, "last_stall_s", 0.0) or 0.0)
+
+    @property
+    def stall_total_s(self) -> float:
+        """Seconds the training loop has spent blocked by snapshots so far (waits and captures): an
+        iteration's TOR `seconds` are its wall time minus this counter's growth over it (docs/tor.md)."""
+        return float(getattr(self.runtime, "stall_total_s", 0.0) or 0.0)
+
+    def after_step(self, iteration: Optional[int] = None) -> None:
+        """Call after every optimizer step (and scheduler step / counter updates) with the iteration just
+        completed (default: ``get_iteration()``); snapshots every ``interval`` iterations, asynchronously."""
+        if self.runtime is not None:
+            self.runtime.after_step(int(self.adapter.get_iteration() if iteration is None else iteration), self.adapter)
+
+    def on_exit(self, iteration: Optional[int] = None) -> None:
+        """Call when the loop stops early after ``iteration`` (a signal, a time limit): snapshots it if the
+        interval skipped it, waits for the commit, and flushes it to the persistent tier when one is set."""
+        if self.runtime is not None:
+            self.runtime.on_exit(int(self.adapter.get_iteration() if iteration is None else iteration), self.adapter)
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait for the last snapshot to be sealed and committed (e.g. before a planned exit)."""
+        return bool(self.runtime.flush(timeout)) if self.runtime is not None and hasattr(self.runtime, "flush") else True
+
+    def close(self) -> None:
+        """Flush the last snapshot, remove the optimizer-step wrapper, disconnect. Idempotent."""
+        self._undo_step()
+        self._undo_step = lambda: None
+        if self.runtime is not None and hasattr(self.runtime, "close"):
+            self.runtime.close()
+
+    def __enter__(self) -> "Protection":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _as_config(cfg: Any) -> ShardsafeConfig:
+    if isinstance(cfg, ShardsafeConfig):
+        return cfg
+    if isinstance(cfg, Mapping):
+        return ShardsafeConfig.from_dict(cfg, where="shardsafe config")
+    return config_from_args(cfg)  # a parsed namespace with the --shardsafe* flags
+
+
+def protect(model_chunks: Any, optimizer: Any, scheduler: Any, cfg: Any, *,
+            get_iteration: Callable[[], int], set_iteration: Callable[[int], None],
+            get_counters: Optional[Callable[[], Mapping[str, Any]]] = None,
+            set_counters: Optional[Callable[[Mapping[str, Any]], None]] = None,
+            extra: Optional[MutableMapping[str, Any]] = None,
+            runtime_factory: Callable[[ShardsafeConfig], Any] = default_runtime_factory) -> Protection:
+    """Protect a megatron-core training loop: restore now (if a snapshot exists), snapshot after steps.
+
+    Call on every rank after ``initialize_model_parallel``, the model seed and the model, optimizer and
+    scheduler exist, and before the loop's first step (collective: it builds process groups and may
+    restore). Then call ``.after_step(iteration)`` after each optimizer step and ``.close()`` at the end::
+
+        prot = protect(model_chunks, optimizer, scheduler, config_from_args(args),
+                       get_iteration=lambda: it, set_iteration=set_it,
+                       get_counters=lambda: {"consumed_train_samples": n}, set_counters=set_counters)
+        while it < train_iters:
+            train_step()                  # optimizer.step() waits for the pending snapshot copy itself
+            it += 1; n += global_batch
+            prot.after_step(it)
+        prot.close()
+
+    ``optimizer.step`` is wrapped on the instance so the pending copy is finished right before it
+    mutates the state. Anything that draws from an RNG between ``protect`` and the first step (e.g.
+    ``iter(DataLoader)``) shifts the RNG streams: build such things before calling ``protect``.
+
+    Args:
+        cfg: ``ShardsafeConfig``, a parsed namespace with the ``--shardsafe*`` flags, or a dict of config keys.
+        get_iteration / set_iteration / get_counters / set_counters / extra: see :class:`MegatronStateAdapter`.
+        runtime_factory: builds the runtime from the config (default: the holder runtime).
+    Raises:
+        ConfigError: bad flags, an unsupported optimizer setup, or parity that cannot be placed on this
+            layout; before any snapshot or restore.
+        shardsafe.restore.RestoreError: snapshots exist but none can be restored (the message says what to do).
+    """
+    conf = _as_config(cfg)
+    adapter = MegatronStateAdapter(model_chunks, optimizer, scheduler, get_iteration=get_iteration,
+                                   set_iteration=set_iteration, get_counters=get_counters, set_counters=set_counters,
+                                   extra=extra)
+    if not conf.enabled:
+        from shardsafe.restore import RestoreResult
+        return Protection(adapter, None, RestoreResult(message="shardsafe disabled"), lambda: None)
+    runtime = runtime_factory(conf)
+    undo = wrap_optimizer_step(optimizer, runtime.before_step, get_iteration) if hasattr(runtime, "before_step") \
+        else (lambda: None)
+    try:
+        runtime.try_restore(adapter)
+    except BaseException:
+        undo()
+        if hasattr(runtime, "close"):
+            runtime.close()
+        raise
+    restored = getattr(runtime, "restored", None)
+    if restored is None:
+        from shardsafe.restore import RestoreResult
+        restored = RestoreResult()
+    return Protection(adapter, runtime, restored, undo)
+
+
+# --------------------------------------------------------------------------------------------------
+# Core API as two calls: restore(...) once, snapshot(...) after every optimizer step
+# --------------------------------------------------------------------------------------------------
+
+class Restored:
+    """What :func:`restore` returns.
+
+    Attributes:
+        iteration: the restored iteration, or None on a fresh start (nothing to restore, or restore disabled).
+        counters: the restored loop counters (the ``counters`` given to :func:`snapshot`); ``{}`` on a fresh start.
+        tier / seconds / message: where it came from (``memory``, ``parity``, ``persistent``, ``none``), how long
+            it took, and a sentence for the log.
+        result: the full ``shardsafe.restore.RestoreResult``.
+        protection: the :class:`Protection` behind the calls (events, stall counters, flush).
+    """
+
+    def __init__(self, iteration: Optional[int], counters: Mapping[str, Any], protection: "Protection") -> None:
+        self.iteration, self.counters, self.protection = iteration, dict(counters), protection
+        self.result = protection.restored
+        self.tier = str(getattr(self.result, "tier", "none"))
+        self.seconds = float(getattr(self.result, "seconds", 0.0) or 0.0)
+        self.message = str(getattr(self.result, "message", ""))
+
+    def __repr__(self) -> str:
+        return f"Restored(iteration={self.iteration}, tier={self.tier!r}, seconds={self.seconds:.3f})"
+
+
+class _Session:
+    """One optimizer's protection behind :func:`restore` / :func:`snapshot` / :func:`close`."""
+
+    def __init__(self, model_chunks: list, optimizer: Any, scheduler: Any) -> None:
+        self.model_chunks, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
+        self.iteration = 0
+        self.interval = 1
+        self.counters: dict[str, Any] = {}
+        self.protection: Optional[Protection] = None
+
+    def set_iteration(self, i: int) -> None:
+        self.iteration = int(i)
+
+    def set_counters(self, c: Mapping[str, Any]) -> None:
+        self.counters = dict(c)
+
+
+# Keyed by id(optimizer); the session holds the optimizer, so an id cannot be reused while it is registered.
+_SESSIONS: dict[int, _Session] = {}
+
+
+def _chunks(model_chunks: Any) -> list:
+    return list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+
+
+def _session_for(model_chunks: Any, optimizer: Any, scheduler: Any, call: str) -> _Session:
+    s = _SESSIONS.get(id(optimizer))
+    if s is None:
+        raise RuntimeError(f"shardsafe.adapters.megatron.{call}: no protection for this optimizer. Call "
+                           "restore(model_chunks, optimizer, scheduler, cfg) once on every rank before the "
+                           "first snapshot (it connects to the holder, sets up parity and restores when a "
+                           "snapshot exists; pass a config with restore disabled, --shardsafe-no-restore, to "
+                           "only set up).")
+    chunks = _chunks(model_chunks)
+    if len(chunks) != len(s.model_chunks) or any(a is not b for a, b in zip(chunks, s.model_chunks)) \
+            or scheduler is not s.scheduler:
+        raise ValueError(f"shardsafe.adapters.megatron.{call}: the model chunks or the scheduler are not the "
+                         "objects restore() was given for this optimizer; pass the same objects (the snapshot "
+                         "references their tensors), or close(optimizer) and restore() again for new ones.")
+    return s
+
+
+def restore(model_chunks: Any, optimizer: Any, scheduler: Any, cfg: Any, *,
+            extra: Optional[MutableMapping[str, Any]] = None,
+            runtime_factory: Callable[[ShardsafeConfig], Any] = default_runtime_factory) -> Restored:
+    """Set up protection for this rank's model/optimizer/scheduler and restore the newest snapshot, in place.
+
+    Collective: every rank calls it once, after ``initialize_model_parallel``, the model seed and the
+    model, optimizer and scheduler exist, before the first optimizer step (build data iterators before
+    it: anything drawing from an RNG in between shifts the restored streams). It is :func:`protect`
+    with the iteration and counters kept for you: the state comes back from the cheapest complete tier
+    (node holder memory, parity rebuild across DP peers on other nodes, the persistent directory),
+    verified, written into the existing tensors (never through ``load_state_dict``), and
+    ``optimizer.step`` is wrapped so each step first waits for the pending snapshot copy. Then call
+    :func:`snapshot` after every optimizer step, and :func:`close` at the end::
+
+        r = restore(model_chunks, optimizer, scheduler, config_from_args(args), extra=my_json_state)
+        it = r.iteration or 0; samples = r.counters.get("consumed_train_samples", 0)
+        while it < train_iters:
+            train_step(); it += 1; samples += global_batch
+            snapshot(model_chunks, optimizer, scheduler, it, counters={"consumed_train_samples": samples})
+        close(optimizer)
+
+    Args:
+        cfg: ``ShardsafeConfig``, a parsed namespace with the ``--shardsafe*`` flags, or a dict of config keys.
+        extra: user state; JSON values are written back into this mapping, tensors copied in place.
+        runtime_factory: builds the runtime from the config (default: the holder runtime).
+    Returns:
+        :class:`Restored` (``iteration`` None on a fresh start).
+    Raises:
+        RuntimeError: restore() was already called for this optimizer (close() it first).
+        ConfigError, shardsafe.restore.RestoreError: as :func:`protect`.
+    """
+    if id(optimizer) in _SESSIONS:
+        raise RuntimeError("shardsafe.adapters.megatron.restore: this optimizer is already protected (restore() "
+                           "was called for it before); call close(optimizer) first to start over.")
+    conf = _as_config(cfg)
+    s = _Session(_chunks(model_chunks), optimizer, scheduler)
+    s.interval = conf.interval
+    prot = protect(s.model_chunks, optimizer, scheduler, conf, get_iteration=lambda: s.iteration,
+                   set_iteration=s.set_iteration, get_counters=lambda: dict(s.counters),
+                   set_counters=s.set_counters, extra=extra, runtime_factory=runtime_factory)
+    s.protection = prot
+    _SESSIONS[id(optimizer)] = s
+    version = int(getattr(prot.restored, "version", -1))
+    return Restored(s.iteration if version >= 0 else None, s.counters if version >= 0 else {}, prot)
+
+
+def snapshot(model_chunks: Any, optimizer: Any, scheduler: Any, iteration: int,
+             extra: Optional[MutableMapping[str, Any]] = None, *,
+             counters: Optional[Mapping[str, Any]] = None, final: bool = False) -> bool:
+    """Snapshot this rank's state after the optimizer step of ``iteration``, asynchronously (collective).
+
+    Call on every rank after every optimizer step (and the scheduler step), with the iteration just
+    completed; the configured interval decides which iterations are captured (default 1: all). Capture
+    takes references and JSON metadata (milliseconds); a worker copies the tensors into the node
+    holder's shared memory, checksums, seals, encodes parity inside the DP parity group and commits;
+    the next ``optimizer.step()`` waits only if that copy is still running. A failed snapshot (holder
+    gone, budget) is logged and recorded, never raised: training goes on.
+
+    Args:
+        iteration: the iteration whose optimizer step just completed (1-based, as Megatron counts).
+        extra: user state to capture from now on (default: the mapping given to :func:`restore`).
+        counters: flat ``{name: number}`` loop counters to restore with the state (consumed samples, ...);
+            kept until replaced.
+        final: the loop stops after this iteration (a signal, a time limit): snapshot it even if the
+            interval skips it, wait until it commits, and flush it to the persistent tier when one is set.
+    Returns:
+        True if this iteration was captured, False if the interval skipped it or shardsafe is disabled.
+    Raises:
+        RuntimeError: :func:`restore` was not called for this optimizer. ValueError: other model chunks or
+            scheduler than restore() was given.
+    """
+    s = _session_for(model_chunks, optimizer, scheduler, "snapshot")
+    prot = s.protection
+    assert prot is not None
+    s.iteration = int(iteration)
+    if counters is not None:
+        s.counters = dict(counters)
+    if extra is not None:
+        prot.adapter.extra = extra
+    if not prot.enabled:
+        return False
+    prot.after_step(s.iteration)           # the runtime applies the interval
+    if final:
+        prot.on_exit(s.iteration)          # snapshots it if the interval skipped it; waits for the commit
+        return True
+    return s.iteration % s.interval == 0
+
+
+def close(optimizer: Any) -> None:
+    """Wait for the last snapshot to commit, unwrap ``optimizer.step``, disconnect from the holder (which keeps
+    the snapshots for a restart). Idempotent; call at the end of training on every rank."""
+    s = _SESSIONS.pop(id(optimizer), None)
+    if s is not None and s.protection is not None:
+        s.protection.close()
+
+
+def protection_of(optimizer: Any) -> Optional[Protection]:
+    """The :class:`Protection` behind :func:`restore`/:func:`snapshot` for this optimizer (events, stall
+    counters, flush), or None when it is not protected."""
+    s = _SESSIONS.get(id(optimizer))
+    return s.protection if s is not None else None

@@ -1,0 +1,259 @@
+"""Megatron-LM integration: :func:`pretrain` / :func:`install_hooks` for Megatron-LM's own training loop.
+
+Fork-free: ``train()`` looks up ``setup_model_and_optimizer``, ``checkpoint_and_decide_exit`` and
+``train_step`` as module globals of ``megatron.training.training`` at call time, so wrapping those
+globals (and ``optimizer.step`` on the instance, :func:`~.core_api.wrap_optimizer_step`) is enough;
+Megatron-LM is not modified. The wrappers drive the same :class:`~.core_api.Runtime` protocol as the
+core API, bind the adapter's iteration and counters to Megatron-LM's ``args``, and implement
+``--shardsafe-export-dir`` with Megatron-LM's own ``save_checkpoint``. :func:`protected_pretrain` is also
+what the automatic activation (adapters/autoload.py) calls.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from shardsafe.config import ShardsafeConfig
+from shardsafe.state import RankState
+
+from ..megatron_args import compose_extra_args_provider, config_from_args
+from .core_api import _NO_EVENTS, Runtime, default_runtime_factory, wrap_optimizer_step
+from .state import MegatronStateAdapter
+
+log = logging.getLogger("shardsafe.megatron")
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-LM integration (fork-free: wraps module globals of megatron.training.training)
+# --------------------------------------------------------------------------------------------------
+
+# Counters Megatron-LM keeps on ``args`` and restores from a checkpoint (checkpointing.load_checkpoint).
+_ARGS_COUNTERS = ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples")
+_RERUN_ITERATION = "rerun_state_machine_iteration"
+
+
+def _rerun_state_machine() -> Any:
+    """Megatron's RerunStateMachine (it counts iterations itself and checkpoints that count from
+    megatron-core 0.18 on), or None where this megatron-core has none."""
+    try:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+        return get_rerun_state_machine()
+    except Exception:  # noqa: BLE001 - older megatron-core, or not initialized: nothing to carry
+        return None
+
+
+class _HookState:
+    def __init__(self, runtime_factory: Callable[[ShardsafeConfig], Runtime]):
+        self.runtime_factory = runtime_factory
+        self.runtime: Optional[Runtime] = None
+        self.adapter: Optional[MegatronStateAdapter] = None
+        self.iteration = 0
+        self.flops = 0.0
+        self.pending_rng: Optional[RankState] = None
+        self.undo_step: Callable[[], None] = lambda: None
+        self.events: Any = _NO_EVENTS
+        self.train_ready = False
+        self.t_step = 0.0
+
+
+class HookHandle:
+    """Undo ``install_hooks`` (tests; a second pretrain in one process) and close the runtime."""
+
+    def __init__(self, module: Any, originals: dict[str, Any], state: _HookState):
+        self._module, self._originals, self.state = module, originals, state
+
+    @property
+    def runtime(self) -> Optional[Runtime]:
+        return self.state.runtime
+
+    @property
+    def adapter(self) -> Optional[MegatronStateAdapter]:
+        return self.state.adapter
+
+    def remove(self) -> None:
+        """Restore Megatron-LM's functions and the optimizer's step, flush the last snapshot, disconnect."""
+        for k, v in self._originals.items():
+            setattr(self._module, k, v)
+        self._originals = {}
+        self.state.undo_step()
+        self.state.undo_step = lambda: None
+        rt = self.state.runtime
+        if rt is not None and hasattr(rt, "close"):
+            rt.close()
+
+
+def install_hooks(runtime_factory: Callable[[ShardsafeConfig], Runtime] = default_runtime_factory, *,
+                  training_module: Any = None) -> HookHandle:
+    """Wrap ``setup_model_and_optimizer`` (restore, runtime, before-step wait), ``checkpoint_and_decide_exit``
+    (snapshot, exit) and ``train_step`` (re-seat the restored RNGs right before the first step).
+
+    ``train()`` looks these up as module globals at call time, so replacing them before
+    ``pretrain()`` runs is enough; Megatron-LM is not modified. The flags must be parsed already
+    (``extra_args_provider=add_arguments``); with ``--shardsafe`` absent the wrappers only pass through.
+
+    Restore happens right after the model and optimizer exist (after any ``--load``) and before
+    the data iterators are built, so ``consumed_train_samples`` positions the data sampler. The
+    returned optimizer's ``step`` is wrapped on the instance so that the pending snapshot copy is
+    finished right before each optimizer step (the runtime's ``before_step``). With a run directory
+    (``--shardsafe-run-dir`` / SHARDSAFE_RUN_DIR) the TOR events ``train_ready`` and ``iteration``
+    are emitted from here, so ``shardsafe tor report`` works for Megatron-LM runs.
+    """
+    if training_module is None:
+        import megatron.training.training as training_module
+    T = training_module
+    from megatron.training.global_vars import get_args
+
+    state = _HookState(runtime_factory)
+    orig_setup, orig_ckpt, orig_train_step = T.setup_model_and_optimizer, T.checkpoint_and_decide_exit, T.train_step
+
+    def setup_model_and_optimizer(*a, **kw):
+        args = get_args()
+        cfg = config_from_args(args)  # ConfigError here: before the model is built or anything trains
+        model, optimizer, scheduler = orig_setup(*a, **kw)
+        if not cfg.enabled or optimizer is None:
+            return model, optimizer, scheduler
+        state.iteration = int(args.iteration)
+        state.flops = float(getattr(args, "num_floating_point_operations_so_far", 0) or 0)
+
+        def get_counters():
+            c = {k: getattr(args, k) for k in _ARGS_COUNTERS if getattr(args, k, None) is not None}
+            c["num_floating_point_operations_so_far"] = state.flops
+            rsm = _rerun_state_machine()
+            if isinstance(getattr(rsm, "current_iteration", None), int):
+                # Megatron's --load restores it; a Megatron checkpoint exported from a snapshot carries it.
+                c[_RERUN_ITERATION] = rsm.current_iteration
+            return c
+
+        def set_counters(c):
+            for k in _ARGS_COUNTERS:
+                if k in c:
+                    setattr(args, k, c[k])
+            state.flops = c.get("num_floating_point_operations_so_far", state.flops)
+            args.num_floating_point_operations_so_far = state.flops
+            rsm = _rerun_state_machine()
+            if _RERUN_ITERATION in c and isinstance(getattr(rsm, "current_iteration", None), int):
+                rsm.current_iteration = int(c[_RERUN_ITERATION])
+
+        def set_iteration(i):
+            state.iteration = i
+            args.iteration = i
+
+        state.adapter = MegatronStateAdapter(model, optimizer, scheduler, get_iteration=lambda: state.iteration,
+                                             set_iteration=set_iteration, get_counters=get_counters,
+                                             set_counters=set_counters)
+        state.runtime = state.runtime_factory(cfg)  # ConfigError (parity placement) here, on every rank
+        state.events = getattr(state.runtime, "events", None) or _NO_EVENTS
+        if hasattr(state.runtime, "before_step"):
+            state.undo_step = wrap_optimizer_step(optimizer, state.runtime.before_step, lambda: state.iteration)
+        if cfg.restore:
+            restored = state.runtime.try_restore(state.adapter)
+            if restored is not None:
+                # Between here and the first step Megatron-LM builds the data iterators, and
+                # iter(DataLoader) draws a seed from the torch RNG: set the restored RNGs again
+                # right before the first train_step so they continue exactly where they stopped.
+                state.pending_rng = state.adapter.capture_rng_state()
+                from megatron.core.num_microbatches_calculator import update_num_microbatches
+                update_num_microbatches(args.consumed_train_samples, consistency_check=False, verbose=True)
+                log.info("shardsafe: restored iteration %d (consumed_train_samples=%s)", restored,
+                         getattr(args, "consumed_train_samples", None))
+        export_dir = getattr(args, "shardsafe_export_dir", None)
+        if export_dir:
+            how = getattr(getattr(state.runtime, "restored", None), "message", "")
+            _export_and_exit(args, export_dir, restored if cfg.restore else None, model, optimizer, scheduler,
+                             state.flops, how)
+        return model, optimizer, scheduler
+
+    ckpt_sig = inspect.signature(orig_ckpt)
+
+    def checkpoint_and_decide_exit(*a, **kw):
+        # Called once per iteration after optimizer.step(), scheduler.step() and iteration += 1.
+        if state.runtime is not None:
+            named = ckpt_sig.bind(*a, **kw).arguments
+            state.iteration = int(named["iteration"])
+            state.flops = float(named.get("num_floating_point_operations_so_far", state.flops))
+            if state.t_step:
+                stall = float(getattr(state.runtime, "last_stall_s", 0.0) or 0.0)
+                state.events.emit("iteration", iteration=state.iteration,
+                                  seconds=max(0.0, time.perf_counter() - state.t_step - stall))
+            state.runtime.after_step(state.iteration, state.adapter)
+        should_exit = orig_ckpt(*a, **kw)
+        if should_exit and state.runtime is not None:
+            state.runtime.on_exit(state.iteration, state.adapter)
+        return should_exit
+
+    def train_step(*a, **kw):
+        if state.pending_rng is not None:
+            state.adapter.apply_rng_state(state.pending_rng.tensors, state.pending_rng.meta)
+            state.pending_rng = None
+        if state.runtime is not None:
+            if not state.train_ready:
+                state.train_ready = True
+                state.events.emit("train_ready", iteration=state.iteration + 1)
+            state.t_step = time.perf_counter()
+        return orig_train_step(*a, **kw)
+
+    originals = {"setup_model_and_optimizer": orig_setup, "checkpoint_and_decide_exit": orig_ckpt,
+                 "train_step": orig_train_step}
+    T.setup_model_and_optimizer = setup_model_and_optimizer
+    T.checkpoint_and_decide_exit = checkpoint_and_decide_exit
+    T.train_step = train_step
+    return HookHandle(T, originals, state)
+
+
+def _export_and_exit(args: Any, export_dir: str, restored: Optional[int], model: Any, optimizer: Any,
+                     scheduler: Any, flops: float, how: str = "") -> None:
+    """``--shardsafe-export-dir``: the restored state, written by Megatron-LM's own ``save_checkpoint``
+    (so the files are exactly what this Megatron version's ``--save`` writes in ``--ckpt-format``,
+    for every TP/PP/DP layout), then a clean exit before any training step."""
+    from megatron.training.checkpointing import save_checkpoint
+    if restored is None:
+        raise SystemExit("shardsafe export: no snapshot could be restored (see the restore message above); "
+                         "nothing was written to " + export_dir)
+    args.save = export_dir
+    args.async_save = False   # the process exits right after: the files must be complete
+    save_checkpoint(restored, model, optimizer, scheduler, num_floating_point_operations_so_far=flops)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    log.info("shardsafe: exported iteration %d to %s", restored, export_dir)
+    if (not torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0:
+        print(f"shardsafe: exported iteration {restored} to {export_dir} ({how})", flush=True)
+    raise SystemExit(0)
+
+
+def pretrain(*args: Any, runtime_factory: Callable[[ShardsafeConfig], Runtime] = default_runtime_factory,
+             **kwargs: Any) -> Any:
+    """Drop-in for ``megatron.training.pretrain`` that adds shardsafe's flags and hooks.
+
+    megatron-core <= 0.17: ``pretrain(dataset_provider, model_provider, model_type, forward_step, ...)``;
+    the user's ``extra_args_provider`` (if any) is kept and shardsafe's flags are added to it.
+    megatron-core >= 0.18: ``pretrain(cfg_container, ...)`` no longer parses arguments; parse them
+    with ``parse_and_validate_args(extra_args_provider=add_arguments)`` before calling this.
+    When training ends (or Megatron-LM exits through ``sys.exit``) the last snapshot is flushed and
+    the runtime closed; the holder keeps the snapshots for a restart.
+    """
+    import megatron.training.training as T
+    # Megatron's own pretrain, also when the automatic activation (adapters/autoload.py) has wrapped it
+    return protected_pretrain(getattr(T.pretrain, "__wrapped__", T.pretrain), args, kwargs,
+                              runtime_factory=runtime_factory)
+
+
+def protected_pretrain(original: Callable[..., Any], args: tuple, kwargs: dict, *,
+                       runtime_factory: Callable[[ShardsafeConfig], Runtime] = default_runtime_factory) -> Any:
+    """``original(*args, **kwargs)`` (Megatron-LM's ``pretrain``) with shardsafe's flags added to its parser
+    (<= 0.17) and the hooks installed into ``megatron.training.training`` for the call."""
+    import megatron.training.training as T
+
+    sig = inspect.signature(original)
+    if "extra_args_provider" in sig.parameters:
+        bound = sig.bind_partial(*args, **kwargs)
+        bound.arguments["extra_args_provider"] = compose_extra_args_provider(bound.arguments.get("extra_args_provider"))
+        args, kwargs = bound.args, bound.kwargs
+    handle = install_hooks(runtime_factory, training_module=T)
+    try:
+        return original(*args, **kwargs)
+    finally:
+        handle.remove()
