@@ -371,6 +371,61 @@ _DS_CHECKPOINT_KEYS = frozenset({"module", "buffer_names", "optimizer", "lr_sche
                                  "data_sampler", "random_ltd", "ds_config", "ds_version", "shared_params",
                                  "frozen_param_shapes", "frozen_param_fragments", "param_shapes"})
 _CLIENT_COUNTERS = ("iteration", "step", "steps", "global_step", "global_steps")
+# Data position a program keeps in its client state as a sample count (Megatron-DeepSpeed: ``args``), moved
+# from the checkpoint's ``global_samples`` to the engine's when they are equal.
+_CLIENT_SAMPLE_COUNTERS = ("consumed_train_samples", "consumed_samples")
+# RNG states GPT-NeoX (``save_ds_checkpoint``) and Megatron-DeepSpeed (``get_rng_state``: a list of these dicts
+# under ``rng_state``, one per data-parallel rank) keep in the client state and set after load_checkpoint.
+_CLIENT_RNG_KEYS = ("random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state")
+
+
+def _live_rng() -> dict[str, Any]:
+    """This process's RNG states in the form those programs save them."""
+    import random
+    import numpy as np
+    out: dict[str, Any] = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                           "torch_rng_state": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _client_state_at(client: dict, *, step: int, v: int, samples: Any, live_samples: int,
+                     rng: Mapping[str, Any] | None, dp_rank: int) -> list[str]:
+    """The client state of an older disk checkpoint, as it would be had the program saved it at v: the
+    program sets its counters, data position and RNG from it after load_checkpoint, and the engine holds v.
+    Step counters equal to the checkpoint's step become v, sample counters equal to its ``global_samples``
+    the engine's, and the RNG states those programs keep (top level, or ``rng_state[i]``) the ones the
+    snapshot restored. Returns the keys it changed (for the log)."""
+    changed: list[str] = []
+    for k in _CLIENT_COUNTERS:
+        if isinstance(client.get(k), int) and not isinstance(client[k], bool) and client[k] == step:
+            client[k], _ = v, changed.append(k)
+    holders: list[tuple[str, Any]] = [("", client)]
+    if "args" in client:
+        holders.append(("args.", client["args"]))
+    for where, h in holders:
+        for k in _CLIENT_SAMPLE_COUNTERS:
+            cur = h.get(k) if isinstance(h, dict) else getattr(h, k, None)
+            if isinstance(cur, int) and not isinstance(cur, bool) and isinstance(samples, int) and cur == samples:
+                if isinstance(h, dict):
+                    h[k] = live_samples
+                else:
+                    setattr(h, k, live_samples)
+                changed.append(where + k)
+    if rng:
+        dicts: list[tuple[str, dict]] = [("", client)]
+        listed = client.get("rng_state")
+        if isinstance(listed, list):   # Megatron-DeepSpeed reads [dp_rank] or [0]: both are this rank's at v
+            for i in {0, dp_rank} & set(range(len(listed))):
+                if isinstance(listed[i], dict):
+                    listed[i] = dict(listed[i])
+                    dicts.append((f"rng_state[{i}].", listed[i]))
+        for where, d in dicts:
+            for k in _CLIENT_RNG_KEYS:
+                if k in d and k in rng:
+                    d[k], _ = rng[k], changed.append(where + k)
+    return changed
 
 
 def _disk_checkpoint(engine: Any, load_dir: Any, tag: Any) -> tuple[Any, dict | None]:
@@ -412,8 +467,12 @@ class ShardsafeEngineHook:
         self.adapter = DeepSpeedStateAdapter(engine)
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self.runtime = Runtime(cfg, rank=rank, world_size=world, coords=_coords(engine, rank))
+        coords = _coords(engine, rank)
+        self._dp_rank = coords["dp"]
+        self.runtime = Runtime(cfg, rank=rank, world_size=world, coords=coords)
         self.restored = self.runtime.try_restore(self.adapter)
+        # The RNG the snapshot restored, for the program's client state (its load_checkpoint comes later).
+        self._restored_rng = _live_rng() if self.restored.version >= 0 else None
         self._install(engine)
 
     @property
@@ -456,8 +515,10 @@ class ShardsafeEngineHook:
         """The program's own resume after a restore to version v: its ``load_checkpoint(dir)`` loads the disk
         checkpoint only if that is newer than v. Otherwise the engine keeps the snapshot, and the call returns
         what DeepSpeed's would: ``(None, None)`` when the directory holds no checkpoint, else the checkpoint's
-        path and its client state, with the step counters the program saved there (``iteration``, ``step``,
-        ``global_step(s)`` when they equal the checkpoint's step) moved to v."""
+        path and its client state as of v (``_client_state_at``): the step counters the program saved there
+        (``iteration``, ``step``, ``global_step(s)`` when they equal the checkpoint's step) moved to v, sample
+        counters (``consumed_train_samples``) to the engine's, and the RNG states GPT-NeoX and Megatron-DeepSpeed
+        keep there replaced by the snapshot's, so a program that sets them after loading continues as at v."""
         v, engine = self.restored.version, self.adapter.engine
         rank0 = self.runtime.rank == 0
         tag, states = _disk_checkpoint(engine, load_dir, tag)
@@ -476,9 +537,12 @@ class ShardsafeEngineHook:
             log.warning("shardsafe: snapshot version %d is newer than disk checkpoint %s (step %d): continuing from "
                         "the snapshot; the checkpoint was not loaded", v, tag, step)
         client = {k: val for k, val in states.items() if k not in _DS_CHECKPOINT_KEYS}
-        for k in _CLIENT_COUNTERS:
-            if isinstance(client.get(k), int) and not isinstance(client[k], bool) and client[k] == step:
-                client[k] = v
+        changed = _client_state_at(client, step=step, v=v, samples=states.get("global_samples"),
+                                   live_samples=int(engine.global_samples), rng=self._restored_rng,
+                                   dp_rank=self._dp_rank)
+        if rank0 and changed:
+            log.warning("shardsafe: the checkpoint's client state is returned as of the snapshot: %s",
+                        ", ".join(changed))
         return os.path.join(str(load_dir), str(tag)), client
 
     def flush(self) -> bool:

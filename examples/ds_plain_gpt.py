@@ -30,6 +30,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ds_pretrain_gpt import TinyGPT, batch  # noqa: E402  (the same model and data as the other example)
 
 
+def client_state(kind: str, step: int, consumed: int) -> dict:
+    """save_checkpoint's client_state, in the layout of the program ``kind`` stands for."""
+    if kind == "step":
+        return {"step": step}
+    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+           "torch_rng_state": torch.get_rng_state()}
+    if kind == "neox":   # gpt-neox megatron/checkpointing.py save_ds_checkpoint
+        return {"iteration": step, "args": {"iteration": step}, **rng}
+    world = torch.distributed.get_world_size()   # Megatron-DeepSpeed: every data-parallel rank's RNG, gathered
+    gathered: list = [None] * world
+    torch.distributed.all_gather_object(gathered, rng)
+    return {"iteration": step, "checkpoint_version": 3.0, "rng_state": gathered,
+            "args": argparse.Namespace(consumed_train_samples=consumed, consumed_valid_samples=0)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="DeepSpeed JSON config")
@@ -38,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--ckpt-dir", default="", help="engine.load_checkpoint from here at start, save_checkpoint here")
     p.add_argument("--save-every", type=int, default=0, help="save_checkpoint every N steps (0 = never)")
+    p.add_argument("--client-state", choices=["step", "neox", "megatron-deepspeed"], default="step",
+                   help="what save_checkpoint's client_state holds and what the script sets from it after "
+                        "load_checkpoint: its step only; GPT-NeoX's iteration and RNG states "
+                        "(save_ds_checkpoint); Megatron-DeepSpeed's iteration, args.consumed_train_samples "
+                        "(its data position) and rng_state list (one entry per data-parallel rank)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
@@ -59,8 +79,18 @@ def main(argv: list[str] | None = None) -> int:
     kw = {"path": {"config": a.config}, "dict": {"config": cfg}, "config_params": {"config_params": cfg},
           "args": {"args": argparse.Namespace(deepspeed_config=a.config, local_rank=int(os.environ.get("LOCAL_RANK", 0)))}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), **kw[a.config_as])
+    consumed = 0   # samples trained (all ranks): the data position in the megatron-deepspeed layout
     if a.ckpt_dir:
         path, client = engine.load_checkpoint(a.ckpt_dir)
+        if client and a.client_state != "step":   # these programs set their counters and RNG from it
+            # Megatron-DeepSpeed with --data-parallel-random-init (this script seeds every rank differently)
+            rng = client if a.client_state == "neox" else client["rng_state"][rank % engine.dp_world_size]
+            random.setstate(rng["random_rng_state"])
+            np.random.set_state(rng["np_rng_state"])
+            torch.set_rng_state(rng["torch_rng_state"])
+            if a.client_state == "megatron-deepspeed":
+                consumed = client["args"].consumed_train_samples
+            print(f"[rank {rank}] iteration {client['iteration']} from the client state", flush=True)
         print(f"[rank {rank}] load_checkpoint({a.ckpt_dir}) -> {path}, client state {sorted(client or {})}; "
               f"continuing after step {engine.global_steps}", flush=True)
     attempt = int(os.environ.get("SHARDSAFE_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
@@ -69,8 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     dp_rank = rank % engine.dp_world_size
     while engine.global_steps < a.steps:
         total = 0.0
+        mb = engine.train_micro_batch_size_per_gpu()
         for i in range(gas):
-            x, y = batch(a.seed, engine.micro_steps, dp_rank, engine.train_micro_batch_size_per_gpu(), 32, 256)
+            pos = consumed // (mb * engine.dp_world_size) if a.client_state == "megatron-deepspeed" else \
+                engine.micro_steps
+            x, y = batch(a.seed, pos, dp_rank, mb, 32, 256)
+            consumed += mb * engine.dp_world_size
             loss = engine(x, y)
             engine.backward(loss)
             total += loss.item()
@@ -80,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                 losses.flush()
             engine.step()
         if a.ckpt_dir and a.save_every and engine.global_steps % a.save_every == 0:
-            engine.save_checkpoint(a.ckpt_dir, client_state={"step": engine.global_steps})
+            engine.save_checkpoint(a.ckpt_dir, client_state=client_state(a.client_state, engine.global_steps,
+                                                                         consumed))
     if a.out:
         with open(os.path.join(a.out, f"modules_rank{rank}.json"), "w") as f:
             json.dump(sorted(m for m in sys.modules if m == "shardsafe" or m.startswith("shardsafe.")), f)

@@ -9,7 +9,9 @@ passed as ``TrainingArguments(deepspeed=<dict>)`` with HF's ``"auto"`` values. H
 ``deepspeed.initialize`` with that dict; the ``"shardsafe"`` block in it switches protection on
 (adapters/autoload.py), and after a crash the same command continues at the snapshot's step with its data
 position, LR schedule and RNG, as ``trainer.train(resume_from_checkpoint=...)`` would (adapters/hf.py).
-``--no-shardsafe`` drops the block (the reference run of the tests).
+``--no-shardsafe`` drops the block (the reference run of the tests). ``--save-steps N --resume-last`` is the
+resume pattern of HF's example scripts (run_clm.py): HF checkpoints every N steps, and ``train(resume_from_checkpoint=
+get_last_checkpoint(output_dir))``; after a crash the snapshot, being newer than the last checkpoint, wins.
 
 For the tests it writes, like examples/ds_plain_gpt.py, ``losses_rank{R}.jsonl`` (this rank's loss of every
 optimizer step as float.hex, recorded by a ``compute_loss`` override that calls HF's own), ``modules_rank{R}.json``
@@ -72,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=int, default=1, help="shardsafe snapshot interval")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-shardsafe", action="store_true", help="no \"shardsafe\" block in the DeepSpeed config")
+    p.add_argument("--save-steps", type=int, default=0, help="HF checkpoints every N steps (0: none)")
+    p.add_argument("--resume-last", action="store_true",
+                   help="train(resume_from_checkpoint=<newest checkpoint-N in output_dir>), as HF's run_clm.py does")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
 
@@ -83,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     args = TrainingArguments(
         output_dir=os.path.join(a.out or ".", "hf_output"), max_steps=a.steps, per_device_train_batch_size=4,
         gradient_accumulation_steps=a.gas, learning_rate=1e-3, weight_decay=0.01, warmup_steps=2,
-        lr_scheduler_type="linear", logging_steps=1, save_strategy="no", report_to=[], seed=a.seed,
+        lr_scheduler_type="linear", logging_steps=1, report_to=[], seed=a.seed,
+        save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
         dataloader_num_workers=0, bf16=True, use_cpu=True, deepspeed=ds_config(not a.no_shardsafe, a.interval),
         ddp_backend="gloo", disable_tqdm=True)
     rank = args.process_index
@@ -113,7 +119,12 @@ def main(argv: list[str] | None = None) -> int:
             return out
 
     trainer = LoggingTrainer(model=model, args=args, train_dataset=SyntheticLM(a.samples, a.seed))
-    result = trainer.train()
+    last = None
+    if a.resume_last and os.path.isdir(args.output_dir):
+        from transformers.trainer_utils import get_last_checkpoint
+        last = get_last_checkpoint(args.output_dir)
+    print(f"[rank {rank}] train(resume_from_checkpoint={last})", flush=True)
+    result = trainer.train(resume_from_checkpoint=last)
     print(f"[rank {rank}] train() done at global step {trainer.state.global_step} "
           f"(epoch {trainer.state.epoch:.3f}, training loss {result.training_loss:.4f})", flush=True)
     if a.out:

@@ -29,13 +29,13 @@ STEPS = 10
 SAMPLES = 24
 
 
-def hf_job(run_dir, *, inject="", max_restarts=1, protected=True):
+def hf_job(run_dir, *, inject="", max_restarts=1, protected=True, extra=()):
     cfg = LaunchConfig(nodes=2, nproc_per_node=1, job_id=f"h{uuid.uuid4().hex[:8]}", run_dir=str(run_dir),
                        inject=inject, max_restarts=max_restarts, memory_budget_gb=0.5, start_holders=protected,
                        holder_dir=str(run_dir / "holders"), attempt_timeout_s=300,
                        env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"})
     cmd = [sys.executable, SCRIPT, "--steps", str(STEPS), "--samples", str(SAMPLES), "--out", str(run_dir)] + \
-        ([] if protected else ["--no-shardsafe"])
+        ([] if protected else ["--no-shardsafe"]) + list(extra)
     return launch(cfg, cmd, preload=PRELOAD_DEEPSPEED if protected else ())
 
 
@@ -61,11 +61,58 @@ def test_hf_trainer_killed_mid_run_resumes_at_the_snapshot_bit_exact(tmp_path, h
     assert f"HF Trainer resumed from snapshot version {v} without resume_from_checkpoint being passed" in logs, \
         logs[-3000:]
     assert f"continues at global step {v}" in logs
+    _resumed_without_start_over(tmp_path, v)
+    assert f"train() done at global step {STEPS}" in logs
+    cmp = compare_runs(str(tmp_path), str(hf_reference), 2, STEPS)
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
+                                                           cmp.state_mismatches)
+
+
+def _resumed_without_start_over(run_dir, v):
     for r in range(2):   # no start over: attempt 1's first step is v+1, step 1 ran once
-        by = losses_by_attempt(str(tmp_path), r)
+        by = losses_by_attempt(str(run_dir), r)
         assert min(by[1]) == v + 1 and 1 in by[0] and 1 not in by[1], (r, v, by)
         assert max(by[1]) == STEPS, (r, by)
-    assert f"train() done at global step {STEPS}" in logs
+
+
+def test_hf_trainer_with_gradient_accumulation_resumes_bit_exact(tmp_path):
+    """gradient_accumulation_steps=2: an optimizer step is two micro-batches, so the restored step v skips
+    ``(v % updates_per_epoch) * 2`` batches of its epoch (24 samples: 1 step per epoch at 2 ranks x 4 x 2 would
+    be too few; 48 samples make 3 steps per epoch). Reference: the same script without the block."""
+    gas = ["--gas", "2", "--samples", "48"]
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    assert hf_job(ref, max_restarts=0, protected=False, extra=gas).ok, trainer_logs(str(ref))[-3000:]
+    run = tmp_path / "run"
+    run.mkdir()
+    res = hf_job(run, inject="kill-rank:1@5", extra=gas)
+    assert res.ok and res.attempts == 2, (res, trainer_logs(str(run))[-4000:])
+    got = restores(run)
+    assert got[0] == -1 and got[1] in (3, 4), got
+    _resumed_without_start_over(run, got[1])
+    cmp = compare_runs(str(run), str(ref), 2, STEPS)
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
+                                                           cmp.state_mismatches)
+
+
+def test_hf_trainer_resuming_from_its_last_checkpoint_takes_the_newer_snapshot(tmp_path, hf_reference):
+    """HF's example-script resume: checkpoints every 3 steps, and ``train(resume_from_checkpoint=
+    get_last_checkpoint(output_dir))`` at start. Killed before step 6: the restart finds checkpoint-3 and passes
+    it, but the snapshot (version 4 or 5) is newer: the engine's ``load_checkpoint`` keeps the snapshot, HF's
+    own state counters continue at it, and the run ends as the uninterrupted one (which saved no checkpoints:
+    saving one changes nothing of the training)."""
+    res = hf_job(tmp_path, inject="kill-rank:1@6", extra=["--save-steps", "3", "--resume-last"])
+    assert res.ok and res.attempts == 2, (res, trainer_logs(str(tmp_path))[-4000:])
+    got = restores(tmp_path)
+    assert got[0] == -1 and got[1] in (4, 5), got
+    v = got[1]
+    logs = trainer_logs(str(tmp_path))
+    ckpt = os.path.join(str(tmp_path), "hf_output", "checkpoint-3")
+    assert f"train(resume_from_checkpoint={ckpt})" in logs, logs[-3000:]
+    assert f"snapshot version {v} is newer than disk checkpoint global_step3 (step 3)" in logs, logs[-3000:]
+    assert (f"HF Trainer resumed from snapshot version {v} instead of resume_from_checkpoint={ckpt} (step 3, "
+            "older)") in logs, logs[-3000:]
+    _resumed_without_start_over(tmp_path, v)
     cmp = compare_runs(str(tmp_path), str(hf_reference), 2, STEPS)
     assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
                                                            cmp.state_mismatches)

@@ -40,12 +40,13 @@ def config(path, *, block=True, **shardsafe):
 
 
 def plain_job(run_dir, cfg_path, *, inject="", max_restarts=1, ckpt="", save_every=0, config_as="path",
-              protected=True):
+              protected=True, client_state="step"):
     cfg = LaunchConfig(nodes=2, nproc_per_node=1, job_id=f"p{uuid.uuid4().hex[:8]}", run_dir=str(run_dir),
                        inject=inject, max_restarts=max_restarts, memory_budget_gb=0.5, start_holders=protected,
                        holder_dir=str(run_dir / "holders"), attempt_timeout_s=300)
     cmd = [sys.executable, PLAIN, "--config", cfg_path, "--config-as", config_as, "--steps", str(STEPS),
-           "--out", str(run_dir)] + (["--ckpt-dir", ckpt, "--save-every", str(save_every)] if ckpt else [])
+           "--out", str(run_dir), "--client-state", client_state] + \
+        (["--ckpt-dir", ckpt, "--save-every", str(save_every)] if ckpt else [])
     return launch(cfg, cmd, preload=PRELOAD_DEEPSPEED if protected else ())
 
 
@@ -100,18 +101,28 @@ def test_the_block_alone_protects_a_plain_script_under_shardsafe_launch(tmp_path
     assert "shardsafe.runtime" in modules(tmp_path, 0)
 
 
-def test_an_older_disk_checkpoint_loses_to_the_newer_snapshot(tmp_path, plain_reference):
+@pytest.mark.parametrize("client_state", ["step", "neox", "megatron-deepspeed"])
+def test_an_older_disk_checkpoint_loses_to_the_newer_snapshot(tmp_path, plain_reference, client_state):
     """The script saves a DeepSpeed checkpoint every 3 steps and loads it at start: after the kill at step 8
     the newest checkpoint is step 6 and the snapshot is 7 (or 6); the snapshot wins, the checkpoint's client
-    state comes back with its step moved to the snapshot's."""
+    state comes back as of the snapshot. With GPT-NeoX's client state the script then sets its iteration and
+    RNG from it, with Megatron-DeepSpeed's also its data position (``args.consumed_train_samples``, from which
+    it picks its batches): the checkpoint's own values (step 6) would replay step 7's dropout and data."""
     ckpt = tmp_path / "ckpt"
-    res = plain_job(tmp_path, config(tmp_path / "ds.json"), inject="kill-rank:1@8", ckpt=str(ckpt), save_every=3)
+    res = plain_job(tmp_path, config(tmp_path / "ds.json"), inject="kill-rank:1@8", ckpt=str(ckpt), save_every=3,
+                    client_state=client_state)
     assert res.ok and res.attempts == 2, (res, trainer_logs(str(tmp_path))[-3000:])
     v = restores(tmp_path)[1]
     assert v in (6, 7), restores(tmp_path)
     logs = trainer_logs(str(tmp_path))
     if v > 6:
         assert f"snapshot version {v} is newer than disk checkpoint global_step6 (step 6)" in logs, logs[-3000:]
+        changed = {"step": "step", "neox": "iteration, random_rng_state, np_rng_state, torch_rng_state",
+                   "megatron-deepspeed": "iteration, args.consumed_train_samples, rng_state[0].random_rng_state, "
+                                         "rng_state[0].np_rng_state, rng_state[0].torch_rng_state"}[client_state]
+        assert f"client state is returned as of the snapshot: {changed}" in logs, logs[-3000:]
+        if client_state != "step":
+            assert f"iteration {v} from the client state" in logs
     assert f"continuing after step {v}" in logs
     _resumed_once(tmp_path, v)
     # the reference never saved a checkpoint; saving changes nothing in the training, so the runs agree bit for bit
