@@ -1,4 +1,4 @@
-"""Restart cost: trainers forked from a pre-warmed fork server vs started cold (shardsafe.prewarm).
+"""Restart cost: trainers forked from a pre-warmed fork server vs started cold (shardsafe.launch.prewarm).
 
     .venv/bin/python bench/restart_bench.py [--engine deepspeed|megatron] [--runs 5] [--steps 20] [--json]
 

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/ds_pretrain_gpt.py --steps 50 --zero-stage 2 --dtype bf16
     shardsafe launch --nodes 2 --nproc-per-node 2 examples/ds_pretrain_gpt.py --steps 50
-    (also plain `srun` tasks or `mpirun` with mpi4py: shardsafe.discovery fills in RANK, WORLD_SIZE, ...)
+    (also plain `srun` tasks or `mpirun` with mpi4py: shardsafe.launch.discovery fills in RANK, WORLD_SIZE, ...)
 
 Data is a pure function of (seed, global micro-batch index, data-parallel rank), so the stream
 continues exactly from the engine's restored counters. Per optimizer step each rank appends
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--running-tor-every", type=int, default=10,
                    help="rank 0 logs a running TOR every N iterations (0 = off)")
     a = p.parse_args(argv)
-    from shardsafe.discovery import discover
+    from shardsafe.launch.discovery import discover
     discover()   # torchrun, plain srun tasks or mpirun + mpi4py -> RANK, WORLD_SIZE, MASTER_* for env://
     if os.environ.get("SHARDSAFE_RUN_DIR"):
         from shardsafe.tor import EventLog   # process start, before the slow framework imports
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.shardsafe.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-    from shardsafe.elastic import mark_rank_done
+    from shardsafe.launch.markers import mark_rank_done
     mark_rank_done(rank=rank)   # RUN_DIR/markers/rank{R}.done: launchers check every rank finished
     return 0
 

@@ -151,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
         tor.register_cli(sub)
     except (ImportError, AttributeError):
         pass
-    from shardsafe import elastic
-    elastic.register_cli(sub)
+    from shardsafe.launch import cli as launch_cli
+    launch_cli.register_cli(sub)
     _register_export(sub)
     return p
 

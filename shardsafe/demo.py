@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .launch import PRELOAD_DEEPSPEED, PRELOAD_MEGATRON, LaunchConfig, LocalLauncher
+from .launch.local import PRELOAD_DEEPSPEED, PRELOAD_MEGATRON, LaunchConfig, LocalLauncher
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -207,11 +207,11 @@ def register_cli(sub) -> None:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--nproc-per-node", type=int, default=2)
     p.add_argument("--kill-at", type=int, default=0, help="step at which the last rank is SIGKILLed")
-    p.add_argument("--inject", default="", help="fault spec overriding --kill-at (see shardsafe.faults)")
+    p.add_argument("--inject", default="", help="fault spec overriding --kill-at (see shardsafe.launch.faults)")
     p.add_argument("--memory-budget-gb", type=float, default=1.0)
     p.add_argument("--preload", default=None,
                    help="comma-separated modules the protected run's fork server imports once; its trainers (first "
-                        "start and every restart) are forked from it (shardsafe.prewarm). Default: "
+                        "start and every restart) are forked from it (shardsafe.launch.prewarm). Default: "
                         f"{','.join(PRELOAD_DEEPSPEED)} (deepspeed), {','.join(PRELOAD_MEGATRON)} (megatron); "
                         "'' starts every trainer cold. The reference run always starts cold")
     p.add_argument("--run-dir", default="", help="keep both runs (event logs included) under this directory")

@@ -126,7 +126,7 @@ class ParityExchange:
         self.timings: dict[str, float] = {}
         self._rebuilt: list[tuple[int, str]] = []   # (version, kind) slots sealed by the last rebuild
         # fault injection / tracing hook: on_phase(name, version) at "parity-before", "parity-block",
-        # "parity-after" and "restore-rebuild" (shardsafe.faults.Injector.phase)
+        # "parity-after" and "restore-rebuild" (shardsafe.launch.faults.Injector.phase)
         self.on_phase: Callable[[str, int], None] = lambda name, version: None
         self._version = -1   # the version being encoded (for on_phase inside the transfer)
 

@@ -18,7 +18,7 @@ from .config import ENV_HOLDER_BUDGET, ConfigError, ShardsafeConfig
 from .persist import PersistentStore
 from .exchange import ExchangeError, ParityExchange, gather_places, plan_parity
 from .topology import TopologyError
-from .faults import Injector, current_attempt
+from .launch.faults import Injector, current_attempt
 from .holder.client import HolderClient, HolderError, HolderUnavailable, connect_or_start
 from .holder.paths import HolderPaths
 from .jobid import claim

@@ -107,7 +107,7 @@ ss_setup() {
 
 # ---- 2. controller --------------------------------------------------------------------------------------
 ss_start_controller() {
-  ss_run "$SS_PYTHON" -m shardsafe.elastic control serve --run-dir "$SS_RUN_DIR" --listen "$SS_CONTROL" \
+  ss_run "$SS_PYTHON" -m shardsafe.launch control serve --run-dir "$SS_RUN_DIR" --listen "$SS_CONTROL" \
     --job-id "$SS_JOB_ID" --world-size "$SS_WORLD" --max-restarts "$SS_MAX_RESTARTS" --hang-timeout "$SS_HANG_TIMEOUT" \
     --grace "$SS_GRACE" --job-start-t "$SS_T0" --requeue-count "${SLURM_RESTART_COUNT:-0}" \
     >> "$SS_RUN_DIR/logs/controller.log" 2>&1 &
@@ -152,7 +152,7 @@ ss_start_agent() {
   # shellcheck disable=SC2086
   ss_run srun --overlap --no-kill -N1 -n1 -w "$node" --kill-on-bad-exit=0 --job-name="ss-agent-$node" \
     --output="$SS_RUN_DIR/logs/agent_$node.log" $SS_SRUN_ARGS \
-    "$SS_PYTHON" -m shardsafe.elastic agent --node "$node" --control "$SS_CONTROL" \
+    "$SS_PYTHON" -m shardsafe.launch agent --node "$node" --control "$SS_CONTROL" \
     --nnodes "$SS_NODES:$SS_NODES" --nproc-per-node "$SS_NPROC_PER_NODE" --job-id "$SS_JOB_ID" \
     --run-dir "$SS_RUN_DIR" ${SS_HOLDER_DIR:+--holder-dir "$SS_HOLDER_DIR"} --max-restarts "$SS_MAX_RESTARTS" \
     --local-addr "$(ss_node_addr "$node")" --keep-alive-s "$SS_KEEP_ALIVE_S" --keep-alive-misses "$SS_KEEP_ALIVE_MISSES" \
@@ -171,7 +171,7 @@ ss_node_lost() {  # NODE: report it, take a spare
   local node=$1; shift
   SS_LOST[$node]=1
   ss_log "node $node left the allocation (scontrol show job): reporting it, taking a spare"
-  "$SS_PYTHON" -m shardsafe.elastic control notify node-lost --run-dir "$SS_RUN_DIR" --node "$node" >/dev/null
+  "$SS_PYTHON" -m shardsafe.launch control notify node-lost --run-dir "$SS_RUN_DIR" --node "$node" >/dev/null
   local keep=() n
   for n in "${SS_ACTIVE[@]}"; do [ "$n" != "$node" ] && keep+=("$n"); done
   SS_ACTIVE=("${keep[@]}")
@@ -266,7 +266,7 @@ ss_stop() {  # OK(0|1): agents, then holders, then the controller (its job_end c
   for node in "${!SS_AGENT_PID[@]}"; do pid=${SS_AGENT_PID[$node]}; ss_alive "$pid" && kill -TERM "$pid" 2>/dev/null; done
   ss_stop_holders
   for pid in "${SS_AGENT_PID[@]}" "${SS_HOLDER_PID[@]}"; do wait "$pid" 2>/dev/null; done
-  "$SS_PYTHON" -m shardsafe.elastic control notify job-end --run-dir "$SS_RUN_DIR" $([ "$ok" = 1 ] && echo --ok) >/dev/null
+  "$SS_PYTHON" -m shardsafe.launch control notify job-end --run-dir "$SS_RUN_DIR" $([ "$ok" = 1 ] && echo --ok) >/dev/null
   if [ -n "${SS_CONTROLLER_PID:-}" ]; then
     for ((i = 0; i < 300; i++)); do ss_alive "$SS_CONTROLLER_PID" || break; sleep 0.1; done
     ss_alive "$SS_CONTROLLER_PID" && kill -TERM "$SS_CONTROLLER_PID" 2>/dev/null

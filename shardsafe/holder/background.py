@@ -85,7 +85,7 @@ class BackgroundWork:
 
         def progress(fraction: float) -> None:
             if fraction >= 0.5:
-                from shardsafe.faults import kill_self_in_flush
+                from shardsafe.launch.faults import kill_self_in_flush
                 kill_self_in_flush(f, self._run_dir, version)
         return progress
 

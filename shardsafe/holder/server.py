@@ -94,7 +94,7 @@ class Holder(BackgroundWork):
         self._flush_pending = 0    # queued or being written; a shutdown reports it so launchers wait for them
         self._events = None
         self._run_dir = run_dir
-        from shardsafe.faults import flush_fault
+        from shardsafe.launch.faults import flush_fault
         try:
             self._flush_fault = flush_fault(paths.node)   # kill-flush: fault injection (tests, demos)
         except ValueError as e:

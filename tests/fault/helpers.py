@@ -6,7 +6,7 @@ import tempfile
 import uuid
 
 from shardsafe.launch import PRELOAD_DEEPSPEED, LaunchConfig, LocalLauncher, trainer_env
-from shardsafe.prewarm import ForkServer
+from shardsafe.launch.prewarm import ForkServer
 from shardsafe.runcheck import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -15,7 +15,7 @@ SCRIPT = os.path.join(ROOT, "examples", "ds_pretrain_gpt.py")
 
 def run_job(run_dir, *, stage, dtype, steps, nodes=2, nproc=1, inject="", extra=(), shardsafe=True,
             max_restarts=3, budget_gb=0.5, start_holders=True, job_id=None, watcher=None, preload=None):
-    """Protected runs fork their trainers from a pre-warmed server (shardsafe.prewarm); unprotected
+    """Protected runs fork their trainers from a pre-warmed server (shardsafe.launch.prewarm); unprotected
     (reference) runs start every trainer cold, so each bit-exact comparison also checks that a forked
     trainer computes what a cold one does."""
     if preload is None:
@@ -58,7 +58,7 @@ def launch(cfg: LaunchConfig, cmd, *, preload=(), watcher=None):
     if server is not None:
         assert res.cold_starts == 0 and res.forked_starts > 0, (
             f"{res.cold_starts} trainers started cold, {res.forked_starts} forked; see the warning logged by "
-            "shardsafe.prewarm for why")
+            "shardsafe.launch.prewarm for why")
     return res
 
 

@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from shardsafe.elastic import ElasticConfig, ElasticLauncher
+from shardsafe.launch.elastic import ElasticConfig, ElasticLauncher
 from shardsafe.launch import PRELOAD_DEEPSPEED
 from shardsafe.runcheck import compare_runs, read_jsonl
 from shardsafe.tor import compute_tor, read_events
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 
 def launch(run_dir, inject, **kw):
-    """Workers are forked from each node's fork server (shardsafe.prewarm) plugged into torch elastic; the
+    """Workers are forked from each node's fork server (shardsafe.launch.prewarm) plugged into torch elastic; the
     references start cold, so the bit-exact checks also cover forked vs cold workers."""
     cfg = ElasticConfig(nodes=NODES, nproc_per_node=1, run_dir=str(run_dir), inject=inject, memory_budget_gb=0.5,
                         max_restarts=3, keep_alive_s=2, keep_alive_misses=3, timeout_s=420, preload=PRELOAD_DEEPSPEED,

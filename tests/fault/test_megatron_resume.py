@@ -344,7 +344,7 @@ def test_megatron_lm_under_shardsafe_launch(tmp_path, megatron_reference, monkey
     simulated nodes, the launcher's holders): torchrun restarts the worker group after the SIGKILL, the
     ranks restore both model chunks from the holders (DP peers share a node: the model params come from
     the holder, no all-gather), and the run is bit-exact to plain Megatron-LM."""
-    from shardsafe.elastic import ElasticConfig, ElasticLauncher
+    from shardsafe.launch.elastic import ElasticConfig, ElasticLauncher
     ref = megatron_reference("megatron_lm_vpp", lm_args(*LM_VPP), script=MEGATRON_LM, env=lm_env())
     monkeypatch.setenv("PYTHONPATH", lm_env()["PYTHONPATH"])
     cfg = ElasticConfig(nodes=2, nproc_per_node=2, run_dir=str(tmp_path), inject="kill-rank:2@4", memory_budget_gb=0.5,

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from shardsafe.elastic import ElasticConfig, ElasticLauncher
+from shardsafe.launch.elastic import ElasticConfig, ElasticLauncher
 from shardsafe.holder.client import HolderClient, HolderUnavailable
 from shardsafe.holder.paths import HolderPaths
 from shardsafe.launch import free_port

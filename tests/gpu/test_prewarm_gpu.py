@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     pytest.skip(f"no CUDA device visible to torch {torch.__version__}: the forked-trainer GPU check runs in "
                 "scripts/gpu_check.sh", allow_module_level=True)
 
-from shardsafe.prewarm import ForkServer  # noqa: E402
+from shardsafe.launch.prewarm import ForkServer  # noqa: E402
 
 TRAINER = textwrap.dedent("""
     import hashlib, json, os, sys, torch

@@ -122,7 +122,7 @@ def test_sbatch_rank_kill_and_node_loss_continue_in_the_allocation(cluster, tmp_
                                                                "persist_every": STEPS, "persist_mbps": 0.5},
                                                               separators=(",", ":")),
            "SS_INJECT": "kill-rank:1@4", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           # workers forked from a fork server per node (shardsafe.prewarm); the reference below starts cold
+           # workers forked from a fork server per node (shardsafe.launch.prewarm); the reference below starts cold
            "SS_PRELOAD": ",".join(PRELOAD_DEEPSPEED)}
     out_file = tmp_path / "job.out"
     sub = subprocess.run(["sbatch", "--parsable", "-N3", f"--output={out_file}", SBATCH], env=env, cwd=ROOT,
@@ -220,9 +220,9 @@ def test_megatron_sbatch_dry_run_shows_the_steps(cluster, tmp_path):
     out = out_file.read_text()
     assert scontrol_job(env, jid).get("JobState") == "COMPLETED", out
     holders = re.findall(r"DRY-RUN: srun --overlap --no-kill -N1 -n1 -w (node\d) .*shardsafe.cli holder", out)
-    agents = re.findall(r"DRY-RUN: srun --overlap --no-kill -N1 -n1 -w (node\d) .*shardsafe.elastic agent .*"
+    agents = re.findall(r"DRY-RUN: srun --overlap --no-kill -N1 -n1 -w (node\d) .*shardsafe.launch agent .*"
                         r"--nnodes 2:2 --nproc-per-node 2 .*megatron_lm_pretrain_gpt.py @\S+megatron_lm_tiny_gpt.args "
                         r"--shardsafe", out)
     assert sorted(holders) == ["node1", "node2", "node3"] and sorted(agents) == ["node1", "node2"], out
     ctl = (tmp_path / "run" / "logs" / "controller.log").read_text()
-    assert "DRY-RUN:" in ctl and "shardsafe.elastic control serve" in ctl and "--world-size 4" in ctl, ctl
+    assert "DRY-RUN:" in ctl and "shardsafe.launch control serve" in ctl and "--world-size 4" in ctl, ctl

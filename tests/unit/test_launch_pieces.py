@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from shardsafe import discovery, elastic
-from shardsafe.elastic import Evidence, IncidentBook, exit_evidence
+from shardsafe.launch import agent, cli, controller, discovery, elastic, markers
+from shardsafe.launch.errors import LaunchError
+from shardsafe.launch.incidents import Evidence, IncidentBook, exit_evidence
 from shardsafe.placement import Move, inventory_of, plan_migration
 
 
@@ -90,7 +91,7 @@ def test_progress_tail_per_attempt_and_torn_tail(tmp_path):
     p.write_text(json.dumps({"t": 1.0, "kind": "iteration", "attempt": 0, "iteration": 5, "seconds": 0.1}) + "\n"
                  + json.dumps({"t": 2.0, "kind": "iteration", "attempt": 1, "iteration": 3, "seconds": 0.1}) + "\n"
                  + '{"t": 3.0, "kind": "iteration", "att')
-    tail = elastic.ProgressTail(str(tmp_path))
+    tail = controller.ProgressTail(str(tmp_path))
     tail.poll()
     assert tail.max_iter == {0: 5, 1: 3} and tail.last_t == {0: 1.0, 1: 2.0}
     with open(p, "a") as f:
@@ -103,28 +104,28 @@ def test_progress_tail_per_attempt_and_torn_tail(tmp_path):
 
 def test_markers_and_notifications(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDSAFE_NODE", "n7")
-    elastic.mark_rank_done(str(tmp_path), 3)
-    elastic.mark_rank_done(str(tmp_path), 0)
-    assert elastic.done_ranks(str(tmp_path)) == {0, 3}
+    markers.mark_rank_done(str(tmp_path), 3)
+    markers.mark_rank_done(str(tmp_path), 0)
+    assert markers.done_ranks(str(tmp_path)) == {0, 3}
     assert json.loads((tmp_path / "markers" / "rank3.done").read_text())["node"] == "n7"
-    path = elastic.notify(str(tmp_path), "node_lost", node="node2")
+    path = markers.notify(str(tmp_path), "node_lost", node="node2")
     assert json.loads(open(path).read())["node"] == "node2"
     with pytest.raises(ValueError):
-        elastic.notify(str(tmp_path), "reboot")
+        markers.notify(str(tmp_path), "reboot")
 
 
 def test_attempt_base_continues_after_requeue(tmp_path):
-    assert elastic.attempt_base_from_log(str(tmp_path)) == 0
+    assert controller.attempt_base_from_log(str(tmp_path)) == 0
     (tmp_path / "events.jsonl").write_text(
         "\n".join(json.dumps({"t": float(i), "kind": "iteration", "attempt": a, "iteration": 1, "seconds": 1})
                   for i, a in enumerate([0, 0, 2, 1])) + "\n")
-    assert elastic.attempt_base_from_log(str(tmp_path)) == 3
+    assert controller.attempt_base_from_log(str(tmp_path)) == 3
 
 
 def test_torchrun_arguments_and_worker_env():
-    o = elastic.AgentOptions(node="node2", control="10.0.0.1:29400", nnodes="4:4", nproc_per_node=8, job_id="j1",
-                             run_dir="/runs/j1", inject="kill-rank:1@3", local_addr="10.0.0.3", keep_alive_s=5,
-                             job_start_t=12.5, torchrun_args=["--log-dir", "/tmp/l"])
+    o = agent.AgentOptions(node="node2", control="10.0.0.1:29400", nnodes="4:4", nproc_per_node=8, job_id="j1",
+                           run_dir="/runs/j1", inject="kill-rank:1@3", local_addr="10.0.0.3", keep_alive_s=5,
+                           job_start_t=12.5, torchrun_args=["--log-dir", "/tmp/l"])
     argv = o.torchrun_argv(["train.py", "--x", "1"])
     assert argv[:4] == ["--nnodes", "4:4", "--nproc-per-node", "8"]
     assert argv[argv.index("--rdzv-endpoint") + 1] == "10.0.0.1:29400" and argv[argv.index("--rdzv-id") + 1] == "j1"
@@ -137,9 +138,9 @@ def test_torchrun_arguments_and_worker_env():
 
 
 def test_launch_config_rejects_bad_settings(tmp_path):
-    with pytest.raises(elastic.LaunchError):
+    with pytest.raises(LaunchError):
         elastic.ElasticConfig(nodes=0, run_dir=str(tmp_path))
-    with pytest.raises(elastic.LaunchError, match="node0..node1"):
+    with pytest.raises(LaunchError, match="node0..node1"):
         elastic.ElasticConfig(nodes=2, run_dir=str(tmp_path), inject="kill-node:gpu3@4")
     with pytest.raises(ValueError):
         elastic.ElasticConfig(nodes=2, run_dir=str(tmp_path), inject="explode:1@2")
@@ -300,7 +301,7 @@ def test_cli_registers_launch_agent_control():
     a = p.parse_args(["launch", "--nodes", "3", "--inject", "kill-node:node1@5", "train.py", "--steps", "4"])
     assert a.nodes == 3 and a.script == ["train.py", "--steps", "4"]
     a = p.parse_args(["agent", "--control", "h:1", "--nnodes", "2:2", "--", "t.py"])
-    assert elastic._script(a) == ["t.py"]
+    assert cli._script(a) == ["t.py"]
     a = p.parse_args(["control", "notify", "node-lost", "--run-dir", "/r", "--node", "n2"])
     assert a.action == "notify" and a.what == "node-lost"
 
@@ -321,8 +322,8 @@ def test_event_log_dates_a_backdated_event(tmp_path):
                                            (10 ** 6, ["more than this node's RAM"])])
 def test_launchers_refuse_a_bad_memory_budget_before_any_holder_starts(tmp_path, budget, words):
     """Issue 15: `shardsafe launch --memory-budget-gb -1` only said "holder did not start"."""
-    from shardsafe.launch import LaunchConfig
-    with pytest.raises(elastic.LaunchError) as e:
+    from shardsafe.launch.local import LaunchConfig
+    with pytest.raises(LaunchError) as e:
         elastic.ElasticConfig(nodes=1, run_dir=str(tmp_path), memory_budget_gb=budget)
     with pytest.raises(ValueError) as e2:
         LaunchConfig(job_id="j", run_dir=str(tmp_path), memory_budget_gb=budget)
@@ -340,17 +341,17 @@ def test_shardsafe_launch_cli_names_the_bad_argument_and_exits_2(tmp_path):
     for args, want in ((["--memory-budget-gb", "-1"], "--memory-budget-gb must be >= 0"),
                        (["--hang-timeout", "-5"], "--hang-timeout must be >= 0"),
                        (["--nodes", "0"], "nodes >= 1")):
-        r = subprocess.run([sys.executable, "-m", "shardsafe.elastic", "launch", "--run-dir", str(tmp_path / "run"),
+        r = subprocess.run([sys.executable, "-m", "shardsafe.launch", "launch", "--run-dir", str(tmp_path / "run"),
                             *args, str(script)], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and want in r.stderr and "did not start" not in r.stderr, (args, r.returncode, r.stderr)
-    r = subprocess.run([sys.executable, "-m", "shardsafe.elastic", "launch", str(tmp_path / "missing.py")],
+    r = subprocess.run([sys.executable, "-m", "shardsafe.launch", "launch", str(tmp_path / "missing.py")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "missing.py' not found" in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()
 
 
 def test_a_holder_that_does_not_start_is_reported_with_its_own_words(tmp_path):
-    from shardsafe.launch import holder_failure
+    from shardsafe.launch.holders import holder_failure
     log = tmp_path / "holder_node0.log"
     log.write_text("INFO starting\nERROR cannot bind /x/node0.sock: Permission denied\n")
     msg = holder_failure("node0", 1, str(log))
@@ -361,7 +362,7 @@ def test_a_holder_that_does_not_start_is_reported_with_its_own_words(tmp_path):
 def test_signal_stop_turns_sigterm_into_a_flag_and_restores_the_handlers():
     import os
     import signal
-    from shardsafe.launch import SignalStop
+    from shardsafe.launch.signals import SignalStop
     before = signal.getsignal(signal.SIGTERM)
     with SignalStop() as stop:
         assert stop.received is None and stop.exit_code is None
@@ -374,7 +375,7 @@ def test_signal_stop_turns_sigterm_into_a_flag_and_restores_the_handlers():
 def test_a_running_holder_for_the_job_id_stops_a_launcher_from_starting_its_own(tmp_path):
     import socket
     from shardsafe.holder.paths import HolderPaths
-    from shardsafe.launch import holder_running
+    from shardsafe.launch.holders import holder_running
     p = HolderPaths(str(tmp_path / "h"), "job1", "node0")
     p.ensure_dir()
     assert not holder_running(p)
@@ -384,6 +385,6 @@ def test_a_running_holder_for_the_job_id_stops_a_launcher_from_starting_its_own(
         assert holder_running(p)
         launcher = elastic.ElasticLauncher(elastic.ElasticConfig(nodes=1, run_dir=str(tmp_path / "run"),
                                                                  job_id="job1", holder_dir=p.root))
-        with pytest.raises(elastic.LaunchError, match="already running.*another job uses this id"):
+        with pytest.raises(LaunchError, match="already running.*another job uses this id"):
             launcher.start_holders(["node0"])
     assert not holder_running(p)   # a stale socket file is not a holder

@@ -1,4 +1,4 @@
-"""The fork server (shardsafe.prewarm): a forked trainer must look like one started cold.
+"""The fork server (shardsafe.launch.prewarm): a forked trainer must look like one started cold.
 
 Real processes: a real server process imports its preloads and forks real children that run real
 scripts; exits, signals and a SIGKILLed server are the real thing. Whether a forked DeepSpeed trainer
@@ -18,7 +18,7 @@ import time
 import pytest
 
 from shardsafe.launch import LaunchConfig, LocalLauncher, trainer_env
-from shardsafe.prewarm import ForkServer, PrewarmError
+from shardsafe.launch.prewarm import ForkServer, PrewarmError
 
 PROBE = textwrap.dedent("""
     import atexit, gc, json, os, random, signal, sys

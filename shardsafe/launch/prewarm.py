@@ -47,9 +47,9 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
-log = logging.getLogger("shardsafe.prewarm")
+log = logging.getLogger("shardsafe.prewarm")   # the name it logged under before the move into shardsafe.launch
 
 READY_TIMEOUT_S = 600.0
 """How long the launcher waits for the server's imports (a cold shared file system can be slow)."""
@@ -129,7 +129,7 @@ class ForkServer:
         """Start the server process; :meth:`wait_ready` waits for its imports (overlap them with other set-up)."""
         self._t0 = time.monotonic()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cmd = [sys.executable, "-m", "shardsafe.prewarm", "--preload", ",".join(self.preload),
+        cmd = [sys.executable, "-m", "shardsafe.launch.prewarm", "--preload", ",".join(self.preload),
                "--fd", str(theirs.fileno())]
         logf = open(self.log_path, "ab") if self.log_path else None
         try:
@@ -479,7 +479,7 @@ def _run_child(req: dict) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     import argparse
-    ap = argparse.ArgumentParser(prog="python -m shardsafe.prewarm",
+    ap = argparse.ArgumentParser(prog="python -m shardsafe.launch.prewarm",
                                  description="fork server for pre-warmed trainer starts (started by the launcher)")
     ap.add_argument("--preload", default="", help="comma-separated modules to import before forking")
     ap.add_argument("--fd", type=int, required=True, help="this end of the launcher's socket pair")

@@ -5,27 +5,31 @@ node name (SHARDSAFE_NODE) and its own holder process, started outside the resta
 so it survives trainer failures. When any trainer fails, the whole worker group is killed and
 restarted (torch elastic's semantics), up to ``max_restarts`` times; holders keep their memory.
 Rank-to-node placement is stable across restarts (rank r always runs on node r // nproc_per_node).
+
+The helpers both launchers share are in :mod:`.holders` and :mod:`.signals`; the elastic launcher (torchrun,
+``shardsafe launch``) is :mod:`.elastic`.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..fatal import describe as describe_fatal, read_fatal
+from ..holder.client import holder_command, stop_holders
+from ..holder.paths import HolderPaths
+from ..tor.events import JsonlTail, NullEventLog
 from .faults import FaultKind, for_attempt, parse
-from .fatal import describe as describe_fatal, read_fatal
-from .holder.client import holder_command, stop_holders
-from .holder.paths import HolderPaths
+from .holders import budget_problem, holder_budget_env, holder_env, holder_failure, holder_running, kill_serving_holder
 from .prewarm import ForkServer, PrewarmError
+from .signals import SignalStop
 
 log = logging.getLogger("shardsafe.launch")
 
@@ -46,98 +50,6 @@ PRELOAD_MEGATRON = ("torch", "torch._dynamo", "megatron.core")
 """The heavy imports of a megatron-core trainer (megatron.core alone: ~4 s CPU here)."""
 
 
-def budget_problem(budget_gb: float) -> str | None:
-    """What is wrong with a per-holder memory budget given to a launcher (None: usable). Checked before any
-    holder starts, so the message names the setting instead of "holder did not start"."""
-    try:
-        gb = float(budget_gb)
-    except (TypeError, ValueError):
-        return f"--memory-budget-gb must be a number of GiB, got {budget_gb!r}"
-    if not gb >= 0 or gb == float("inf"):
-        return (f"--memory-budget-gb must be >= 0 GiB per holder (0 = half the node's RAM), got {budget_gb!r}; "
-                "size it with docs/operations.md \"Memory sizing\"")
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    if gb > ram:
-        return (f"--memory-budget-gb {gb:g} GiB is more than this node's RAM ({ram:.1f} GiB); a holder can never "
-                "use it. Give at most the RAM the snapshots may take (0 = half of it)")
-    return None
-
-
-def holder_failure(node: str, rc: int | None, log_path: str, lines: int = 6) -> str:
-    """A holder that did not start: its exit code and the last lines of its log (the reason)."""
-    try:
-        with open(log_path, errors="replace") as f:
-            tail = [ln.rstrip() for ln in f.readlines()[-lines:] if ln.strip()]
-    except OSError:
-        tail = []
-    said = ("; it said:\n    " + "\n    ".join(tail)) if tail else " and logged nothing"
-    return f"the holder for {node} did not start (exit {rc}){said}\n(full log: {log_path})"
-
-
-def holder_running(paths: HolderPaths) -> bool:
-    """Does a live holder serve ``paths`` (its socket accepts a connection)? A launcher about to start the
-    holders of a job must not find one: that would be another running job with the same id."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(2.0)
-        try:
-            s.connect(paths.socket)
-            return True
-        except OSError:
-            return False
-
-
-def kill_serving_holder(paths: HolderPaths) -> None:
-    """SIGKILL the holder that serves ``paths`` now, whoever started it (a simulated node loss or holder kill).
-    After an earlier holder kill the node's first rank starts the new holder itself, so the launcher's own
-    process handle is not the live one; the live one says its pid in the hello."""
-    from .holder.client import HolderClient, HolderUnavailable
-    try:
-        c = HolderClient(paths, timeout_s=2.0).connect()
-    except (HolderUnavailable, OSError):
-        return
-    pid = c.holder_pid
-    c.close()
-    if pid > 0 and pid != os.getpid():
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-class SignalStop:
-    """Turn SIGTERM, SIGINT and SIGHUP (``kill``, Ctrl-C, ``scancel`` of a local run, a closed terminal)
-    into a flag the launcher's loop polls, so that it stops its trainers and holders itself instead of
-    dying and leaving them running (holders live in their own session: no terminal or process-group
-    signal reaches them). Handlers are installed only in the main thread and restored on exit.
-    ``exit_code`` is the shell's convention, 128 + the signal."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._prev: dict[int, Any] = {}
-
-    def _on(self, signum: int, _frame: Any) -> None:
-        if self.received is None:
-            self.received = signum
-            log.warning("received %s: stopping the trainers and holders of this job", signal.Signals(signum).name)
-
-    def __enter__(self) -> "SignalStop":
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._prev[sig] = signal.signal(sig, self._on)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, prev in self._prev.items():
-            signal.signal(sig, prev)
-        self._prev.clear()
-
-    @property
-    def exit_code(self) -> int | None:
-        return None if self.received is None else 128 + self.received
-
-
 @dataclass(kw_only=True)
 class LaunchConfig:
     nodes: int = 1
@@ -155,7 +67,7 @@ class LaunchConfig:
     max_restarts: int = 3
     """Restarts of the worker group before giving up."""
     inject: str = ""
-    """Fault spec (see shardsafe.faults); fault j applies to attempt j."""
+    """Fault spec (see shardsafe.launch.faults); fault j applies to attempt j."""
     start_holders: bool = True
     """Start one holder per node before the first attempt."""
     env: dict[str, str] = field(default_factory=dict)
@@ -164,7 +76,7 @@ class LaunchConfig:
     """An attempt running longer than this is killed as hung."""
     preload: tuple[str, ...] = ()
     """Modules a fork server imports once before the first attempt; the trainers of every attempt are then
-    forked from it instead of importing them again (shardsafe.prewarm). Empty: every trainer starts cold."""
+    forked from it instead of importing them again (shardsafe.launch.prewarm). Empty: every trainer starts cold."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.nproc_per_node < 1:
@@ -176,7 +88,7 @@ class LaunchConfig:
         if problem:
             raise ValueError(problem.replace("--memory-budget-gb", "LaunchConfig.memory_budget_gb"))
         if not self.holder_dir:
-            from .config import default_holder_dir
+            from ..config import default_holder_dir
             self.holder_dir = default_holder_dir()
 
     def node_name(self, i: int) -> str:
@@ -195,31 +107,10 @@ class LaunchResult:
     fatal: str = ""           # the error no restart can fix that ended the job (shardsafe.fatal), if any
 
 
-class _NoEvents:
-    def emit(self, kind: str, **f: Any) -> None:
-        pass
-
-
 def trainer_env(cfg: LaunchConfig) -> dict[str, str]:
     """What every trainer of a LocalLauncher job gets before its per-rank variables (and what its fork
     server imports with)."""
     return {**os.environ, **cfg.env, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-
-
-def holder_budget_env(budget_gb: float) -> dict[str, str]:
-    """Tells trainers the budget their launcher started the holders with (shardsafe.config checks a
-    memory_budget_gb in the job's config against it)."""
-    return {"SHARDSAFE_HOLDER_BUDGET_GB": repr(float(budget_gb))}
-
-
-def holder_env(inject: str) -> dict[str, str]:
-    """A launcher-started holder's environment: the launcher's, plus the fault spec (kill-flush is done by
-    the holder itself)."""
-    env = dict(os.environ)
-    env.pop("SHARDSAFE_INJECT", None)
-    if inject:
-        env["SHARDSAFE_INJECT"] = inject
-    return env
 
 
 class LocalLauncher:
@@ -233,10 +124,10 @@ class LocalLauncher:
         self.cfg = cfg
         os.makedirs(cfg.run_dir, exist_ok=True)
         try:
-            from .tor import EventLog
+            from ..tor import EventLog
             self.events = EventLog(cfg.run_dir, source="launcher")
         except Exception:
-            self.events = _NoEvents()
+            self.events = NullEventLog()
         self.holders: dict[str, subprocess.Popen] = {}
         self.t_start = time.time()
         self.forks: ForkServer | None = fork_server
@@ -460,24 +351,13 @@ class _EventTail:
     one repeats, and a node fault for attempt j must hit attempt j's training, not its start."""
 
     def __init__(self, path: str, attempt: int = 0):
-        self.path, self.pos, self.best, self.attempt = path, 0, 0, attempt
+        self.path, self.best, self.attempt = path, 0, attempt
+        self._tail = JsonlTail(path, contains=b'"iteration"')
 
     def reached(self, step: int) -> bool:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.pos)
-                data = f.read()
-        except FileNotFoundError:
+        if not os.path.exists(self.path):
             return False
-        end = data.rfind(b"\n") + 1
-        self.pos += end
-        for line in data[:end].splitlines():
-            if b'"iteration"' not in line:
-                continue
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
+        for ev in self._tail.poll():
             if ev.get("kind") == "iteration" and int(ev.get("attempt") or 0) == self.attempt:
                 self.best = max(self.best, int(ev.get("iteration", 0)))
         return self.best >= step

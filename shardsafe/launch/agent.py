@@ -1,0 +1,283 @@
+"""One node's torchrun agent, in this process, with shardsafe's hooks (``shardsafe agent``).
+
+Torch elastic restarts workers and admits new nodes; shardsafe does not re-implement that. The agent adds:
+
+* **One attempt number for the whole job.** ``TORCHELASTIC_RESTART_COUNT`` is per agent: the agent whose
+  worker failed counts a restart, the others restart for the "membership change" and do not. Fault
+  injection, restore and TOR need one number per worker-group generation, so each torchrun agent runs in
+  ``ShardsafeAgent``, which numbers every completed rendezvous round once (the round's group-rank-0 agent
+  draws it from a counter in the control store, the others read it from the round's store) and exports it
+  to its workers as ``SHARDSAFE_ATTEMPT``.
+* **Facts for the controller.** Round started, workers failed/succeeded, hung workers are published into
+  the control store (:mod:`.controller`), and the agent SIGKILLs its workers when the controller says an
+  attempt is hung. A worker that died of an error no restart fixes (shardsafe.fatal) ends the restarts.
+* **Forked workers.** With ``--preload``, workers are forked from this node's fork server
+  (:mod:`.prewarm`) plugged into torch elastic's worker start.
+
+torch is imported when the agent runs, not at import.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..fatal import describe as describe_fatal, read_fatal
+from .controller import Keys, _store_client, publish
+from .markers import done_ranks, mark_rank_done
+
+log = logging.getLogger("shardsafe.elastic")   # the name it logged under before shardsafe.elastic was split
+
+
+@dataclass(kw_only=True)
+class AgentOptions:
+    node: str
+    """This node's name: SHARDSAFE_NODE of its workers, the key of its holder."""
+    control: str
+    """HOST:PORT of the job's control store; also the c10d rendezvous endpoint."""
+    nnodes: str
+    """torchrun --nnodes (N or MIN:MAX)."""
+    nproc_per_node: int = 1
+    job_id: str = ""
+    run_dir: str = ""
+    holder_dir: str = ""
+    inject: str = ""
+    max_restarts: int = 3
+    local_addr: str = ""
+    monitor_interval_s: float = 0.1
+    keep_alive_s: int = 2
+    keep_alive_misses: int = 3
+    join_timeout_s: float = 600.0
+    job_start_t: float | None = None
+    torchrun_args: list[str] = field(default_factory=list)
+    preload: list[str] = field(default_factory=list)
+    """Modules this node's fork server imports once; workers are forked from it (shardsafe.launch.prewarm)."""
+
+    def torchrun_argv(self, script: list[str]) -> list[str]:
+        conf = (f"is_host=false,join_timeout={int(self.join_timeout_s)},keep_alive_interval={int(self.keep_alive_s)},"
+                f"keep_alive_max_attempt={int(self.keep_alive_misses)},read_timeout=60")
+        argv = ["--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc_per_node),
+                "--max-restarts", str(self.max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", self.control,
+                "--rdzv-id", self.job_id, "--rdzv-conf", conf, "--monitor-interval", str(self.monitor_interval_s)]
+        if self.local_addr:
+            argv += ["--local-addr", self.local_addr]
+        return argv + list(self.torchrun_args) + list(script)
+
+    def worker_env(self) -> dict[str, str]:
+        env = {"SHARDSAFE_NODE": self.node, "SHARDSAFE_JOB_ID": self.job_id,
+               # Each round's rank-0 *worker* hosts the workers' store: an agent-hosted store would stay
+               # cached in the other agents after that agent's node is lost (torch 2.x).
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        if self.run_dir:
+            env["SHARDSAFE_RUN_DIR"] = self.run_dir
+        if self.holder_dir:
+            env["SHARDSAFE_HOLDER_DIR"] = self.holder_dir
+        if self.inject:
+            env["SHARDSAFE_INJECT"] = self.inject
+        if self.job_start_t is not None:
+            env["SHARDSAFE_JOB_START_T"] = repr(self.job_start_t)
+        return env
+
+
+class _AgentHooks:
+    """What the agent adds to torch elastic: job-wide attempt numbers, facts, kill commands."""
+
+    def __init__(self, opts: AgentOptions):
+        self.opts = opts
+        self.keys = Keys(opts.job_id)
+        self.store = _store_client(opts.control)
+        self.attempt: int | None = None
+        self.reported: set[tuple[int, str]] = set()
+        self.spare_pids: set[int] = set()   # descendants that are not workers (the fork server): never killed
+        self.worker_group = None
+        self.fatal = ""          # set when a worker of this job died of an error no restart fixes
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._watch = threading.Thread(target=self._kill_loop, name="shardsafe-kill-watch", daemon=True)
+        self._watch.start()
+
+    def close(self) -> None:
+        """Stop the kill watcher and drop the store clients while the interpreter is fully alive: a
+        daemon thread still inside a TCPStore call at interpreter teardown aborts the process
+        ("terminate called without an active exception"), which would turn a finished job's agent
+        exit code into a failure."""
+        self._stop.set()
+        self._watch.join(timeout=5)
+        self.store = None
+
+    def _publish(self, fact: dict) -> None:
+        with self._lock:
+            try:
+                publish(self.store, self.keys, {"node": self.opts.node, "t": time.time(), **fact})
+            except Exception as e:  # noqa: BLE001 - accounting never stops training
+                log.warning("[agent %s] cannot publish %s to the controller: %s", self.opts.node, fact.get("type"), e)
+
+    def on_rendezvous(self, worker_group) -> None:
+        st = worker_group.store
+        with self._lock:
+            if worker_group.group_rank == 0:
+                n = self.store.add(self.keys.rounds, 1) - 1
+                base = int(self.store.get(self.keys.base)) if self.store.check([self.keys.base]) else 0
+                st.set(Keys.ROUND_ATTEMPT, str(base + n))
+            attempt = int(st.get(Keys.ROUND_ATTEMPT))
+        self.attempt = attempt
+        self.worker_group = worker_group
+        os.environ["SHARDSAFE_ATTEMPT"] = str(attempt)   # workers inherit the agent's environment
+        ranks = [w.global_rank for w in worker_group.workers]
+        log.info("[agent %s] attempt %d: group rank %d, ranks %s", self.opts.node, attempt, worker_group.group_rank, ranks)
+        self._publish({"type": "start", "attempt": attempt, "group_rank": worker_group.group_rank, "ranks": ranks})
+
+    def on_monitor(self, worker_group, result) -> None:
+        from torch.distributed.elastic.agent.server.api import WorkerState
+        a = self.attempt
+        if a is None:
+            return
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and (a, "fail") not in self.reported:
+            self.reported.add((a, "fail"))
+            exits = {str(r): f.exitcode for r, f in (result.failures or {}).items()}
+            self._publish({"type": "fail", "attempt": a, "exits": exits})
+            records = read_fatal(self.opts.run_dir, a) if self.opts.run_dir else []
+            if records:
+                self.fatal = describe_fatal(records)
+        elif result.state == WorkerState.SUCCEEDED and (a, "done") not in self.reported:
+            self.reported.add((a, "done"))
+            ranks = [w.global_rank for w in worker_group.workers]
+            if self.opts.run_dir:   # every local worker exited 0: their completion markers (scripts may write richer ones)
+                have = done_ranks(self.opts.run_dir)
+                for r in ranks:
+                    if r not in have:
+                        mark_rank_done(self.opts.run_dir, r, by="agent", node=self.opts.node)
+            self._publish({"type": "done", "attempt": a, "ranks": ranks})
+
+    def _kill_loop(self) -> None:
+        store = None
+        try:
+            self._watch_kills(store)
+        finally:
+            store = None
+
+    def _watch_kills(self, store: Any) -> None:
+        while not self._stop.wait(0.25):
+            a = self.attempt
+            if a is None or (a, "kill") in self.reported:
+                continue
+            try:
+                store = store or _store_client(self.opts.control)
+                if not store.check([self.keys.kill(a)]):
+                    continue
+            except Exception:  # noqa: BLE001 - the controller may be gone at the very end
+                store = None
+                continue
+            self.reported.add((a, "kill"))
+            self._kill_workers(a)
+
+    def _kill_workers(self, attempt: int) -> None:
+        import psutil
+        procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in self.spare_pids]
+        # A forked worker's /proc/PID/environ is the fork server's (it never exec'd): ranks come from the
+        # worker group (worker.id is the pid torch elastic started), the environment is the fallback.
+        by_pid = {w.id: w.global_rank for w in getattr(self.worker_group, "workers", []) or [] if w.id is not None}
+        hung = []
+        for p in procs:
+            try:
+                if p.status() == psutil.STATUS_STOPPED:
+                    r = by_pid[p.pid] if p.pid in by_pid else p.environ().get("RANK")
+                    if r is not None and str(r).isdigit():
+                        hung.append(int(r))
+            except (psutil.Error, OSError):
+                pass
+        if hung:
+            self._publish({"type": "hung", "attempt": attempt, "ranks": sorted(hung)})
+        log.warning("[agent %s] controller: attempt %d is hung%s; SIGKILLing %d worker process(es)", self.opts.node,
+                    attempt, f" (stopped ranks {sorted(hung)})" if hung else "", len(procs))
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
+def run_agent(opts: AgentOptions, script: list[str]) -> int:
+    """Run torchrun's agent in this process with shardsafe's hooks; returns its exit code."""
+    os.environ.update(opts.worker_env())
+    import torch.distributed.launcher.api as launcher_api
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    hooks = _AgentHooks(opts)
+    forks = _start_fork_server(opts, hooks) if opts.preload else None
+
+    class ShardsafeAgent(LocalElasticAgent):
+        """LocalElasticAgent + job-wide attempt numbers and facts for the controller."""
+
+        def _rendezvous(self, worker_group) -> None:
+            super()._rendezvous(worker_group)
+            hooks.on_rendezvous(worker_group)
+
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            hooks.on_monitor(worker_group, result)
+            if hooks.fatal and self._remaining_restarts > 0:
+                # A ConfigError / RestoreError (shardsafe.fatal) comes back on every restart: stop now.
+                log.error("[agent %s] %s", opts.node, hooks.fatal)
+                self._remaining_restarts = 0
+            return result
+
+    launcher_api.LocalElasticAgent = ShardsafeAgent   # what torchrun's launch_agent instantiates
+    argv = opts.torchrun_argv(script)
+    log.info("[agent %s] torchrun %s", opts.node, shlex.join(argv))
+    try:
+        torchrun.main(argv)
+        return 0
+    except SystemExit as e:
+        return int(e.code or 0) if not isinstance(e.code, str) else 1
+    except Exception as e:  # noqa: BLE001 - ChildFailedError & co.: torchrun already logged the details
+        log.error("[agent %s] torchrun ended with %s: %s", opts.node, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return 1
+    finally:
+        hooks.close()
+        if forks is not None:
+            forks.close()
+
+
+def _start_fork_server(opts: AgentOptions, hooks: _AgentHooks):
+    """This node's fork server (shardsafe.launch.prewarm), plugged into torch elastic's worker start: its
+    ``get_subprocess_handler`` hands out handlers whose ``_popen`` forks from the server when it can and
+    falls back to torch's own Popen when it cannot (the reason is logged once). None if it cannot start."""
+    from .prewarm import ForkServer, PrewarmError
+    try:
+        from torch.distributed.elastic.multiprocessing import api as mp_api
+        from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+    except ImportError as e:
+        log.warning("[agent %s] this torch has no elastic subprocess handler to fork from (%s); workers start cold",
+                    opts.node, e)
+        return None
+    if not callable(getattr(mp_api, "get_subprocess_handler", None)) or not hasattr(SubprocessHandler, "_popen"):
+        log.warning("[agent %s] torch %s starts workers differently than shardsafe.launch.prewarm knows; "
+                    "workers start cold", opts.node, getattr(sys.modules.get("torch"), "__version__", "?"))
+        return None
+    if opts.nproc_per_node > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")   # torchrun sets it for its workers; import with it
+    try:
+        forks = ForkServer(opts.preload, env=dict(os.environ)).start()
+    except PrewarmError as e:
+        log.warning("[agent %s] %s; workers start cold", opts.node, e)
+        return None
+    hooks.spare_pids.add(forks.proc.pid)
+
+    class ForkedHandler(SubprocessHandler):
+        def _popen(self, args, env):
+            proc = forks.fork_or_cold(args, env=env, stdout=self._stdout.fileno() if self._stdout else None,
+                                      stderr=self._stderr.fileno() if self._stderr else None,
+                                      who=f"[agent {opts.node}] workers")
+            return proc if proc is not None else super()._popen(args, env)
+
+    mp_api.get_subprocess_handler = lambda **kw: ForkedHandler(**kw)
+    log.info("[agent %s] workers are forked from the fork server (pid %d, preloaded %s in %.2f s)", opts.node,
+             forks.proc.pid, ",".join(opts.preload), forks.ready_s)
+    return forks

@@ -1,0 +1,366 @@
+"""`shardsafe launch`: torch elastic (torchrun) with one holder per node and launcher events for TOR.
+
+Torch elastic restarts workers and admits new nodes; shardsafe does not re-implement that. What it adds
+around torchrun:
+
+* **Holders outside the worker group.** One holder per node is started before any worker and is not a
+  child of the torchrun agent, so worker restarts (which kill the worker group) never touch it.
+* **One attempt number for the whole job**, drawn by the agents (:mod:`.agent`).
+* **Launcher events** exactly once per attempt, whichever agent saw what first, from one controller per
+  job (:mod:`.controller`, :mod:`.incidents`), with a progress watchdog for hangs.
+
+Local mode (:class:`ElasticLauncher`, ``shardsafe launch --nodes N --nproc-per-node G``) simulates N
+nodes on this host: one holder and one torchrun agent per node (``SHARDSAFE_NODE=nodeI``), c10d
+rendezvous on 127.0.0.1 served by the launcher itself (so losing any simulated node never takes the
+rendezvous down). ``--inject kill-node:NODE@STEP`` SIGKILLs that node's agent, workers and holder and
+a fresh node (agent + empty holder) joins; ``kill-rank`` and ``hang-rank`` happen inside trainers
+(:mod:`.faults`). Under SLURM the scripts in scripts/slurm start holders and agents with srun and
+run ``shardsafe control serve`` on the batch host (docs/slurm.md).
+
+Rank placement: torch elastic's rendezvous numbers nodes afresh every round, so after a node is
+replaced a rank can land on another node than its snapshot; restore moves it (shardsafe.placement).
+
+Nothing here imports torch at module level.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..fatal import describe as describe_fatal, read_fatal
+from .controller import Controller
+from .errors import LaunchError
+from .faults import NODE_FAULTS, FaultKind, for_attempt, parse as parse_faults
+from .incidents import Evidence
+from .markers import LOG_DIR
+
+log = logging.getLogger("shardsafe.elastic")
+
+
+@dataclass(kw_only=True)
+class ElasticConfig:
+    nodes: int = 1
+    """Simulated nodes (failure domains), each with its own holder and torchrun agent."""
+    nproc_per_node: int = 1
+    """Workers per node."""
+    run_dir: str
+    """Per-run directory: events.jsonl, logs/agent_NODE.log, holder logs, the trainers' outputs."""
+    job_id: str = ""
+    """Scopes holders, store keys and the rendezvous (default: a fresh unique id)."""
+    holder_dir: str = ""
+    """Where holder sockets live (default: shardsafe's default holder dir)."""
+    memory_budget_gb: float = 0.0
+    """Per-holder budget (0 = half the node's RAM)."""
+    max_restarts: int = 3
+    """torchrun --max-restarts: worker-group restarts before the job gives up."""
+    inject: str = ""
+    """Fault spec (shardsafe.launch.faults); fault j applies to attempt j. kill-node is done by the launcher."""
+    hang_timeout_s: float = 600.0
+    """No iteration event for this long = a hang (0 = no watchdog)."""
+    grace_s: float = 1.0
+    """Evidence of one incident is collected this long before the failure is reported."""
+    keep_alive_s: int = 2
+    """Rendezvous heartbeat interval (s); a lost node's agent is dropped after keep_alive_s * keep_alive_misses."""
+    keep_alive_misses: int = 3
+    join_timeout_s: float = 300.0
+    """How long a rendezvous round may take to form."""
+    monitor_interval_s: float = 0.1
+    start_holders: bool = True
+    """Start one holder per node before the agents (else trainers start detached ones themselves)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for agents and workers."""
+    timeout_s: float = 0.0
+    """Give up (and kill everything) after this long (0 = never)."""
+    preload: tuple[str, ...] = ()
+    """Modules each node's fork server imports once; its workers are forked from it instead of importing them
+    again at every start and restart (shardsafe.launch.prewarm). Empty: torch elastic starts workers cold."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.nproc_per_node < 1:
+            raise LaunchError(f"need nodes >= 1 and nproc_per_node >= 1, got {self.nodes} and {self.nproc_per_node}")
+        if self.max_restarts < 0:
+            raise LaunchError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.keep_alive_s < 1 or self.keep_alive_misses < 1:
+            raise LaunchError("keep_alive_s and keep_alive_misses must be >= 1 (torch's c10d rendezvous takes whole seconds)")
+        from .holders import budget_problem
+        problem = budget_problem(self.memory_budget_gb)
+        if problem:
+            raise LaunchError(problem)
+        for name, flag in (("hang_timeout_s", "--hang-timeout"), ("grace_s", "--grace"), ("timeout_s", "--timeout")):
+            v = getattr(self, name)
+            if not v >= 0:
+                raise LaunchError(f"{flag} must be >= 0 seconds (0 = off), got {v!r}")
+        if not self.join_timeout_s > 0:
+            raise LaunchError(f"join_timeout_s must be > 0 seconds, got {self.join_timeout_s!r}")
+        faults = parse_faults(self.inject)   # fail fast on a malformed spec
+        for f in faults:
+            if f.kind in NODE_FAULTS:
+                for n in f.target.split("+"):
+                    if not (n.startswith("node") and n[4:].isdigit()):
+                        raise LaunchError(f"{f.kind.value} target {n!r}: local nodes are named node0..node{self.nodes - 1}")
+        if not self.job_id:
+            self.job_id = f"launch-{uuid.uuid4().hex[:8]}"
+        if not self.holder_dir:
+            from ..config import default_holder_dir
+            self.holder_dir = default_holder_dir()
+
+
+@dataclass
+class LaunchResult:
+    ok: bool
+    attempts: int
+    failures: list[dict[str, Any]]
+    wall_s: float
+    nodes: list[str]
+    """Every node that took part, replacements included."""
+    run_dir: str
+    signal: int | None = None
+    """The signal (SIGTERM, SIGINT, SIGHUP) that stopped the launcher, if one did."""
+    fatal: str = ""
+    """The error no restart can fix that ended the job (shardsafe.fatal), if any."""
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (torch elastic's workers run in their own sessions)."""
+    import psutil
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+class ElasticLauncher:
+    """Local mode of ``shardsafe launch``: N simulated nodes on this host under torch elastic."""
+
+    def __init__(self, cfg: ElasticConfig):
+        self.cfg = cfg
+        os.makedirs(os.path.join(cfg.run_dir, LOG_DIR), exist_ok=True)
+        from ..tor import EventLog
+        self.events = EventLog(cfg.run_dir, source="launcher")
+        self.holders: dict[str, subprocess.Popen] = {}
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.lost: set[str] = set()
+        self.all_nodes: list[str] = []
+        self._next_node = cfg.nodes
+        self.controller: Controller | None = None
+        self.t_start = time.time()
+        self.instance = f"{cfg.job_id}.{os.getpid()}.{uuid.uuid4().hex[:8]}"   # this run of the job (shardsafe.jobid)
+
+    # ---- holders ---------------------------------------------------------------------------------------
+    def start_holders(self, nodes: list[str]) -> None:
+        """Start one holder per node (in parallel) and wait until each serves its socket."""
+        from ..holder.client import holder_command
+        from ..holder.paths import HolderPaths
+        from .holders import holder_env, holder_failure, holder_running
+        started = {}
+        for node in nodes:
+            p = HolderPaths(self.cfg.holder_dir, self.cfg.job_id, node)
+            p.ensure_dir()
+            if holder_running(p):
+                raise LaunchError(f"a holder for job id {self.cfg.job_id!r} on {node} is already running ({p.socket}): "
+                                  "another job uses this id. Give this job its own --job-id, or stop the other one "
+                                  "(`shardsafe status --job-id ...` shows what it holds)")
+            cmd = holder_command(p, budget_gb=self.cfg.memory_budget_gb, run_dir=self.cfg.run_dir)
+            with open(os.path.join(self.cfg.run_dir, LOG_DIR, f"holder_{node}.log"), "ab") as logf:
+                started[node] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf,
+                                                 start_new_session=True, env=holder_env(self.cfg.inject))
+            self.holders[node] = started[node]
+        for node, proc in started.items():
+            line = proc.stdout.readline()   # "holder ready: SOCKET" once the socket is bound
+            if not line.startswith(b"holder ready"):
+                proc.kill()
+                self.holders.pop(node, None)
+                raise LaunchError(holder_failure(node, proc.wait(), os.path.join(self.cfg.run_dir, LOG_DIR,
+                                                                                  f"holder_{node}.log")))
+
+    def stop_holders(self) -> None:
+        """Ask every holder to stop (they free their memory), then wait; SIGKILL what does not stop."""
+        from ..holder.client import stop_holders
+        from ..holder.paths import HolderPaths
+        stop_holders([(HolderPaths(self.cfg.holder_dir, self.cfg.job_id, node), proc)
+                      for node, proc in self.holders.items()])
+        self.holders.clear()
+
+    # ---- agents ----------------------------------------------------------------------------------------
+    @staticmethod
+    def node_addr(node: str) -> str:
+        """A loopback address per simulated node (127.0.1xx.1: all of 127/8 is local), as real nodes have
+        their own. Torch elastic orders a round's nodes by address, so the order is by node number here
+        (a replacement node sorts last) instead of by agent pid."""
+        i = int(node[4:])
+        return f"127.0.{100 + i}.1" if i < 155 else ""
+
+    def start_agent(self, node: str) -> None:
+        c, ctl = self.cfg, self.controller
+        cmd = [sys.executable, "-m", "shardsafe.launch", "agent", "--node", node, "--control", ctl.endpoint,
+               "--nnodes", f"{c.nodes}:{c.nodes}", "--nproc-per-node", str(c.nproc_per_node),
+               "--job-id", c.job_id, "--run-dir", c.run_dir, "--holder-dir", c.holder_dir,
+               "--max-restarts", str(c.max_restarts), "--monitor-interval", str(c.monitor_interval_s),
+               "--keep-alive-s", str(c.keep_alive_s), "--keep-alive-misses", str(c.keep_alive_misses),
+               "--join-timeout-s", str(c.join_timeout_s), "--job-start-t", repr(self.t_start)]
+        if c.inject:
+            cmd += ["--inject", c.inject]
+        if c.preload:
+            cmd += ["--preload", ",".join(c.preload)]
+        if self.node_addr(node):
+            cmd += ["--local-addr", self.node_addr(node)]
+        from .holders import holder_budget_env
+        env = {**os.environ, **c.env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "SHARDSAFE_INSTANCE": self.instance,
+               **(holder_budget_env(c.memory_budget_gb) if c.start_holders else {})}
+        env.pop("SHARDSAFE_ATTEMPT", None)   # the agent numbers attempts
+        logf = open(os.path.join(c.run_dir, LOG_DIR, f"agent_{node}.log"), "ab")
+        self.agents[node] = subprocess.Popen(cmd + ["--", *self._script], stdin=subprocess.DEVNULL, stdout=logf,
+                                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        logf.close()
+        self.all_nodes.append(node)
+
+    def kill_node(self, node: str) -> None:
+        """Node loss: SIGKILL the node's agent, its workers and its holder (its memory dies with it)."""
+        self.lost.add(node)
+        agent = self.agents.get(node)
+        if agent is not None:
+            _kill_tree(agent.pid)
+        from ..holder.paths import HolderPaths
+        from .holders import kill_serving_holder
+        kill_serving_holder(HolderPaths(self.cfg.holder_dir, self.cfg.job_id, node))   # also one a rank started
+        holder = self.holders.pop(node, None)
+        if holder is not None:
+            holder.kill()
+        if agent is not None:
+            agent.wait()
+        if holder is not None:
+            holder.wait()
+
+    def replace_node(self) -> str:
+        """A fresh node joins: an empty holder and a new agent."""
+        node = f"node{self._next_node}"
+        self._next_node += 1
+        if self.cfg.start_holders:
+            self.start_holders([node])
+        self.start_agent(node)
+        return node
+
+    # ---- the run ---------------------------------------------------------------------------------------
+    def _node_fault(self, attempt: int | None):
+        if attempt is None:
+            return None
+        return next(iter(for_attempt(parse_faults(self.cfg.inject), attempt, {FaultKind.KILL_NODE})), None)
+
+    def _holder_faults(self, attempt: int | None) -> list:
+        return [] if attempt is None else for_attempt(parse_faults(self.cfg.inject), attempt, {FaultKind.KILL_HOLDER})
+
+    def kill_holder(self, fault, attempt: int) -> None:
+        """kill-holder: the node's holder alone dies (SIGKILL); its workers run on and its first rank starts a
+        new one. No incident: the attempt goes on."""
+        from ..holder.paths import HolderPaths
+        from .holders import kill_serving_holder
+        kill_serving_holder(HolderPaths(self.cfg.holder_dir, self.cfg.job_id, fault.target))
+        holder = self.holders.get(fault.target)
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        self.events.emit("holder_killed", node=fault.target, fault=str(fault), attempt=attempt)
+        log.warning("injected holder kill: %s at step %d of attempt %d (its workers run on)", fault.target,
+                    fault.step, attempt)
+
+    def run(self, script: list[str]) -> LaunchResult:
+        """Run the job to the end: every agent done, one gave up, the timeout, an error no restart can fix
+        (shardsafe.fatal: stops at once, ``LaunchResult.fatal``), or SIGTERM/SIGINT/SIGHUP
+        (``LaunchResult.signal``). Agents, workers and holders are stopped in every case."""
+        from .signals import SignalStop
+        c = self.cfg
+        self._script = list(script)
+        t0 = self.t_start = time.time()
+        self.events.emit("job_start", at=t0, nodes=c.nodes, nproc_per_node=c.nproc_per_node, launcher="torchrun",
+                         job_id=c.job_id, cmd=shlex.join(script)[:500])
+        ok, injected, fatal = False, set(), ""
+        with SignalStop() as stop:
+            try:
+                self.controller = Controller(run_dir=c.run_dir, job_id=c.job_id, world_size=c.nodes * c.nproc_per_node,
+                                             max_restarts=c.max_restarts, hang_timeout_s=c.hang_timeout_s,
+                                             grace_s=c.grace_s, events=self.events)
+                if c.start_holders and stop.received is None:
+                    self.start_holders([f"node{i}" for i in range(c.nodes)])
+                for i in range(c.nodes):
+                    if stop.received is None:
+                        self.start_agent(f"node{i}")
+                ctl = self.controller
+                while stop.received is None:
+                    time.sleep(0.05)
+                    ctl.poll()
+                    a = ctl.attempt
+                    records = read_fatal(c.run_dir, a) if a is not None else []
+                    if records:
+                        # A ConfigError / RestoreError ended a worker: every restart would end the same way.
+                        fatal = describe_fatal(records)
+                        log.error("attempt %s failed with %s", a, fatal)
+                        ctl.book.max_restarts = -1   # no "restart" event: there is none
+                        r = records[0]
+                        ctl.report(Evidence(t=float(r.get("t") or time.time()), cause="fatal_error", rank=r.get("rank"),
+                                            node=r.get("node")), a)
+                        break
+                    for hf in self._holder_faults(a):
+                        if (a, str(hf)) not in injected and ctl.tail.max_iter.get(a, 0) >= hf.step \
+                                and ctl.book.is_open(a):
+                            injected.add((a, str(hf)))
+                            self.kill_holder(hf, a)
+                    fault = self._node_fault(a)
+                    if fault is not None and a not in injected and ctl.tail.max_iter.get(a, 0) >= fault.step \
+                            and ctl.book.is_open(a):
+                        injected.add(a)
+                        nodes = fault.target.split("+")
+                        t_fault = time.time()
+                        ctl.report(Evidence(t=t_fault, cause="node_loss", node="+".join(nodes), t_fault=t_fault), a)
+                        for n in nodes:
+                            self.kill_node(n)
+                        log.warning("injected node loss: %s at step %d of attempt %d", "+".join(nodes), fault.step, a)
+                        for _ in nodes:
+                            self.replace_node()
+                    live = {n: p for n, p in self.agents.items() if n not in self.lost}
+                    codes = {n: p.poll() for n, p in live.items()}
+                    bad = {n: rc for n, rc in codes.items() if rc not in (None, 0)}
+                    if bad:
+                        log.error("agent(s) %s gave up (exit codes %s): the job failed", sorted(bad), bad)
+                        break
+                    if codes and all(rc == 0 for rc in codes.values()):
+                        ok = True
+                        break
+                    if c.timeout_s and time.time() - t0 > c.timeout_s:
+                        log.error("timeout after %.0f s: killing the job", c.timeout_s)
+                        break
+            finally:
+                for node, p in self.agents.items():
+                    if p.poll() is None:
+                        _kill_tree(p.pid)
+                        p.wait()
+                ctl = self.controller
+                if ctl is not None:
+                    ctl.poll()
+                    ctl.close()
+                    a = ctl.attempt
+                    if stop.received is not None and a is not None and ctl.book.is_open(a):
+                        ctl.book.attempts[a].ended = True
+                        self.events.emit("attempt_end", attempt=a, rc=None, cause="terminated")
+                self.stop_holders()
+                extra = {"signal": stop.received, "cause": "terminated"} if stop.received is not None else {}
+                self.events.emit("job_end", ok=ok, **extra)
+                if ctl is not None:
+                    ctl.store = None   # stops the store server (rendezvous) with the job
+        book = self.controller.book if self.controller is not None else None
+        return LaunchResult(ok=ok, attempts=book.n_attempts if book else 0, failures=list(book.failures) if book else [],
+                            wall_s=time.time() - t0, nodes=list(self.all_nodes), run_dir=c.run_dir,
+                            signal=stop.received, fatal=fatal)
