@@ -35,6 +35,7 @@ _FIELDS = (
     "persist_every",
     "persist_keep",
     "persist_mbps",
+    "hash_threads",
 )
 
 
@@ -85,10 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "persist_every": f"Write every K-th snapshot to --shardsafe-persist-dir (default {d['persist_every'].default}).",
         "persist_keep": f"Newest versions kept on disk (default {d['persist_keep'].default}).",
         "persist_mbps": "Cap each holder's write bandwidth to the persistent tier in MB/s (default 0 = uncapped).",
+        "hash_threads": "Threads per rank for snapshot checksums and restore verification (default 0 = usable "
+                        "cores / local ranks, at most 8).",
     }
     types: dict[str, Callable[[str], Any]] = {"interval": int, "memory_budget_gb": float, "parity_shards": int,
                                               "parity_group_size": int, "timeout_s": float, "persist_every": int,
-                                              "persist_keep": int, "persist_mbps": float}
+                                              "persist_keep": int, "persist_mbps": float,
+                                              "hash_threads": int}
     for f in _FIELDS:
         extra = {"choices": PARITY_TRANSPORTS} if f == "parity_transport" else {}
         g.add_argument(_flag(f), dest=_dest(f), type=types.get(f, str), default=None, help=helps[f], **extra)

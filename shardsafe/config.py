@@ -99,6 +99,9 @@ class ShardsafeConfig:
     """Keep the newest N flushed versions on disk."""
     persist_mbps: float = 0.0
     """Cap a holder's flush bandwidth in MB/s (0 = uncapped)."""
+    hash_threads: int = 0
+    """Threads per rank that compute the snapshot checksums and verify a restore (xxh3 off the GIL,
+    shardsafe/checksum.py); 0 = the node's usable cores over its local ranks, at most 8."""
 
     def __post_init__(self) -> None:
         _check_type(self)
@@ -117,6 +120,8 @@ class ShardsafeConfig:
         if self.persist_every < 1 or self.persist_keep < 1:
             raise ConfigError(f"shardsafe.persist_every and persist_keep must be >= 1; got {self.persist_every} and "
                               f"{self.persist_keep}.")
+        if self.hash_threads < 0:
+            raise ConfigError(f"shardsafe.hash_threads must be >= 0 (0 = cores per local rank); got {self.hash_threads}.")
         if self.persist_mbps < 0:
             raise ConfigError(f"shardsafe.persist_mbps must be >= 0 MB/s (0 = uncapped); got {self.persist_mbps}.")
         if self.timeout_s <= 0:

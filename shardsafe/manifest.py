@@ -14,6 +14,8 @@ from typing import Any, Iterable, Mapping
 import torch
 import xxhash
 
+from shardsafe import checksum
+
 FORMAT = "shardsafe/1"
 ALIGN = 64
 CHUNK_BYTES = 4 << 20
@@ -63,21 +65,25 @@ def build(*, version: int, rank: int, world_size: int, node: str, entries: list[
 
 
 def verify(manifest: Mapping[str, Any], buf: memoryview) -> list[str]:
-    """Return a description of every segment whose bytes do not match its checksum (empty = good)."""
+    """Return a description of every segment whose bytes do not match its checksum (empty = good). Every
+    segment is hashed (on the process's checksum threads, shardsafe/checksum.py), also after a bad one."""
     if manifest.get("format") != FORMAT:
         return [f"unknown manifest format {manifest.get('format')!r} (expected {FORMAT!r})"]
     bad, cb = [], manifest["chunk_bytes"]
     if manifest["payload_nbytes"] > len(buf):
         return [f"payload of {manifest['payload_nbytes']} bytes does not fit the {len(buf)}-byte segment"]
+    todo: list[tuple[str, int, int, int, str]] = []   # (entry, segment, start, end, expected digest)
     for e in manifest["entries"]:
         sums = e.get("xxh3", [])
         ranges = list(chunk_ranges(e, cb))
         if len(sums) != len(ranges):
             bad.append(f"{e['name']}: {len(sums)} checksums for {len(ranges)} segments")
             continue
-        for i, ((a, b), want) in enumerate(zip(ranges, sums)):
-            if hash_bytes(buf[a:b]) != want:
-                bad.append(f"{e['name']} segment {i} (bytes {a}-{b}) fails its xxh3 checksum")
+        todo.extend((e["name"], i, a, b, want) for i, ((a, b), want) in enumerate(zip(ranges, sums)))
+    got = checksum.shared().hash_ranges(buf, [(a, b) for _, _, a, b, _ in todo])
+    for (name, i, a, b, want), have in zip(todo, got):
+        if have != want:
+            bad.append(f"{name} segment {i} (bytes {a}-{b}) fails its xxh3 checksum")
     return bad
 
 
@@ -85,8 +91,10 @@ def verify_any(manifest: Mapping[str, Any], buf: memoryview) -> list[str]:
     """Verify a data manifest (per-entry segments) or a parity manifest (one xxh3 per parity slot)."""
     if manifest.get("kind") == "parity":
         cs, bad = manifest["chunk_size"], []
+        fits = [j for j in range(len(manifest["xxh3"])) if (j + 1) * cs <= len(buf)]
+        got = dict(zip(fits, checksum.shared().hash_ranges(buf, [(j * cs, (j + 1) * cs) for j in fits])))
         for j, want in enumerate(manifest["xxh3"]):
-            if (j + 1) * cs > len(buf) or hash_bytes(buf[j * cs:(j + 1) * cs]) != want:
+            if got.get(j) != want:
                 bad.append(f"parity slot {j} (bytes {j * cs}-{(j + 1) * cs})")
         return bad
     return verify(manifest, buf)

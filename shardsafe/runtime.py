@@ -14,6 +14,7 @@ import time
 from datetime import timedelta
 from typing import Any, Optional
 
+from . import checksum
 from .config import ENV_HOLDER_BUDGET, ConfigError, ShardsafeConfig
 from .persist import PersistentStore
 from .exchange import ExchangeError, ParityExchange, gather_places, plan_parity
@@ -103,7 +104,8 @@ class Runtime:
             self.client, rank=rank, world_size=world_size, node=cfg.node,
             agreement=GlooAgreement(group) if world_size > 1 else LocalAgreement(),
             on_progress=self.injector.copy_progress, on_event=self.events.emit, reconnect=self._reconnect,
-            parity=self.exchange, flush=self._flush_to_disk if cfg.persist_dir else None)
+            parity=self.exchange, flush=self._flush_to_disk if cfg.persist_dir else None,
+            hasher=checksum.shared(cfg.hash_threads))
         self.pipeline.on_phase = self.injector.phase
         if self.exchange is not None:
             self.exchange.on_phase = self.injector.phase

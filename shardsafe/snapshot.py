@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
+from . import checksum
 from . import manifest as mf
 from .holder.client import HolderClient, HolderUnavailable
 from .holder.protocol import HolderError
@@ -92,8 +93,10 @@ class SnapshotPipeline:
     def __init__(self, client: Optional[HolderClient], *, rank: int, world_size: int, node: str,
                  agreement: Agreement, on_progress: Callable[[int, float], None] | None = None,
                  on_event: Callable[..., None] | None = None, reconnect: Callable[[], HolderClient] | None = None,
-                 parity: Any = None, flush: Callable[[int], None] | None = None):
+                 parity: Any = None, flush: Callable[[int], None] | None = None, hasher: Any = None):
         self.client = client
+        # Checksums are computed on these threads (off the GIL) while the copy goes on: shardsafe/checksum.py.
+        self.hasher = hasher if hasher is not None else checksum.shared()
         self.rank, self.world_size, self.node = rank, world_size, node
         self.agreement = agreement
         self.on_progress = on_progress
@@ -291,37 +294,53 @@ class SnapshotPipeline:
         slot, mm = client.acquire(rank=self.rank, version=job.version, nbytes=want)
         t0 = time.perf_counter()
         dst_all = torch.frombuffer(mm, dtype=torch.uint8, count=job.nbytes) if job.nbytes else torch.empty(0, dtype=torch.uint8)
-        if job.cuda_ready is not None:
-            self._copy_cuda(job, slot, mm, dst_all)
-        else:
-            self._copy_cpu(job, dst_all)
-        job.stats.copy_s = time.perf_counter() - t0
-        job.copied.set()
-        t1 = time.perf_counter()
-        buf = memoryview(mm)
+        buf, pending = memoryview(mm), []
         try:
+            if job.cuda_ready is not None:
+                self._copy_cuda(job, slot, mm, dst_all)
+                pending = [(i, self.hasher.submit(buf, list(mf.chunk_ranges(e)))) for i, e in enumerate(job.entries)]
+            else:
+                self._copy_cpu(job, dst_all, buf, pending)
+            job.stats.copy_s = time.perf_counter() - t0
+            job.copied.set()
+            t1 = time.perf_counter()
             for e in job.entries:
-                e["xxh3"] = [mf.hash_bytes(buf[a:b]) for a, b in mf.chunk_ranges(e)]
+                e["xxh3"] = []
+            for i, fut in pending:   # in copy order: an entry's batches come in sequence
+                job.entries[i]["xxh3"].extend(fut.result())
+            # what hashing added after the last byte landed (it runs beside the copy)
+            job.stats.hash_s = time.perf_counter() - t1
         finally:
+            for _, fut in pending:   # a failed copy: the hash threads must let go of the slot before it is released
+                fut.exception()
             buf.release()
-        job.stats.hash_s = time.perf_counter() - t1
         man = mf.build(version=job.version, rank=self.rank, world_size=self.world_size, node=self.node,
                        entries=job.entries, payload_nbytes=job.nbytes, meta=mf.to_jsonable(job.state.meta),
                        extra={"timeline": self.timeline})
         client.seal(rank=self.rank, version=job.version, manifest=man)
         return man, mm
 
-    def _copy_cpu(self, job: _Job, dst_all: torch.Tensor) -> None:
+    HASH_BATCH = 8   # segments (of CHUNK_BYTES) per hand-over to the hash threads: 32 MiB
+
+    def _copy_cpu(self, job: _Job, dst_all: torch.Tensor, buf: memoryview, pending: list) -> None:
+        """Copy segment by segment; the segments that have landed go to the hash threads in batches of
+        ``HASH_BATCH`` while the copy goes on: ``pending`` gets (entry index, future of the batch's digests)."""
         total, done = max(job.nbytes, 1), 0
-        for e, t in zip(job.entries, job.state.tensors.values()):
+        for i, (e, t) in enumerate(zip(job.entries, job.state.tensors.values())):
             src = t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
-            n = e["nbytes"]
+            n, off, landed = e["nbytes"], e["offset"], []
             for a in range(0, n, mf.CHUNK_BYTES):
                 b = min(a + mf.CHUNK_BYTES, n)
-                dst_all[e["offset"] + a: e["offset"] + b].copy_(src[a:b])
+                dst_all[off + a: off + b].copy_(src[a:b])
+                landed.append((off + a, off + b))
+                if len(landed) == self.HASH_BATCH:
+                    pending.append((i, self.hasher.submit(buf, landed)))
+                    landed = []
                 done += b - a
                 if self.on_progress is not None:
                     self.on_progress(job.version, done / total)
+            if landed:
+                pending.append((i, self.hasher.submit(buf, landed)))
 
     def _copy_cuda(self, job: _Job, slot: int, mm, dst_all: torch.Tensor) -> None:
         # Pinning makes the D2H copy a true async DMA; register each reused slot mapping once.

@@ -52,6 +52,7 @@ def test_persistent_tier_flags_reach_the_config():
                                  "--shardsafe-persist-keep", "3", "--shardsafe-persist-mbps", "200"))
     assert (cfg.persist_dir, cfg.persist_every, cfg.persist_keep, cfg.persist_mbps) == ("/ckpt/ss", 5, 3, 200.0)
     assert config_from_args(parse("--shardsafe")).persist_dir == ShardsafeConfig().persist_dir
+    assert config_from_args(parse("--shardsafe", "--shardsafe-hash-threads", "4")).hash_threads == 4
 
 
 def test_parity_transport_flag_takes_host_or_device():

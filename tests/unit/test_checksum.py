@@ -1,0 +1,96 @@
+"""shardsafe/checksum.py: xxh3 off the GIL gives python-xxhash's digests, for every split and buffer kind."""
+import mmap
+
+import numpy as np
+import pytest
+import xxhash
+
+from shardsafe import checksum
+from shardsafe import manifest as mf
+
+
+def _ref(buf, a, b):
+    return format(xxhash.xxh3_64_intdigest(memoryview(buf)[a:b]), "016x")
+
+
+def test_the_native_path_is_found_in_the_installed_xxhash():
+    # The wheel the venv installs exports XXH3_64bits; without it every checksum would run under the GIL.
+    assert checksum.native_available(), xxhash.VERSION
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_hasher_matches_python_xxhash_over_odd_ranges(threads):
+    rng = np.random.default_rng(7)
+    buf = rng.integers(0, 256, size=(5 << 20) + 13, dtype=np.uint8).tobytes()
+    ranges = [(0, 0), (0, 1), (1, 65), (3, (1 << 20) + 7), ((1 << 20) + 7, 5 << 20), ((5 << 20), (5 << 20) + 13)]
+    ranges += [(a, a + 4099) for a in range(0, 4 << 20, 1 << 18)]
+    h = checksum.Hasher(threads)
+    try:
+        assert h.hash_ranges(buf, ranges) == [_ref(buf, a, b) for a, b in ranges]
+        assert h.submit(memoryview(buf), ranges).result() == [_ref(buf, a, b) for a, b in ranges]
+        assert h.submit(buf, []).result() == []
+    finally:
+        h.close()
+    assert checksum.digest(buf, 5, 9000) == _ref(buf, 5, 9000) == mf.hash_bytes(memoryview(buf)[5:9000])
+
+
+def test_read_only_mapping_and_the_gil_fallback(monkeypatch):
+    data = bytes(range(256)) * 4096
+    m = mmap.mmap(-1, len(data))
+    m.write(data)
+    ro = memoryview(m).toreadonly()
+    want = [_ref(data, a, a + 1000) for a in range(0, len(data) - 1000, 77777)]
+    ranges = [(a, a + 1000) for a in range(0, len(data) - 1000, 77777)]
+    assert checksum.Hasher(2).hash_ranges(ro, ranges) == want
+    monkeypatch.setattr(checksum, "_xxh3", False)   # another xxhash build: one thread, python-xxhash
+    h = checksum.Hasher(4)
+    assert h.threads == 1 and h.hash_ranges(ro, ranges) == want
+    ro.release()
+    m.close()
+
+
+def test_verify_names_every_bad_segment_hashed_in_parallel():
+    import torch
+    t = {"a": torch.arange(3 << 20, dtype=torch.float32), "b": torch.ones(7, dtype=torch.bfloat16)}
+    entries, n = mf.layout(t)
+    buf = bytearray(n)
+    for e, x in zip(entries, t.values()):
+        buf[e["offset"]:e["offset"] + e["nbytes"]] = x.numpy().tobytes() if x.dtype != torch.bfloat16 else \
+            x.view(torch.int16).numpy().tobytes()
+        e["xxh3"] = [mf.hash_bytes(memoryview(buf)[a:b]) for a, b in mf.chunk_ranges(e)]
+    man = mf.build(version=1, rank=0, world_size=1, node="n", entries=entries, payload_nbytes=n, meta={})
+    assert mf.verify(man, memoryview(buf)) == []
+    buf[5] ^= 1
+    buf[entries[0]["offset"] + (8 << 20) + 3] ^= 1   # the last segment of "a"
+    buf[entries[1]["offset"]] ^= 1
+    bad = mf.verify(man, memoryview(buf))
+    assert bad == [f"a segment 0 (bytes 0-{4 << 20}) fails its xxh3 checksum",
+                   f"a segment 2 (bytes {8 << 20}-{12 << 20}) fails its xxh3 checksum",
+                   f"b segment 0 (bytes {entries[1]['offset']}-{entries[1]['offset'] + 14}) fails its xxh3 checksum"]
+
+
+def test_default_threads_divides_the_cores_among_local_ranks(monkeypatch):
+    monkeypatch.setattr(checksum.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert checksum.default_threads(8) == 8 and checksum.default_threads(16) == 4 and checksum.default_threads(1) == 8
+    monkeypatch.setattr(checksum.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert checksum.default_threads(2) == 1 and checksum.default_threads(4) == 1
+
+
+def test_a_forked_child_hashes_with_its_own_threads():
+    """The fork server and the rank harness fork processes whose parent's hash pool is running: the child's
+    pool threads do not exist, so queued work would wait forever unless the child starts its own pool."""
+    import os
+    import signal
+    buf = bytes(range(256)) * 40000
+    ranges = [(a, a + 5000) for a in range(0, len(buf) - 5000, 50000)]
+    want = [_ref(buf, a, b) for a, b in ranges]
+    before = checksum.Hasher(2)
+    assert before.hash_ranges(buf, ranges) == want and checksum.shared(2).hash_ranges(buf, ranges) == want
+    pid = os.fork()
+    if pid == 0:   # the child: exit 0 only if both the inherited hasher and the shared one work
+        signal.alarm(20)
+        ok = before.hash_ranges(buf, ranges) == want and checksum.shared(2).hash_ranges(buf, ranges) == want
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    before.close()
+    assert os.waitstatus_to_exitcode(status) == 0, status
