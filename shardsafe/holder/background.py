@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from .protocol import HolderError, req_int
 
 if TYPE_CHECKING:
-    from .server import Slot
+    from .slots import Slot
 
 log = logging.getLogger("shardsafe.holder")
 

@@ -16,7 +16,6 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .paths import HolderPaths
@@ -24,10 +23,10 @@ from .protocol import (FLUSH_DRAIN_S, BadFrame, HolderError, ProtocolError, clos
                        req_ranks, send_msg)
 from .background import BackgroundWork
 from .segments import Segment, round_size
+from .slots import KINDS, RankEntry, Slot
 
 log = logging.getLogger("shardsafe.holder")
 
-KINDS = ("data", "parity", "manifest")
 MAX_SLOTS = 2
 
 # A client has this long to say hello after connecting, and to send the rest of a frame once it began one;
@@ -37,31 +36,6 @@ DEFAULT_READ_TIMEOUT_S = 30.0
 # Connections served at once (one thread each). A node's trainers hold one or two each, the launcher and
 # `shardsafe status` one briefly; beyond the cap a connection is answered with a `busy` error and closed.
 DEFAULT_MAX_CLIENTS = 128
-
-
-@dataclass
-class Slot:
-    slot_id: int
-    seg: Segment
-    version: int = -1
-    state: str = "free"        # free | writing | sealed | corrupt
-    committed: bool = False
-    manifest: dict | None = None
-    nbytes: int = 0            # bytes the writer asked for (payload size)
-    sealed_at: float = 0.0
-    pins: int = 0              # a flush or scrub is reading it: not handed out for writing
-    doomed: bool = False       # dropped while pinned: closed when the last reader lets go
-    scrubbed_at: float = 0.0
-
-    def info(self) -> dict[str, Any]:
-        return {"slot": self.slot_id, "version": self.version, "state": self.state, "committed": self.committed,
-                "nbytes": self.nbytes, "capacity": self.seg.size, "scrubbed_at": self.scrubbed_at}
-
-
-@dataclass
-class RankEntry:
-    slots: dict[str, list[Slot]] = field(default_factory=lambda: {k: [] for k in KINDS})
-    last_committed: dict[str, int] = field(default_factory=lambda: {k: -1 for k in KINDS})
 
 
 class Holder(BackgroundWork):

@@ -1,0 +1,38 @@
+"""The holder's bookkeeping records: one ``Slot`` per shared-memory segment, the slots of each rank by kind.
+
+Apart from the daemon (server.py) because its background work (background.py: flushes, scrubs) reads and
+pins the same records: both import them from here, neither imports the other for them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .segments import Segment
+
+KINDS = ("data", "parity", "manifest")
+
+
+@dataclass
+class Slot:
+    slot_id: int
+    seg: Segment
+    version: int = -1
+    state: str = "free"        # free | writing | sealed | corrupt
+    committed: bool = False
+    manifest: dict | None = None
+    nbytes: int = 0            # bytes the writer asked for (payload size)
+    sealed_at: float = 0.0
+    pins: int = 0              # a flush or scrub is reading it: not handed out for writing
+    doomed: bool = False       # dropped while pinned: closed when the last reader lets go
+    scrubbed_at: float = 0.0
+
+    def info(self) -> dict[str, Any]:
+        return {"slot": self.slot_id, "version": self.version, "state": self.state, "committed": self.committed,
+                "nbytes": self.nbytes, "capacity": self.seg.size, "scrubbed_at": self.scrubbed_at}
+
+
+@dataclass
+class RankEntry:
+    slots: dict[str, list[Slot]] = field(default_factory=lambda: {k: [] for k in KINDS})
+    last_committed: dict[str, int] = field(default_factory=lambda: {k: -1 for k in KINDS})
