@@ -11,6 +11,7 @@ import socket
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from .errors import ShardsafeError
 from .fatal import install_excepthook
 from .jobid import AmbiguousJobId, derive_job_id
 
@@ -19,7 +20,7 @@ from .jobid import AmbiguousJobId, derive_job_id
 install_excepthook()
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, ShardsafeError):
     """A shardsafe setting is malformed or cannot be honoured."""
 
 

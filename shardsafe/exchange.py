@@ -34,6 +34,7 @@ import xxhash
 
 from . import manifest as mf
 from .config import PARITY_TRANSPORTS
+from .errors import ShardsafeError
 from .holder.client import HolderClient
 from .parity import get_codec
 from .topology import ParityGroup, ParityGroups, RankPlace, build_parity_groups
@@ -42,7 +43,7 @@ log = logging.getLogger("shardsafe.parity")
 _MANIFEST_TAG = 1 << 20
 
 
-class ExchangeError(RuntimeError):
+class ExchangeError(RuntimeError, ShardsafeError):
     """Parity could not be computed or a payload could not be rebuilt; the message says why."""
 
 

@@ -29,12 +29,13 @@ from typing import Any, Mapping
 import torch
 
 from shardsafe import manifest as mf
+from shardsafe.errors import ShardsafeError
 
 log = logging.getLogger("shardsafe.export")
 EXPORT_FORMAT = "shardsafe-export/1"
 
 
-class ExportError(RuntimeError):
+class ExportError(RuntimeError, ShardsafeError):
     """The snapshot cannot be exported; the message says what was expected, what was found and what to do."""
 
 

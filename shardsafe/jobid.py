@@ -39,6 +39,8 @@ import threading
 import time
 from typing import Mapping, Sequence
 
+from .errors import ShardsafeError
+
 ENV_JOB_ID = "SHARDSAFE_JOB_ID"
 ENV_INSTANCE = "SHARDSAFE_INSTANCE"
 """Set by shardsafe's launchers: one value per launcher run, shared by all its trainers and restarts."""
@@ -49,11 +51,11 @@ _LAUNCHER_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "SLURM_STEP_ID", "OMPI_CO
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
-class AmbiguousJobId(ValueError):
+class AmbiguousJobId(ValueError, ShardsafeError):
     """No launcher id and no command line identify this job: refusing to guess one that others may share."""
 
 
-class JobConflict(RuntimeError):
+class JobConflict(RuntimeError, ShardsafeError):
     """Another running job already uses this job id on this node."""
 
 

@@ -15,13 +15,14 @@ import torch
 import xxhash
 
 from shardsafe import checksum
+from shardsafe.errors import ShardsafeError
 
 FORMAT = "shardsafe/1"
 ALIGN = 64
 CHUNK_BYTES = 4 << 20
 
 
-class ManifestError(ValueError):
+class ManifestError(ValueError, ShardsafeError):
     """A manifest is malformed or does not match the live state it should restore."""
 
 

@@ -1,14 +1,18 @@
 """The erasure-coding errors: the codec contract (shardsafe.parity) and its backends (kernels/) raise these.
 
 A module of its own, imported by both, so that the backends need nothing else of the codec module.
+:class:`ParityError` derives from :class:`shardsafe.errors.ShardsafeError` alone (its builtin base was plain
+Exception, which ShardsafeError already is); the subclasses keep their ValueError/RuntimeError.
 """
 from __future__ import annotations
+
+from .errors import ShardsafeError
 
 __all__ = ["ParityError", "InvalidParameter", "InvalidFragment", "InsufficientFragments", "BackendUnavailable",
            "KernelError"]
 
 
-class ParityError(Exception):
+class ParityError(ShardsafeError):
     """Base of every erasure-coding error (the codec and its backends)."""
 
 

@@ -20,11 +20,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from .errors import ShardsafeError
+
 log = logging.getLogger("shardsafe.persist")
 CHUNK = 8 << 20
 
 
-class PersistError(OSError):
+class PersistError(OSError, ShardsafeError):
     """A flush or a read of the persistent tier failed; the message names the path and what to do."""
 
 

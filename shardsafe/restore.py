@@ -19,6 +19,7 @@ import torch
 import xxhash
 
 from . import manifest as mf
+from .errors import ShardsafeError
 from .holder.client import HolderClient, HolderUnavailable
 from .holder.protocol import HolderError
 from .state import StateAdapter
@@ -43,7 +44,7 @@ class RestoreResult:
     repaired_ranks: list = None  # type: ignore[assignment]  # ranks whose copy failed its checksums, rebuilt from parity
 
 
-class RestoreError(RuntimeError):
+class RestoreError(RuntimeError, ShardsafeError):
     """Snapshots exist but no version can be restored from memory; the message says what is lost and what to do."""
 
 

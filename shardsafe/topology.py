@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, NamedTuple, Sequence
 
+from .errors import ShardsafeError
+
 ALIGN = 64
 """Chunk alignment in bytes: a cache line and ISA-L's widest vector, so chunks of a shared-memory
 payload start on aligned addresses."""
@@ -62,7 +64,7 @@ def chunk_stride(nbytes: int) -> int:
     return STAGGER * (q | 1) + ALIGN
 
 
-class TopologyError(ValueError):
+class TopologyError(ValueError, ShardsafeError):
     """The requested placement is impossible or the rank coordinates are inconsistent."""
 
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Mapping, MutableMapping, Optional
 
 import torch
 
+from shardsafe.errors import ShardsafeError
 from shardsafe.state import RankState, apply_rng, capture_rng, cast_like_owner
 
 from .state_checks import (FORMAT, _kind, _names_with_prefix, _SnapshotChecks, check_supported, leaf_optimizers,
@@ -41,7 +42,7 @@ _FP8_META_KEYS = ("scaling_fwd", "scaling_bwd")
 _FP8_ATTRS = ("scale", "scale_inv", "amax_history")
 
 
-class SnapshotMismatch(ValueError):
+class SnapshotMismatch(ValueError, ShardsafeError):
     """A snapshot does not fit the live model/optimizer (other layout, model or optimizer config)."""
 
 

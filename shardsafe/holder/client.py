@@ -12,13 +12,14 @@ import threading
 import time
 from typing import Any
 
+from ..errors import ShardsafeError
 from .paths import HolderPaths
 from .protocol import DEFAULT_IDLE_EXIT_S, FLUSH_DRAIN_S, HolderError, ProtocolError, close_fds, recv_msg, send_msg
 
 log = logging.getLogger("shardsafe.holder")
 
 
-class HolderUnavailable(RuntimeError):
+class HolderUnavailable(RuntimeError, ShardsafeError):
     """No holder answers for this job and node."""
 
 

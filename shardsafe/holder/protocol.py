@@ -20,6 +20,8 @@ import struct
 import time
 from typing import Any
 
+from ..errors import ShardsafeError
+
 # How long a holder may take, after a shutdown request, to write the flushes still queued (it bounds
 # that itself with the same number). The newest committed version is usually among them: killing the
 # holder earlier loses exactly the version a user would export or restart from.
@@ -35,7 +37,7 @@ MAX_BODY = 64 << 20   # manifests of huge models stay far below this
 MAX_FDS = 16
 
 
-class ProtocolError(RuntimeError):
+class ProtocolError(RuntimeError, ShardsafeError):
     """The peer closed the connection or sent something that is not a shardsafe frame."""
 
 
@@ -43,7 +45,7 @@ class BadFrame(ProtocolError):
     """The peer sent a frame that is not a shardsafe message (the connection cannot be trusted after it)."""
 
 
-class HolderError(RuntimeError):
+class HolderError(RuntimeError, ShardsafeError):
     """The holder refused a request; ``code`` says why (``budget``, ``state``, ``not_found``, ...)."""
 
     def __init__(self, code: str, message: str):

@@ -25,6 +25,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Callable, Mapping, MutableMapping
 
+from ..errors import ShardsafeError
+
 DEFAULT_PORT = 29500
 
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
@@ -33,7 +35,7 @@ _MPI_LOCAL_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WO
 _MPI_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE")
 
 
-class DiscoveryError(RuntimeError):
+class DiscoveryError(RuntimeError, ShardsafeError):
     """The environment describes an inconsistent job; the message names the variables."""
 
 

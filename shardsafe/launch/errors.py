@@ -6,8 +6,10 @@ starts. The other exit codes are documented with :data:`EXIT_FATAL`.
 """
 from __future__ import annotations
 
+from ..errors import ShardsafeError
 
-class LaunchError(RuntimeError):
+
+class LaunchError(RuntimeError, ShardsafeError):
     """The launch cannot start or was configured wrongly; the message says what to change."""
 
 

@@ -49,13 +49,15 @@ import sys
 import time
 from typing import Mapping, Optional, Sequence
 
+from ..errors import ShardsafeError
+
 log = logging.getLogger("shardsafe.prewarm")   # the name it logged under before the move into shardsafe.launch
 
 READY_TIMEOUT_S = 600.0
 """How long the launcher waits for the server's imports (a cold shared file system can be slow)."""
 
 
-class PrewarmError(RuntimeError):
+class PrewarmError(RuntimeError, ShardsafeError):
     """The fork server could not start or serve a request; the launcher starts trainers cold instead."""
 
 
