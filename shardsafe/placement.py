@@ -168,13 +168,49 @@ def migrate(client, *, rank: int, world_size: int, node: str, rank_nodes: Option
         What moved. Never raises for a holder problem: a rank that cannot serve or store votes no,
         and then nothing is dropped anywhere (the restore that follows decides what is restorable).
     """
-    import torch
-    import torch.distributed as dist
-    from .holder.client import HolderUnavailable
-    from .holder.protocol import HolderError
-
     t0 = time.perf_counter()
     res = MigrationResult()
+    gathered, inventories = _gather_inventories(client, rank=rank, world_size=world_size, node=node, group=group)
+    if rank_nodes is None:
+        rank_nodes = gathered
+    plan = plan_migration(rank_nodes, inventories)
+    if not plan.moves and not plan.drop_after:
+        res.seconds = time.perf_counter() - t0
+        return res
+    xfer = _Transfer(client, plan, rank=rank, node=node, group=group, res=res)
+    try:
+        xfer.post_sends()   # 1. every sender posts all its sends first (non-blocking): no receiver waits on a
+        xfer.receive()      #    rank itself blocked receiving; 2. receivers take theirs in version order
+        for q in xfer.reqs:
+            q.wait()
+    finally:
+        xfer.close()
+    if xfer.why:
+        log.error("[rank %d] placement: %s", rank, xfer.why)
+    res.ok = _all_true(xfer.ok, group)
+    res.moves = plan.moves
+    if res.ok and client is not None and rank_nodes.index(node) == rank:   # the node's lowest rank drops
+        _drop_stale(client, plan.drop_after.get(node, []), rank=rank, res=res)
+    res.deferred = len(xfer.deferred)
+    if res.ok and _all_true(not xfer.deferred, group) is False:   # someone waits for room: the drops are done now
+        xfer.store_deferred()
+    res.seconds = time.perf_counter() - t0
+    where = sorted({(m.rank, m.src, m.dst) for m in plan.moves})
+    res.message = (f"placement: {len(plan.moves)} slot(s) of ranks {plan.moved_ranks} moved to the nodes they run on "
+                   f"now ({', '.join(f'rank {r}: {s} -> {d}' for r, s, d in where)})"
+                   if plan.moves else "placement: no slot to move")
+    if not res.ok:
+        res.message += "; FAILED on some rank, nothing dropped (see the errors above)"
+    if rank == 0:
+        log.info("[rank 0] %s in %.3f s", res.message, res.seconds)
+    return res
+
+
+def _gather_inventories(client, *, rank: int, world_size: int, node: str, group) -> tuple[list[str], dict[str, dict]]:
+    """(every rank's node, node -> what its holder has) from one JSON all-gather; the ranks of one node share
+    its holder, and its lowest rank speaks for it."""
+    from .holder.client import HolderUnavailable
+    from .holder.protocol import HolderError
     listing: dict = {}
     if client is not None:
         try:
@@ -184,59 +220,84 @@ def migrate(client, *, rank: int, world_size: int, node: str, rank_nodes: Option
     mine = {"node": node, "slots": [[r, k, v, i["nbytes"], i["capacity"], i["committed"]]
                                     for (r, k), vs in inventory_of(listing).items() for v, i in vs.items()]}
     everyone = _all_gather_json(mine, world_size, group)
-    if rank_nodes is None:
-        rank_nodes = [e["node"] for e in everyone]
     inventories: dict[str, dict] = {}
-    for r, e in enumerate(everyone):
-        if e["node"] in inventories:   # ranks of one node share its holder: its lowest rank speaks
+    for e in everyone:
+        if e["node"] in inventories:
             continue
         inv: dict[tuple[int, str], dict[int, dict]] = {}
         for sr, k, v, nb, cap, com in e["slots"]:
             inv.setdefault((int(sr), k), {})[int(v)] = {"nbytes": nb, "capacity": cap, "committed": com}
         inventories[e["node"]] = inv
-    plan = plan_migration(rank_nodes, inventories)
-    if not plan.moves and not plan.drop_after:
-        res.seconds = time.perf_counter() - t0
-        return res
+    return [e["node"] for e in everyone], inventories
 
-    ok, why = True, ""
-    deferred: list[tuple[Move, dict, Any]] = []
-    mine_in = [m for m in plan.moves if m.rank == rank]
-    mine_out = [m for m in plan.moves if m.sender == rank]
-    handles, reqs = [], []
-    try:
-        # 1. every sender posts all its sends first (non-blocking), so receivers never wait on a
-        #    rank that is itself blocked receiving.
-        for i, m in enumerate(plan.moves):
+
+def _drop_stale(client, stale: list[int], *, rank: int, res: MigrationResult) -> None:
+    from .holder.client import HolderUnavailable
+    from .holder.protocol import HolderError
+    for kind in KINDS:
+        if stale:
+            try:
+                res.dropped += client.drop(ranks=stale, kind=kind)
+            except (HolderError, HolderUnavailable) as e:
+                log.warning("[rank %d] placement: cannot drop stale slots of ranks %s: %s", rank, stale, e)
+
+
+class _Transfer:
+    """One rank's part of a migration plan: the slots it sends and receives over ``group``. ``ok``/``why`` is
+    this rank's vote and its last reason; a problem never raises (the frames the peer expects are still sent
+    or drained), it votes no."""
+
+    def __init__(self, client, plan: "MigrationPlan", *, rank: int, node: str, group, res: MigrationResult):
+        self.client, self.plan, self.rank, self.node, self.group, self.res = client, plan, rank, node, group, res
+        self.ok, self.why = True, ""
+        self.handles: list = []
+        self.reqs: list = []
+        self.deferred: list[tuple[Move, dict, Any]] = []
+
+    def _fail(self, why: str) -> None:
+        self.ok, self.why = False, why
+
+    def post_sends(self) -> None:
+        import torch
+        import torch.distributed as dist
+        rank, group = self.rank, self.group
+        for i, m in enumerate(self.plan.moves):
             if m.sender != rank:
                 continue
             try:
-                man, mm = client.open(rank=m.rank, version=m.version, kind=m.kind)
-                handles.append(mm)
+                man, mm = self.client.open(rank=m.rank, version=m.version, kind=m.kind)
+                self.handles.append(mm)
                 blob = json.dumps(man).encode()
             except Exception as e:   # noqa: BLE001 - the receiver still expects the frames
-                ok, why = False, f"rank {rank}: cannot read rank {m.rank}'s {m.kind} v{m.version} on {node}: {e}"
+                self._fail(f"rank {rank}: cannot read rank {m.rank}'s {m.kind} v{m.version} on {self.node}: {e}")
                 man, mm, blob = None, None, b""
             head = torch.tensor([len(blob), len(mm) if mm is not None else 0], dtype=torch.int64)
-            reqs.append(dist.isend(head, dst=m.rank, group=group, tag=_TAG + 3 * i))
+            self.reqs.append(dist.isend(head, dst=m.rank, group=group, tag=_TAG + 3 * i))
             if blob:
-                reqs.append(dist.isend(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=m.rank,
-                                       group=group, tag=_TAG + 3 * i + 1))
+                self.reqs.append(dist.isend(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=m.rank,
+                                            group=group, tag=_TAG + 3 * i + 1))
             if mm is not None and len(mm):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")   # a read-only mapping: only ever sent
                     payload = torch.frombuffer(mm, dtype=torch.uint8)
-                reqs.append(dist.isend(payload, dst=m.rank, group=group, tag=_TAG + 3 * i + 2))
-        # 2. receivers: clear stale versions, then receive in version order; seal + commit each, so
-        #    the next acquire gets a fresh slot instead of reusing the one just written.
-        if mine_in and client is not None:
-            for r, kind in plan.clear_first:
+                self.reqs.append(dist.isend(payload, dst=m.rank, group=group, tag=_TAG + 3 * i + 2))
+
+    def receive(self) -> None:
+        """Clear stale versions, then receive in version order; seal + commit each, so the next acquire gets
+        a fresh slot instead of reusing the one just written."""
+        import torch
+        import torch.distributed as dist
+        from .holder.client import HolderUnavailable
+        from .holder.protocol import HolderError
+        rank, group, client = self.rank, self.group, self.client
+        if any(m.rank == rank for m in self.plan.moves) and client is not None:
+            for r, kind in self.plan.clear_first:
                 if r == rank:
                     try:
                         client.drop(rank=rank, kind=kind)
                     except (HolderError, HolderUnavailable) as e:
-                        ok, why = False, f"rank {rank}: cannot clear stale {kind} slots: {e}"
-        for i, m in enumerate(plan.moves):
+                        self._fail(f"rank {rank}: cannot clear stale {kind} slots: {e}")
+        for i, m in enumerate(self.plan.moves):
             if m.rank != rank:
                 continue
             head = torch.zeros(2, dtype=torch.int64)
@@ -248,80 +309,67 @@ def migrate(client, *, rank: int, world_size: int, node: str, rank_nodes: Option
                 dist.recv(b, src=m.sender, group=group, tag=_TAG + 3 * i + 1)
                 man = json.loads(bytes(b.numpy()))
             if not n_pay:
-                ok, why = False, why or f"rank {rank}: rank {m.sender} could not send {m.kind} v{m.version}"
+                self._fail(self.why or f"rank {rank}: rank {m.sender} could not send {m.kind} v{m.version}")
                 continue
-            dst, defer = None, False
-            if client is not None and man is not None:
-                try:
-                    _, wmm = client.acquire(rank=rank, version=m.version, nbytes=m.nbytes, kind=m.kind)
-                    if len(wmm) >= n_pay:
-                        dst = torch.frombuffer(wmm, dtype=torch.uint8, count=n_pay)
-                    else:
-                        ok, why = False, f"rank {rank}: slot of {len(wmm)} bytes < {n_pay} bytes to receive"
-                except HolderError as e:
-                    if e.code == "budget":   # room comes when the stale copies are dropped: keep it in RAM till then
-                        defer = True
-                    else:
-                        ok, why = False, f"rank {rank}: cannot store {m.kind} v{m.version} on {node}: {e}"
-                except (HolderUnavailable, OSError) as e:
-                    ok, why = False, f"rank {rank}: cannot store {m.kind} v{m.version} on {node}: {e}"
+            dst, defer = self._slot_for(m, man, n_pay)
             if dst is None:   # receive into process memory (deferred write), or just drain the frame
                 buf = torch.empty(n_pay, dtype=torch.uint8)
                 dist.recv(buf, src=m.sender, group=group, tag=_TAG + 3 * i + 2)
                 if defer:
-                    deferred.append((m, man, buf))
+                    self.deferred.append((m, man, buf))
                 continue
             dist.recv(dst, src=m.sender, group=group, tag=_TAG + 3 * i + 2)
             del dst
             try:
                 client.seal(rank=rank, version=m.version, manifest=man, kind=m.kind)
                 client.commit(ranks=[rank], version=m.version, kind=m.kind)
-                res.nbytes += n_pay
+                self.res.nbytes += n_pay
             except (HolderError, HolderUnavailable) as e:
-                ok, why = False, f"rank {rank}: cannot seal {m.kind} v{m.version}: {e}"
-        for q in reqs:
-            q.wait()
-    finally:
-        for mm in handles:
+                self._fail(f"rank {rank}: cannot seal {m.kind} v{m.version}: {e}")
+
+    def _slot_for(self, m: Move, man: Optional[dict], n_pay: int) -> tuple[Any, bool]:
+        """(a tensor over the holder slot to receive into, or None; whether to keep the bytes in RAM until the
+        stale copies are dropped, when the budget has no room yet)."""
+        import torch
+        from .holder.client import HolderUnavailable
+        from .holder.protocol import HolderError
+        if self.client is None or man is None:
+            return None, False
+        try:
+            _, wmm = self.client.acquire(rank=self.rank, version=m.version, nbytes=m.nbytes, kind=m.kind)
+            if len(wmm) >= n_pay:
+                return torch.frombuffer(wmm, dtype=torch.uint8, count=n_pay), False
+            self._fail(f"rank {self.rank}: slot of {len(wmm)} bytes < {n_pay} bytes to receive")
+        except HolderError as e:
+            if e.code == "budget":   # room comes when the stale copies are dropped: keep it in RAM till then
+                return None, True
+            self._fail(f"rank {self.rank}: cannot store {m.kind} v{m.version} on {self.node}: {e}")
+        except (HolderUnavailable, OSError) as e:
+            self._fail(f"rank {self.rank}: cannot store {m.kind} v{m.version} on {self.node}: {e}")
+        return None, False
+
+    def store_deferred(self) -> None:
+        import torch
+        from .holder.client import HolderUnavailable
+        from .holder.protocol import HolderError
+        for m, man, buf in self.deferred:
+            try:
+                _, wmm = self.client.acquire(rank=self.rank, version=m.version, nbytes=m.nbytes, kind=m.kind)
+                torch.frombuffer(wmm, dtype=torch.uint8, count=buf.numel()).copy_(buf)
+                self.client.seal(rank=self.rank, version=m.version, manifest=man, kind=m.kind)
+                self.client.commit(ranks=[self.rank], version=m.version, kind=m.kind)
+                self.res.nbytes += buf.numel()
+            except (HolderError, HolderUnavailable, OSError, ValueError) as e:
+                log.error("[rank %d] placement: %s v%d of rank %d could not be stored even after dropping stale "
+                          "copies (%s): raise memory_budget_gb; restore falls back to parity", self.rank, m.kind,
+                          m.version, self.rank, e)
+
+    def close(self) -> None:
+        for mm in self.handles:
             try:
                 mm.close()
             except BufferError:
                 pass
-    if why:
-        log.error("[rank %d] placement: %s", rank, why)
-    res.ok = _all_true(ok, group)
-    res.moves = plan.moves
-    if res.ok and client is not None and rank_nodes.index(node) == rank:   # the node's lowest rank drops
-        stale = plan.drop_after.get(node, [])
-        for kind in KINDS:
-            if stale:
-                try:
-                    res.dropped += client.drop(ranks=stale, kind=kind)
-                except (HolderError, HolderUnavailable) as e:
-                    log.warning("[rank %d] placement: cannot drop stale slots of ranks %s: %s", rank, stale, e)
-    res.deferred = len(deferred)
-    if res.ok and _all_true(not deferred, group) is False:   # someone waits for room: the drops are done now
-        for m, man, buf in deferred:
-            try:
-                _, wmm = client.acquire(rank=rank, version=m.version, nbytes=m.nbytes, kind=m.kind)
-                torch.frombuffer(wmm, dtype=torch.uint8, count=buf.numel()).copy_(buf)
-                client.seal(rank=rank, version=m.version, manifest=man, kind=m.kind)
-                client.commit(ranks=[rank], version=m.version, kind=m.kind)
-                res.nbytes += buf.numel()
-            except (HolderError, HolderUnavailable, OSError, ValueError) as e:
-                log.error("[rank %d] placement: %s v%d of rank %d could not be stored even after dropping stale "
-                          "copies (%s): raise memory_budget_gb; restore falls back to parity", rank, m.kind,
-                          m.version, rank, e)
-    res.seconds = time.perf_counter() - t0
-    where = sorted({(m.rank, m.src, m.dst) for m in plan.moves})
-    res.message = (f"placement: {len(plan.moves)} slot(s) of ranks {plan.moved_ranks} moved to the nodes they run on "
-                   f"now ({', '.join(f'rank {r}: {s} -> {d}' for r, s, d in where)})"
-                   if plan.moves else "placement: no slot to move")
-    if not res.ok:
-        res.message += "; FAILED on some rank, nothing dropped (see the errors above)"
-    if rank == 0:
-        log.info("[rank 0] %s in %.3f s", res.message, res.seconds)
-    return res
 
 
 def summarize(moves: Iterable[Move]) -> dict[str, Any]:
