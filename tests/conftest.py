@@ -1,10 +1,11 @@
 """Shared test set-up: one thread per process, CPU DeepSpeed, a private holder directory per session,
-and no holder left running afterwards."""
+and no holder left running afterwards; ``holder_factory``: real holder processes for one test."""
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -31,3 +32,128 @@ def _no_leftover_holders():
             os.kill(int(pid), signal.SIGKILL)
         except (ProcessLookupError, ValueError):
             pass
+
+
+# ---- real holder processes for one test ----------------------------------------------------------------------
+
+HOLDER_STOP_TIMEOUT_S = 15.0
+
+
+class RunningHolder:
+    """One holder process started by ``holder_factory``: its paths and process."""
+
+    def __init__(self, paths, proc, err_path=None):
+        self.paths, self.proc, self.err_path = paths, proc, err_path
+
+    def stderr(self) -> str:
+        """What the holder wrote to stderr so far; '' unless it was started with ``stderr_file=True``."""
+        return self.err_path.read_text(errors="replace") if self.err_path is not None else ""
+
+    def __repr__(self):
+        return f"holder {self.paths.job_id}/{self.paths.node} (pid {self.proc.pid})"
+
+
+class Holders(list):
+    """The holders one ``holder_factory`` call started, in node order, and the directory they live in."""
+
+    def __init__(self, root: str):
+        super().__init__()
+        self.root = root
+
+
+def _holder_pids(root: str) -> list[int]:
+    """Processes whose command line runs a holder in ``root`` (``--holder-dir root``)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"holder" in argv and any(a == b"--holder-dir" and b == root.encode() for a, b in zip(argv, argv[1:])):
+            pids.append(int(d))
+    return pids
+
+
+def _stop_holders(started: list, timeout_s: float) -> None:
+    """SIGTERM every holder still running, SIGKILL any that has not exited after ``timeout_s``; then check
+    that each stopped cleanly (status 0, socket removed) and that no holder process of their roots is left."""
+    problems = []
+    ours = [h for h in started if h.proc.poll() is None]   # the others the test stopped (or killed) itself
+    for h in ours:
+        h.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for h in ours:
+        try:
+            rc = h.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            h.proc.kill()
+            h.proc.wait()
+            problems.append(f"{h} did not exit within {timeout_s:.0f} s of SIGTERM: killed\n{h.stderr()[-2000:]}")
+            continue
+        if rc == -signal.SIGKILL:
+            continue   # the test killed it, just before its end (not yet reaped when polled above)
+        if rc != 0:
+            problems.append(f"{h} exited with status {rc} on SIGTERM\n{h.stderr()[-2000:]}")
+        elif os.path.exists(h.paths.socket):
+            problems.append(f"{h} exited but left its socket {h.paths.socket}")
+    for h in started:
+        h.proc.wait()
+        if h.proc.stdout is not None:
+            h.proc.stdout.close()
+    for root in sorted({h.paths.root for h in started}):
+        for pid in _holder_pids(root):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            problems.append(f"a holder process (pid {pid}) of {root} still ran after the test: killed")
+    assert not problems, "holder teardown:\n" + "\n".join(problems)
+
+
+@pytest.fixture
+def holder_factory(tmp_path, tmp_path_factory):
+    """Start real holder processes for a test; all are stopped at its end.
+
+    ``start(nodes=1, *, job="pjob", budget_gb=0.1, root=None, stderr_file=False, **opts)``
+    starts one holder per node, one after the other, each waited for until it serves (its "holder ready"
+    line), and returns them as a :class:`Holders` list (``.root``: their directory, ``tmp_path`` unless
+    ``root`` is given). ``nodes`` is a count (nodes n0, n1, ...) or a list of node names; ``budget_gb`` one
+    budget for all or one per node; ``opts`` go to ``holder_command`` (idle_exit_s, read_timeout_s,
+    max_clients, run_dir, scrub_interval_s). With ``stderr_file`` the holder's stderr goes to a file,
+    read back by :meth:`RunningHolder.stderr`; otherwise it is inherited.
+
+    At teardown each holder still running gets SIGTERM, then SIGKILL after HOLDER_STOP_TIMEOUT_S; the test
+    fails if one had to be killed, exited with a status other than 0, left its socket, or if any holder
+    process of their directories is still running (those are killed)."""
+    from shardsafe.holder.client import holder_command
+    from shardsafe.holder.paths import HolderPaths
+
+    started = []
+
+    def start(nodes=1, *, job="pjob", budget_gb=0.1, root=None, stderr_file=False, **opts) -> Holders:
+        names = [f"n{i}" for i in range(nodes)] if isinstance(nodes, int) else list(nodes)
+        budgets = list(budget_gb) if isinstance(budget_gb, (list, tuple)) else [budget_gb] * len(names)
+        assert names and len(budgets) == len(names), (names, budgets)
+        group = Holders(str(root if root is not None else tmp_path))
+        for node, gb in zip(names, budgets):
+            paths = HolderPaths(group.root, job, node)
+            err_path = tmp_path_factory.mktemp("holder-stderr") / f"{job}.{node}.err" if stderr_file else None
+            err = open(err_path, "wb") if err_path is not None else None
+            try:
+                proc = subprocess.Popen(holder_command(paths, budget_gb=gb, **opts), stdout=subprocess.PIPE,
+                                        stderr=err)
+            finally:
+                if err is not None:
+                    err.close()
+            h = RunningHolder(paths, proc, err_path)
+            started.append(h)
+            group.append(h)
+            line = proc.stdout.readline()
+            assert line.startswith(b"holder ready"), (h, line, h.stderr())
+        return group
+
+    yield start
+    _stop_holders(started, HOLDER_STOP_TIMEOUT_S)

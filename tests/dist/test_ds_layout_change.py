@@ -6,11 +6,9 @@ engine (refused, naming zero_optimization.stage), to an engine whose optimizer p
 instead of torch AdamW: refused, naming the optimizer), and to a ZeRO-2 fp32 engine (the fp32 masters and
 moments fit: restored, with a warning that the precision changed).
 """
-import subprocess
-
 import pytest
 
-from shardsafe.holder.client import HolderClient, holder_command
+from shardsafe.holder.client import HolderClient
 from shardsafe.holder.paths import HolderPaths
 
 from ._fork_ranks import run_ranks
@@ -74,13 +72,9 @@ def _changes(rank, world, root):
 
 
 @pytest.fixture
-def holder(tmp_path):
-    p = HolderPaths(str(tmp_path), "ljob", "n0")
-    proc = subprocess.Popen(holder_command(p, budget_gb=0.2), stdout=subprocess.PIPE)
-    assert proc.stdout.readline().startswith(b"holder ready")
-    yield str(tmp_path)
-    proc.kill()
-    proc.wait()
+def holder(holder_factory):
+    """The root of one holder, job ljob, node n0."""
+    return holder_factory(1, job="ljob", budget_gb=0.2).root
 
 
 def test_setup_changes_are_refused_or_warned_naming_the_setting(holder):

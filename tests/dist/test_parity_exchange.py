@@ -1,11 +1,9 @@
 """Parity exchange and rebuild on real holders, 3 ranks on 3 'nodes', gloo: node loss, corruption, m+1."""
-import subprocess
-
 import pytest
 import torch
 
 from shardsafe.exchange import ParityExchange, gather_places, plan_parity
-from shardsafe.holder.client import HolderClient, holder_command
+from shardsafe.holder.client import HolderClient
 from shardsafe.holder.paths import HolderPaths
 from shardsafe.restore import Collectives, RestoreError, restore_from_holder
 from shardsafe.snapshot import GlooAgreement, SnapshotPipeline
@@ -41,21 +39,9 @@ class Shard:
 
 
 @pytest.fixture
-def holders(tmp_path):
-    yield from _holders(tmp_path, WORLD)
-
-
-def _holders(tmp_path, n, budgets_gb=None):
-    procs = []
-    for r in range(n):
-        p = HolderPaths(str(tmp_path), "pjob", f"n{r}")
-        proc = subprocess.Popen(holder_command(p, budget_gb=(budgets_gb or [0.1] * n)[r]), stdout=subprocess.PIPE)
-        assert proc.stdout.readline().startswith(b"holder ready")
-        procs.append(proc)
-    yield str(tmp_path)
-    for proc in procs:
-        proc.kill()
-        proc.wait()
+def holders(holder_factory):
+    """The root of WORLD holders of job pjob, nodes n0.. (tests/conftest.py's holder_factory)."""
+    return holder_factory(WORLD, job="pjob", budget_gb=0.1).root
 
 
 def _flip(client, rank, version, kind, offset):
@@ -231,11 +217,11 @@ def _device_double(rank, world, root, m, device="cpu"):
 
 
 @pytest.mark.parametrize("world, m", [(3, 1), (4, 2)])
-def test_device_transport_double_makes_the_host_transports_parity(tmp_path, world, m):
+def test_device_transport_double_makes_the_host_transports_parity(holder_factory, world, m):
     """With 4 members and m=2 a member sends two pieces of each block to the same peer, so the pairing of
     sends and receives by order (how NCCL matches them; gloo with one tag too) is exercised."""
-    for root in _holders(tmp_path, world):
-        out = run_ranks(world, _device_double, root, m, timeout_s=120, pg_timeout_s=10)
+    root = holder_factory(world, job="pjob", budget_gb=0.1).root
+    out = run_ranks(world, _device_double, root, m, timeout_s=120, pg_timeout_s=10)
     assert all(o["same_parity"] for o in out), out   # byte for byte, checksums and codewords too
     assert all(o["blocks"] > 2 for o in out), out
     assert [o["version"] for o in out] == [2] * world and all(o["equal"] for o in out), out
@@ -256,12 +242,12 @@ def _parity_slot_refused(rank, world, root):
             "committed_slots": [(k, s["version"]) for k in ("data", "parity") for s in held.get(k, []) if s["committed"]]}
 
 
-def test_a_version_without_its_parity_is_not_committed_anywhere(tmp_path):
+def test_a_version_without_its_parity_is_not_committed_anywhere(holder_factory):
     """Node n2's holder has room for its data (a 2 MiB slot) but not for its parity share as well: the group
     votes no together, and the version is committed on no rank (data and parity slots alike), with the
     reason on every rank; the data stays sealed for a restore that needs no parity."""
-    for root in _holders(tmp_path, WORLD, budgets_gb=[0.1, 0.1, 2.5 / 1024]):
-        out = run_ranks(WORLD, _parity_slot_refused, root, timeout_s=120, pg_timeout_s=10)
+    root = holder_factory(WORLD, job="pjob", budget_gb=[0.1, 0.1, 2.5 / 1024]).root
+    out = run_ranks(WORLD, _parity_slot_refused, root, timeout_s=120, pg_timeout_s=10)
     assert [o["committed"] for o in out] == [False] * WORLD, out
     assert all(o["committed_slots"] == [] for o in out), out
     assert "parity slot" in out[2]["error"] and "budget" in out[2]["error"], out[2]

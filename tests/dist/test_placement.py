@@ -1,11 +1,9 @@
 """Rank placement across restarts, on real holders: ranks that run on another node than their
 snapshots after a restart get them moved there (and parity rebuilds what a lost node took)."""
-import subprocess
-
 import pytest
 
 from shardsafe.exchange import ParityExchange, gather_places, plan_parity
-from shardsafe.holder.client import HolderClient, holder_command
+from shardsafe.holder.client import HolderClient
 from shardsafe.holder.paths import HolderPaths
 from shardsafe.placement import migrate
 from shardsafe.restore import Collectives, restore_from_holder
@@ -18,18 +16,9 @@ WORLD = 3
 
 
 @pytest.fixture
-def holders(tmp_path, request):
-    budget_gb = getattr(request, "param", 0.1)
-    procs = []
-    for n in range(WORLD + 1):   # n3: a replacement node, empty
-        p = HolderPaths(str(tmp_path), "mjob", f"n{n}")
-        proc = subprocess.Popen(holder_command(p, budget_gb=budget_gb), stdout=subprocess.PIPE)
-        assert proc.stdout.readline().startswith(b"holder ready")
-        procs.append(proc)
-    yield str(tmp_path)
-    for proc in procs:
-        proc.kill()
-        proc.wait()
+def holders(holder_factory, request):
+    """The root of WORLD + 1 holders of job mjob (n3: a replacement node, empty); budget: the param, 0.1 GB."""
+    return holder_factory(WORLD + 1, job="mjob", budget_gb=getattr(request, "param", 0.1)).root
 
 
 def _ranks_of(client):

@@ -43,19 +43,18 @@ with open(out, "w") as f:
 
 
 @pytest.mark.parametrize("world, m", [(2, 1), (3, 1), (4, 2)])
-def test_device_transport_on_gpus_makes_the_host_transports_parity(tmp_path, world, m):
+def test_device_transport_on_gpus_makes_the_host_transports_parity(holder_factory, tmp_path, world, m):
     if world > GPUS:
         pytest.skip(f"needs {world} GPUs, {GPUS} visible")
-    from tests.dist.test_parity_exchange import _holders
     store = tempfile.mktemp(prefix="shardsafe-store-", dir=str(tmp_path))
-    for root in _holders(tmp_path, world):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-        procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(world), root, str(m), store,
-                                   str(tmp_path / f"rank{r}.json")], cwd=ROOT, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for r in range(world)]
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-        assert all(p.returncode == 0 for p in procs), "\n".join(f"rank {r}:\n{t[-3000:]}" for r, t in enumerate(logs))
+    root = holder_factory(world, job="pjob", budget_gb=0.1).root   # test_parity_exchange's holders, `world` of them
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(world), root, str(m), store,
+                               str(tmp_path / f"rank{r}.json")], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(f"rank {r}:\n{t[-3000:]}" for r, t in enumerate(logs))
     out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     assert all(o["same_parity"] for o in out), out
     assert [o["version"] for o in out] == [2] * world and all(o["equal"] for o in out), out

@@ -10,14 +10,12 @@ Results go to $OUT/snapshot_gpu.json when OUT is set.
 import json
 import os
 import statistics
-import subprocess
 import time
 
 import pytest
 import torch
 
-from shardsafe.holder.client import HolderClient, holder_command
-from shardsafe.holder.paths import HolderPaths
+from shardsafe.holder.client import HolderClient
 from shardsafe.restore import Collectives, restore_from_holder
 from shardsafe.snapshot import LocalAgreement, SnapshotPipeline
 from shardsafe.state import RankState
@@ -48,14 +46,10 @@ class GpuState:
 
 
 @pytest.fixture
-def client(tmp_path):
-    p = HolderPaths(str(tmp_path), "gpujob", "n0")
-    proc = subprocess.Popen(holder_command(p, budget_gb=16), stdout=subprocess.PIPE)
-    assert proc.stdout.readline().startswith(b"holder ready")
-    c = HolderClient(p, timeout_s=60).connect()
-    yield c
-    proc.kill()
-    proc.wait()
+def client(holder_factory):
+    """A client of one holder, job gpujob, node n0, 16 GB."""
+    (h,) = holder_factory(1, job="gpujob", budget_gb=16)
+    return HolderClient(h.paths, timeout_s=60).connect()
 
 
 def _busy(ms: float) -> None:

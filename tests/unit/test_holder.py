@@ -15,20 +15,13 @@ from shardsafe.holder.protocol import HolderError
 
 
 @pytest.fixture
-def holder(tmp_path):
-    procs = []
-
+def holder(holder_factory, tmp_path):
+    """start(job, node, budget_gb) -> (paths, process, connected client) of a new holder in tmp_path/h."""
     def start(job="job1", node="n0", budget_gb=0.1):
-        p = HolderPaths(str(tmp_path / "h"), job, node)
-        proc = subprocess.Popen(holder_command(p, budget_gb=budget_gb), stdout=subprocess.PIPE)
-        assert proc.stdout.readline().startswith(b"holder ready")
-        procs.append(proc)
-        return p, proc, HolderClient(p, timeout_s=5).connect()
+        (h,) = holder_factory([node], job=job, budget_gb=budget_gb, root=tmp_path / "h")
+        return h.paths, h.proc, HolderClient(h.paths, timeout_s=5).connect()
 
-    yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait()
+    return start
 
 
 def test_slots_never_overwrite_last_committed(holder):
@@ -226,62 +219,52 @@ def _wait_exit(proc, timeout):
         return None
 
 
-def test_idle_exit_counts_from_the_last_client_and_waits_for_flushes(tmp_path):
+def test_idle_exit_counts_from_the_last_client_and_waits_for_flushes(holder_factory, tmp_path):
     """An automatically started holder exits once no client is connected and no flush is pending for
     idle_exit_s: not while a silent trainer stays connected, not at once when a long-connected client leaves,
     not while a flush still writes to disk."""
     from shardsafe.persist import PersistentStore
     from shardsafe.runcheck import read_jsonl
     idle = 1.0
-    p = HolderPaths(str(tmp_path / "h"), "jobI", "n0")
-    proc = subprocess.Popen(holder_command(p, budget_gb=0.1, idle_exit_s=idle, run_dir=str(tmp_path)),
-                            stdout=subprocess.PIPE)
-    try:
-        assert proc.stdout.readline().startswith(b"holder ready")
-        c = HolderClient(p, timeout_s=5).connect()
-        time.sleep(3 * idle)                    # connected but silent (a trainer between snapshots): stays
-        assert proc.poll() is None
-        _, m = c.acquire(rank=0, version=1, nbytes=6 << 20)
-        m[:] = b"\x01" * len(m)
-        c.seal(rank=0, version=1, manifest={"entries": []})
-        c.commit(ranks=[0], version=1)
-        # 6 MiB at 2 MB/s: the flush takes ~3 s, longer than the idle time, after the client has gone
-        c.flush(rank=0, version=1, dir=str(tmp_path / "persist"), job_id="jobI", keep=1, mbps=2.0)
-        c.close()
-        t_left = time.monotonic()
-        time.sleep(idle + 1.0)
-        assert proc.poll() is None, "exited while a flush was still being written"
-        s = HolderClient(p, timeout_s=5).connect()   # and still serving meanwhile
-        s.close()
-        assert _wait_exit(proc, 15) == 0, "did not exit once idle"
-        waited = time.monotonic() - t_left
-        assert waited >= 3.0 + idle * 0.9, f"exited {waited:.1f} s after the client left, before its flush could end"
-        assert PersistentStore(str(tmp_path / "persist"), "jobI").versions() == [1]
-        assert not os.path.exists(p.socket)
-        stops = [e for e in read_jsonl(os.path.join(str(tmp_path), "events.jsonl")) if e.get("kind") == "holder_stop"]
-        assert [e.get("reason") for e in stops] == ["idle_exit"]
-    finally:
-        proc.kill()
-        proc.wait()
+    (h,) = holder_factory(["n0"], job="jobI", budget_gb=0.1, root=tmp_path / "h", idle_exit_s=idle,
+                          run_dir=str(tmp_path))
+    p, proc = h.paths, h.proc
+    c = HolderClient(p, timeout_s=5).connect()
+    time.sleep(3 * idle)                    # connected but silent (a trainer between snapshots): stays
+    assert proc.poll() is None
+    _, m = c.acquire(rank=0, version=1, nbytes=6 << 20)
+    m[:] = b"\x01" * len(m)
+    c.seal(rank=0, version=1, manifest={"entries": []})
+    c.commit(ranks=[0], version=1)
+    # 6 MiB at 2 MB/s: the flush takes ~3 s, longer than the idle time, after the client has gone
+    c.flush(rank=0, version=1, dir=str(tmp_path / "persist"), job_id="jobI", keep=1, mbps=2.0)
+    c.close()
+    t_left = time.monotonic()
+    time.sleep(idle + 1.0)
+    assert proc.poll() is None, "exited while a flush was still being written"
+    s = HolderClient(p, timeout_s=5).connect()   # and still serving meanwhile
+    s.close()
+    assert _wait_exit(proc, 15) == 0, "did not exit once idle"
+    waited = time.monotonic() - t_left
+    assert waited >= 3.0 + idle * 0.9, f"exited {waited:.1f} s after the client left, before its flush could end"
+    assert PersistentStore(str(tmp_path / "persist"), "jobI").versions() == [1]
+    assert not os.path.exists(p.socket)
+    stops = [e for e in read_jsonl(os.path.join(str(tmp_path), "events.jsonl")) if e.get("kind") == "holder_stop"]
+    assert [e.get("reason") for e in stops] == ["idle_exit"]
 
 
-def test_idle_exit_starts_when_the_last_client_leaves(tmp_path):
+def test_idle_exit_starts_when_the_last_client_leaves(holder_factory, tmp_path):
     """A client connected longer than idle_exit_s leaves: the holder still waits idle_exit_s (it once
     counted from the client's last request and exited at once)."""
     idle = 1.5
-    p = HolderPaths(str(tmp_path / "h"), "jobJ", "n0")
-    proc = subprocess.Popen(holder_command(p, budget_gb=0.05, idle_exit_s=idle), stdout=subprocess.PIPE)
-    try:
-        assert proc.stdout.readline().startswith(b"holder ready")
-        c = HolderClient(p, timeout_s=5).connect()
-        time.sleep(2 * idle)
-        c.close()
-        t0 = time.monotonic()
-        assert _wait_exit(proc, 10) == 0
-        assert time.monotonic() - t0 >= idle * 0.9
-    finally:
-        proc.kill()
-        proc.wait()
+    (h,) = holder_factory(["n0"], job="jobJ", budget_gb=0.05, root=tmp_path / "h", idle_exit_s=idle)
+    p, proc = h.paths, h.proc
+    c = HolderClient(p, timeout_s=5).connect()
+    time.sleep(2 * idle)
+    c.close()
+    t0 = time.monotonic()
+    assert _wait_exit(proc, 10) == 0
+    assert time.monotonic() - t0 >= idle * 0.9
 
 
 def test_auto_started_holders_get_an_idle_exit_by_default(tmp_path):

@@ -10,12 +10,11 @@ import json
 import os
 import socket
 import struct
-import subprocess
 import time
 
 import pytest
 
-from shardsafe.holder.client import HolderClient, HolderUnavailable, holder_command
+from shardsafe.holder.client import HolderClient, HolderUnavailable
 from shardsafe.holder.paths import HolderPaths
 from shardsafe.holder.protocol import MAX_BODY, MAX_FDS, HolderError
 
@@ -25,18 +24,14 @@ MAX_CLIENTS = 4
 
 
 class Holder:
-    def __init__(self, tmp_path, job="pjob"):
-        self.paths = HolderPaths(str(tmp_path / "h"), job, "n0")
-        self.err_path = tmp_path / "holder.err"
-        self._err = open(self.err_path, "wb")
-        self.proc = subprocess.Popen(holder_command(self.paths, budget_gb=0.05, idle_exit_s=0,
-                                                    read_timeout_s=READ_TIMEOUT_S, max_clients=MAX_CLIENTS),
-                                     stdout=subprocess.PIPE, stderr=self._err)
-        assert self.proc.stdout.readline().startswith(b"holder ready"), self.stderr()
+    """One holder of tests/conftest.py's holder_factory (stderr to a file), with raw-socket helpers."""
+
+    def __init__(self, running):
+        self._running = running
+        self.paths, self.proc = running.paths, running.proc
 
     def stderr(self) -> str:
-        self._err.flush()
-        return self.err_path.read_text(errors="replace")
+        return self._running.stderr()
 
     def fds(self) -> set[str]:
         d = f"/proc/{self.proc.pid}/fd"
@@ -64,17 +59,12 @@ class Holder:
     def client(self) -> HolderClient:
         return HolderClient(self.paths, timeout_s=5).connect()
 
-    def close(self):
-        self.proc.kill()
-        self.proc.wait()
-        self._err.close()
-
 
 @pytest.fixture
-def holder(tmp_path):
-    h = Holder(tmp_path)
-    yield h
-    h.close()
+def holder(holder_factory, tmp_path):
+    (h,) = holder_factory(["n0"], job="pjob", budget_gb=0.05, root=tmp_path / "h", stderr_file=True, idle_exit_s=0,
+                          read_timeout_s=READ_TIMEOUT_S, max_clients=MAX_CLIENTS)
+    return Holder(h)
 
 
 def send_frame(s, body: bytes, fds=(), announce=None, header_only=False):

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from shardsafe.holder.client import HolderClient, holder_command, stop_holder
+from shardsafe.holder.client import HolderClient, stop_holder
 from shardsafe.holder.paths import HolderPaths
 from shardsafe.persist import PersistentStore
 from shardsafe.restore import Collectives, RestoreError, restore_from_holder
@@ -17,23 +17,17 @@ from .test_snapshot_restore import ToyAdapter
 
 
 @pytest.fixture
-def holder(tmp_path):
+def holder(holder_factory, tmp_path):
     """start(node, budget_gb) -> a connected client; ``start.procs[node]`` is the holder process."""
     procs = {}
 
     def start(node="n0", budget_gb=0.2):
-        p = HolderPaths(str(tmp_path / "h"), "job", node)
-        proc = subprocess.Popen(holder_command(p, budget_gb=budget_gb, run_dir=str(tmp_path)), stdout=subprocess.PIPE)
-        assert proc.stdout.readline().startswith(b"holder ready")
-        procs[node] = proc
-        return HolderClient(p, timeout_s=10).connect()
+        (h,) = holder_factory([node], job="job", budget_gb=budget_gb, root=tmp_path / "h", run_dir=str(tmp_path))
+        procs[node] = h.proc
+        return HolderClient(h.paths, timeout_s=10).connect()
 
     start.procs = procs
-    yield start
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    return start
 
 
 def snapshots(client, versions, flush_dir=None, keep=2, seeds=None):

@@ -1,14 +1,12 @@
 """Snapshot pipeline and restore on one rank against a real holder: layout, checksums, corruption."""
 import random
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 
 from shardsafe import manifest as mf
-from shardsafe.holder.client import HolderClient, holder_command
-from shardsafe.holder.paths import HolderPaths
+from shardsafe.holder.client import HolderClient
 from shardsafe.restore import Collectives, RestoreError, restore_from_holder
 from shardsafe.snapshot import LocalAgreement, SnapshotPipeline
 from shardsafe.state import RankState, apply_rng, capture_rng
@@ -42,14 +40,10 @@ class ToyAdapter:
 
 
 @pytest.fixture
-def client(tmp_path):
-    p = HolderPaths(str(tmp_path), "job", "n0")
-    proc = subprocess.Popen(holder_command(p, budget_gb=0.2), stdout=subprocess.PIPE)
-    assert proc.stdout.readline().startswith(b"holder ready")
-    c = HolderClient(p, timeout_s=10).connect()
-    yield c
-    proc.kill()
-    proc.wait()
+def client(holder_factory):
+    """A client of one holder, job "job", node n0."""
+    (h,) = holder_factory(1, job="job", budget_gb=0.2)
+    return HolderClient(h.paths, timeout_s=10).connect()
 
 
 def snap(client, adapter, version):
