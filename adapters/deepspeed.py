@@ -400,7 +400,8 @@ def _client_state_at(client: dict, *, step: int, v: int, samples: Any, live_samp
     changed: list[str] = []
     for k in _CLIENT_COUNTERS:
         if isinstance(client.get(k), int) and not isinstance(client[k], bool) and client[k] == step:
-            client[k], _ = v, changed.append(k)
+            client[k] = v
+            changed.append(k)
     holders: list[tuple[str, Any]] = [("", client)]
     if "args" in client:
         holders.append(("args.", client["args"]))
@@ -424,7 +425,8 @@ def _client_state_at(client: dict, *, step: int, v: int, samples: Any, live_samp
         for where, d in dicts:
             for k in _CLIENT_RNG_KEYS:
                 if k in d and k in rng:
-                    d[k], _ = rng[k], changed.append(where + k)
+                    d[k] = rng[k]
+                    changed.append(where + k)
     return changed
 
 

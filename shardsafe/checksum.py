@@ -191,10 +191,14 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def shared(threads: int = 0) -> Hasher:
-    """This process's hasher (one pool per process: the snapshot worker and the restore share it). The
-    first caller's ``threads`` sizes it; a later, different request resizes it."""
+    """This process's hasher (one pool per process: the snapshot worker and the restore share it).
+    ``threads`` > 0 (the config's ``hash_threads``) sizes it, and a later, different count resizes it;
+    0 takes the hasher as it is (auto-sized when there is none yet), so a caller without a config (the
+    verify of a restore) does not undo the runtime's choice."""
     global _shared
     with _shared_lock:
+        if _shared is not None and threads <= 0:
+            return _shared
         want = default_threads() if threads <= 0 else int(threads)
         if _shared is None or (_shared.threads != want and native_available()):
             old, _shared = _shared, Hasher(want)

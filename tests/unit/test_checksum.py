@@ -94,3 +94,13 @@ def test_a_forked_child_hashes_with_its_own_threads():
     _, status = os.waitpid(pid, 0)
     before.close()
     assert os.waitstatus_to_exitcode(status) == 0, status
+
+
+def test_the_configured_thread_count_is_kept_by_callers_without_a_config(monkeypatch):
+    """The runtime sizes the process's hasher from hash_threads; manifest.verify asks for it with no count
+    and must get the same pool, not an auto-sized replacement."""
+    monkeypatch.setattr(checksum, "_shared", None)
+    configured = checksum.shared(3)
+    assert checksum.shared() is configured and configured.threads == 3
+    assert checksum.shared(2) is not configured and checksum.shared().threads == 2
+    checksum.shared().close()
