@@ -17,6 +17,7 @@ import torch
 from shardsafe.config import ConfigError, ShardsafeConfig
 from shardsafe.state import RankState, apply_rng, capture_rng, cast_like_owner
 
+from . import rng_trackers
 from .cpu_adam_powers import AdamPowersTracker
 
 log = logging.getLogger("shardsafe.deepspeed")
@@ -66,6 +67,7 @@ class DeepSpeedStateAdapter:
         self.kind = type(o).__name__
         self.z3 = self.kind == "DeepSpeedZeroOptimizer_Stage3"
         self._ckpt_layout: dict[str, Any] | None = None
+        self.parallel = parallel_layout(engine)
         self.restore_notes: dict[str, Any] = {}
         # DeepSpeed's CPU Adam kernels keep beta1^t / beta2^t outside optimizer.state (cpu_adam_powers.py).
         # One tracker per optimizer: a second adapter on the same engine must not observe the calls twice.
@@ -150,6 +152,7 @@ class DeepSpeedStateAdapter:
             st.tensors[f"module/buffer/{name}"] = buf.detach().clone()
         rng = capture_rng()
         st.tensors.update(rng.tensors)
+        trackers = rng_trackers.capture(st.tensors)
         scaler = {}
         if getattr(o, "loss_scaler", None) is not None:
             for k, v in vars(o.loss_scaler).items():
@@ -159,7 +162,7 @@ class DeepSpeedStateAdapter:
                     scaler[k] = v
         st.meta = {
             "engine": "deepspeed", "optimizer": self.kind, "zero_stage": int(e.zero_optimization_stage()),
-            "dp_world_size": int(e.dp_world_size),
+            "dp_world_size": int(e.dp_world_size), "parallel": self.parallel,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups],
             "opt_scalars": scalars,
             "state_devices": {n: str(t.device) for n, t in st.tensors.items()},
@@ -167,6 +170,7 @@ class DeepSpeedStateAdapter:
             "counters": {k: int(getattr(e, k)) for k in COUNTERS},
             "loss_scaler": scaler, "overflow": bool(getattr(o, "overflow", False)),
             "extra": dict(self.extra), "ds_checkpoint": self.checkpoint_layout(), **rng.meta,
+            "rng_trackers": trackers,
             "base_optimizer": type(base).__name__,
             "adam_powers": self.adam_powers.state() if self.adam_powers is not None else None,
         }
@@ -212,6 +216,13 @@ class DeepSpeedStateAdapter:
             out.append(f"the snapshot was taken at data-parallel size {meta.get('dp_world_size')}, this engine runs "
                        f"{e.dp_world_size}: ZeRO partitions do not fit another size; run at the original size or "
                        "export the snapshot and reshard it with DeepSpeed's universal checkpoint")
+        then = meta.get("parallel", self.parallel)
+        if then != self.parallel:
+            out.append(f"the snapshot was taken at {_describe(then)}, this engine runs {_describe(self.parallel)}: "
+                       "each rank's state belongs to one pipeline stage's layers and one tensor-parallel slice "
+                       "(num_stages, partition_method, the PipelineModule's layers or the mpu changed); run with "
+                       "the original layout, or export the snapshot (`shardsafe export --format deepspeed`) and "
+                       "convert it with DeepSpeed's universal checkpoint under a new shardsafe job_id")
         base = type(o.optimizer).__name__
         if meta.get("base_optimizer", base) != base:
             out.append(f"the snapshot's optimizer is {meta.get('base_optimizer')}, this engine's is {base} (the "
@@ -220,6 +231,7 @@ class DeepSpeedStateAdapter:
         if len(meta.get("param_groups", [])) != len(o.optimizer.param_groups):
             out.append(f"the snapshot has {len(meta.get('param_groups', []))} optimizer param groups, this engine "
                        f"{len(o.optimizer.param_groups)}: the model or its parameter grouping changed")
+        out += rng_trackers.problems(meta.get("rng_trackers"))
         if (meta.get("lr_scheduler") is None) != (e.lr_scheduler is None):
             out.append("the snapshot was taken " + ("without" if meta.get("lr_scheduler") is None else "with")
                        + " an LR scheduler and this engine runs " + ("with" if e.lr_scheduler is not None else "without")
@@ -280,6 +292,7 @@ class DeepSpeedStateAdapter:
                 if key in tensors:
                     buf.copy_(tensors[key])
         apply_rng(tensors, meta)
+        rng_trackers.apply(tensors, meta.get("rng_trackers"))
         if self.adam_powers is not None and meta.get("adam_powers"):
             self.restore_notes["adam_powers_calls"] = self.adam_powers.restore(meta["adam_powers"])
         self.extra.clear()
@@ -314,12 +327,13 @@ def check_supported(engine: Any) -> None:
     name = type(engine.optimizer).__name__
     if name not in SUPPORTED:
         stage = engine.zero_optimization_stage()
-        raise ConfigError(f"shardsafe protects ZeRO stages 1-3 (and the bf16 BF16_Optimizer); this engine runs "
-                          f"zero_optimization.stage={stage} with {name}. Set zero_optimization.stage to 1, 2 or 3, "
-                          f"or set shardsafe.enabled=false.")
-    if type(engine).__name__ == "PipelineEngine":
-        raise ConfigError("shardsafe does not protect DeepSpeed pipeline parallelism (PipelineModule) yet; "
-                          "train without pipeline stages or set shardsafe.enabled=false.")
+        # Without ZeRO (and outside BF16_Optimizer) every data-parallel rank holds the whole optimizer state:
+        # DeepSpeed's FP16_Optimizer (fp16, or bf16 without a pipeline) or the bare torch optimizer (fp32).
+        raise ConfigError(f"shardsafe protects partitioned optimizer state: ZeRO stages 1-3 and BF16_Optimizer (bf16 "
+                          f"with zero_optimization.stage=0 under a PipelineModule, or stage 1 with "
+                          f"data_types.grad_accum_dtype=fp32); this engine runs zero_optimization.stage={stage} with "
+                          f"{name}, whose state is replicated on every data-parallel rank. Set "
+                          f"zero_optimization.stage to 1, 2 or 3, or set shardsafe.enabled=false.")
     if getattr(engine, "has_moe_layers", False):
         raise ConfigError("shardsafe does not protect DeepSpeed MoE layers (expert-parallel state) yet; "
                           "set shardsafe.enabled=false for MoE models.")
@@ -376,7 +390,7 @@ _CLIENT_COUNTERS = ("iteration", "step", "steps", "global_step", "global_steps")
 _CLIENT_SAMPLE_COUNTERS = ("consumed_train_samples", "consumed_samples")
 # RNG states GPT-NeoX (``save_ds_checkpoint``) and Megatron-DeepSpeed (``get_rng_state``: a list of these dicts
 # under ``rng_state``, one per data-parallel rank) keep in the client state and set after load_checkpoint.
-_CLIENT_RNG_KEYS = ("random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state")
+_CLIENT_RNG_KEYS = ("random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states")
 
 
 def _live_rng() -> dict[str, Any]:
@@ -387,6 +401,9 @@ def _live_rng() -> dict[str, Any]:
                            "torch_rng_state": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda_rng_state"] = torch.cuda.get_rng_state()
+    tracker = rng_trackers.client_states()
+    if tracker is not None:   # Megatron-DeepSpeed's get_rng_state(): the model-parallel tracker's states
+        out["rng_tracker_states"] = tracker
     return out
 
 
@@ -445,17 +462,53 @@ def _disk_checkpoint(engine: Any, load_dir: Any, tag: Any) -> tuple[Any, dict | 
     return tag, torch.load(path, map_location="cpu", weights_only=False)
 
 
+def parallel_layout(engine: Any) -> dict[str, Any]:
+    """Which slice of the model this rank's state is: tensor-parallel rank and size (the mpu's), and under a
+    PipelineEngine the stage, the number of stages and the layer boundaries of every stage (PipelineModule's
+    ``parts``: the partitioning method's result). A snapshot fits only the same slice."""
+    mpu = engine.mpu
+    out: dict[str, Any] = {"tp": 0, "tp_size": 1}
+    if mpu is not None:
+        tensor = hasattr(mpu, "get_tensor_model_parallel_rank")
+        out["tp"] = int(mpu.get_tensor_model_parallel_rank() if tensor else mpu.get_model_parallel_rank())
+        out["tp_size"] = int(mpu.get_tensor_model_parallel_world_size() if tensor
+                             else mpu.get_model_parallel_world_size())
+    if is_pipeline(engine):
+        out.update(stage=int(engine.stage_id), stages=int(engine.num_stages),
+                   parts=[int(x) for x in engine.module.parts])
+    return out
+
+
+def _describe(p: Mapping[str, Any]) -> str:
+    where = f"tensor-parallel rank {p.get('tp')} of {p.get('tp_size')}"
+    if "stage" in p:
+        parts = p["parts"]
+        s = p["stage"]
+        where = (f"pipeline stage {s} of {p['stages']} (layers {parts[s]}-{parts[s + 1] - 1}, stage boundaries "
+                 f"{parts}), " + where)
+    return where
+
+
+def is_pipeline(engine: Any) -> bool:
+    """A PipelineEngine (a PipelineModule handed to deepspeed.initialize). Imported here, not at module import:
+    this module must not pull DeepSpeed in before the program does (adapters/autoload.py)."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    return isinstance(engine, PipelineEngine)
+
+
 def _coords(engine: Any, rank: int) -> dict[str, int]:
-    """Data/model-parallel coordinates for parity placement (an mpu, if the engine has one)."""
-    mpu = getattr(engine, "mpu", None)
+    """Data/tensor/pipeline-parallel coordinates for parity placement, from the engine's mpu: a Megatron-style
+    mpu handed to ``deepspeed.initialize``, or the ``PipelineParallelGrid`` a PipelineEngine gets from its
+    PipelineModule. Parity groups are data-parallel ranks of equal (tp, pp): their payloads have one layout."""
+    mpu = engine.mpu
     if mpu is None:
-        return {"dp": int(getattr(engine, "global_rank", rank)), "tp": 0, "pp": 0}
-    c = {"dp": int(mpu.get_data_parallel_rank()), "tp": 0, "pp": 0}
-    for key, fn in (("tp", "get_tensor_model_parallel_rank"), ("tp", "get_model_parallel_rank"),
-                    ("pp", "get_pipeline_model_parallel_rank")):
-        if hasattr(mpu, fn):
-            c[key] = int(getattr(mpu, fn)())
-    return c
+        return {"dp": int(engine.global_rank), "tp": 0, "pp": 0}
+    # The tensor-parallel rank, never ``get_model_parallel_rank``: on a PipelineParallelGrid that is the rank in
+    # the combined pipeline x tensor group (old Megatron mpus, which have no tensor method, mean tensor by it).
+    tp = mpu.get_tensor_model_parallel_rank if hasattr(mpu, "get_tensor_model_parallel_rank") \
+        else mpu.get_model_parallel_rank
+    pp = getattr(mpu, "get_pipeline_model_parallel_rank", None)
+    return {"dp": int(mpu.get_data_parallel_rank()), "tp": int(tp()), "pp": int(pp()) if pp is not None else 0}
 
 
 class ShardsafeEngineHook:
@@ -503,7 +556,19 @@ class ShardsafeEngineHook:
             return out
 
         engine._take_model_step = _take_model_step
-        engine.step = step
+        if is_pipeline(engine):
+            # train_batch() runs the whole schedule, optimizer step included, and never calls engine.step()
+            # (PipelineEngine.step raises): the snapshot is taken when it returns, once per optimizer step.
+            orig_train_batch = engine.train_batch
+
+            def train_batch(*args: Any, **kwargs: Any) -> Any:
+                out = orig_train_batch(*args, **kwargs)
+                rt.after_step(engine.global_steps, adapter)
+                return out
+
+            engine.train_batch = train_batch
+        else:
+            engine.step = step
         orig_load = engine.load_checkpoint
 
         def load_checkpoint(load_dir: Any, tag: Any = None, *args: Any, **kwargs: Any) -> Any:

@@ -1,6 +1,7 @@
 """A tiny GPT pretrained with DeepSpeed on CPU (gloo), deterministic; used by the demo, tests and benches.
 
     torchrun --nproc-per-node 2 examples/ds_pretrain_gpt.py --steps 50 --zero-stage 2 --dtype bf16
+    torchrun --nproc-per-node 4 examples/ds_pretrain_gpt.py --pp 2 --zero-stage 1   (PipelineModule, train_batch)
     shardsafe launch --nodes 2 --nproc-per-node 2 examples/ds_pretrain_gpt.py --steps 50
     (also plain `srun` tasks or `mpirun` with mpi4py: shardsafe.launch.discovery fills in RANK, WORLD_SIZE, ...)
 
@@ -67,6 +68,45 @@ class TinyGPT(nn.Module):
         return loss
 
 
+class TokEmbed(nn.Embedding):
+    """Token embedding at GPT-2's init scale (std 0.02): as the tied head its weight sets the logits' scale."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+
+class PosEmbed(nn.Module):
+    """Pipeline stage 0 after the (tied) token embedding: positions, then dropout."""
+
+    def __init__(self, seq: int, d: int, dropout: float):
+        super().__init__()
+        self.pos, self.drop = nn.Embedding(seq, d), nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(x + self.pos(torch.arange(x.shape[1], device=x.device)))
+
+
+def _tied_head(embedding: TokEmbed, x: torch.Tensor) -> torch.Tensor:
+    """The last stage's copy of the token embedding, used as the output head (Megatron-DeepSpeed's
+    ``EmbeddingPipe`` tied across the first and last stage)."""
+    return F.linear(x, embedding.weight).float()
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def pipeline_model(a: argparse.Namespace):
+    """The same GPT as a DeepSpeed ``PipelineModule``: the token embedding is a ``TiedLayerSpec`` on the
+    first stage and, as the head, on the last (its gradients are all-reduced between the two stages)."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    layers = [TiedLayerSpec("embed", TokEmbed, a.vocab, a.d_model), LayerSpec(PosEmbed, a.seq, a.d_model, 0.1),
+              *[LayerSpec(Block, a.d_model, a.heads, 0.1) for _ in range(a.layers)],
+              LayerSpec(nn.LayerNorm, a.d_model),
+              TiedLayerSpec("embed", TokEmbed, a.vocab, a.d_model, forward_fn=_tied_head)]
+    return PipelineModule(layers=layers, num_stages=a.pp, loss_fn=_lm_loss, partition_method=a.partition_method)
+
+
 def batch(seed: int, micro_index: int, dp_rank: int, mb: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed * 1_000_003 + micro_index * 4099 + dp_rank)
     tokens = torch.randint(vocab, (mb, seq + 1), generator=g)
@@ -90,7 +130,7 @@ def ds_config(a: argparse.Namespace, world: int) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": a.micro_batch,
         "gradient_accumulation_steps": a.gas,
-        "train_batch_size": a.micro_batch * a.gas * world,
+        "train_batch_size": a.micro_batch * a.gas * (world // (max(a.pp, 1) * a.tp)),   # x data-parallel size
         "optimizer": OPTIMIZERS[a.optimizer](),
         "zero_optimization": {"stage": a.zero_stage},
         "steps_per_print": 10 ** 9,
@@ -164,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fp16-scale-window", type=int, default=1000, help="fp16: good steps before the scale grows")
     p.add_argument("--fp16-hysteresis", type=int, default=2, help="fp16: overflows tolerated before it shrinks")
     p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--pp", type=int, default=0,
+                   help="pipeline stages: a deepspeed.pipe.PipelineModule trained with train_batch() (0 = plain module)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: a Megatron-style mpu handed to deepspeed.initialize, MLPs split "
+                        "column/row-parallel (examples/_ds_tensor_parallel.py)")
+    p.add_argument("--partition-method", default="parameters",
+                   help="PipelineModule partition_method (parameters, uniform, type:Block, ...)")
     p.add_argument("--optimizer", default="torch-adamw", choices=sorted(OPTIMIZERS),
                    help="which optimizer path DeepSpeed takes (fused-adamw = DeepSpeed's default FusedAdam)")
     p.add_argument("--no-scheduler", action="store_true", help="no LR scheduler")
@@ -213,11 +260,22 @@ def main(argv: list[str] | None = None) -> int:
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=float(os.environ.get("SHARDSAFE_PG_TIMEOUT", 30))))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(a.seed)
-    model = TinyGPT(a.vocab, a.d_model, a.layers, a.heads, a.seq)
+    model = pipeline_model(a) if a.pp else TinyGPT(a.vocab, a.d_model, a.layers, a.heads, a.seq)
+    mpu = None
+    if a.tp > 1:
+        if a.pp:
+            raise SystemExit("--tp with --pp: not in this example yet (use one of them)")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _ds_tensor_parallel import TensorParallelMpu, seed_model_parallel_rng, shard_mlps
+        mpu = TensorParallelMpu(a.tp)
+        shard_mlps(model, mpu)
+        seed_model_parallel_rng(mpu, a.seed)   # the tracker's stream per tensor-parallel rank
     torch.manual_seed(a.seed + 1 + rank)  # per-rank dropout streams: the adapter must keep RNG per rank
     random.seed(a.seed + rank)
     np.random.seed(a.seed + rank)
-    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=ds_config(a, world))
+    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=ds_config(a, world),
+                                 mpu=mpu)
+    print(f"[rank {rank}] {type(engine).__name__} with {type(engine.optimizer).__name__}", flush=True)
     if engine.shardsafe:
         r = engine.shardsafe.restored
         print(f"[rank {rank}] shardsafe: {r.message} (tier {r.tier}, {r.seconds:.3f} s)", flush=True)
@@ -246,7 +304,17 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         stall0 = runtime.stall_total_s if runtime is not None else 0.0
         total = 0.0
-        for i in range(a.gas):
+        if a.pp:
+            # One optimizer step per train_batch(); it pulls `gas` micro-batches on the first and last stage.
+            # The pipeline engine does not count micro-steps: the data position is global_steps * gas.
+            first = engine.global_steps * a.gas
+            data = iter([batch(a.seed, first + j, dp_rank, a.micro_batch, a.seq, a.vocab) for j in range(a.gas)])
+            step = engine.global_steps + 1
+            loss = engine.train_batch(data)
+            if losses:   # after the step here: train_batch returns the loss only then
+                losses.write(json.dumps({"step": step, "loss": float(loss.item()).hex(), "attempt": attempt}) + "\n")
+                losses.flush()
+        for i in range(0 if a.pp else a.gas):
             x, y = batch(a.seed, engine.micro_steps, dp_rank, a.micro_batch, a.seq, a.vocab)
             loss = engine(x, y) if dtype is None else engine(x, y)
             engine.backward(loss)

@@ -77,4 +77,4 @@ def test_unsupported_configuration_rejected_at_initialize(tmp_path):
     res = run_job(tmp_path, stage=0, dtype="fp32", steps=2, nodes=1, nproc=1, max_restarts=0)
     assert not res.ok
     logs = trainer_logs(str(tmp_path))
-    assert "zero_optimization.stage=0" in logs and "ConfigError" in logs
+    assert "zero_optimization.stage=0" in logs and "ConfigError" in logs and "replicated" in logs
