@@ -219,8 +219,9 @@ class DeepSpeedStateAdapter:
         then = meta.get("parallel", self.parallel)
         if then != self.parallel:
             out.append(f"the snapshot was taken at {_describe(then)}, this engine runs {_describe(self.parallel)}: "
-                       "each rank's state belongs to one pipeline stage's layers and one tensor-parallel slice "
-                       "(num_stages, partition_method, the PipelineModule's layers or the mpu changed); run with "
+                       "each rank's state belongs to one pipeline stage's layers, one tensor-parallel slice and its "
+                       "experts (num_stages, partition_method, the PipelineModule's layers, the mpu, num_experts or "
+                       "ep_size changed); run with "
                        "the original layout, or export the snapshot (`shardsafe export --format deepspeed`) and "
                        "convert it with DeepSpeed's universal checkpoint under a new shardsafe job_id")
         base = type(o.optimizer).__name__
@@ -334,9 +335,6 @@ def check_supported(engine: Any) -> None:
                           f"data_types.grad_accum_dtype=fp32); this engine runs zero_optimization.stage={stage} with "
                           f"{name}, whose state is replicated on every data-parallel rank. Set "
                           f"zero_optimization.stage to 1, 2 or 3, or set shardsafe.enabled=false.")
-    if getattr(engine, "has_moe_layers", False):
-        raise ConfigError("shardsafe does not protect DeepSpeed MoE layers (expert-parallel state) yet; "
-                          "set shardsafe.enabled=false for MoE models.")
     zc = engine._config.zero_config
     for what, sub in (("offload_optimizer", zc.offload_optimizer), ("offload_param", zc.offload_param)):
         dev = getattr(getattr(sub, "device", None), "value", getattr(sub, "device", None))
@@ -476,11 +474,22 @@ def parallel_layout(engine: Any) -> dict[str, Any]:
     if is_pipeline(engine):
         out.update(stage=int(engine.stage_id), stages=int(engine.num_stages),
                    parts=[int(x) for x in engine.module.parts])
+    if engine.has_moe_layers:
+        # MoE layers (deepspeed.moe.layer.MoE): this rank holds num_experts / ep_size of each layer's experts, and
+        # their optimizer state is partitioned over the expert-data-parallel group only (ZeRO's MoE param groups).
+        from deepspeed.moe.layer import MoE
+        from deepspeed.utils import groups
+        out["experts"] = {name: [int(m.num_experts), int(groups._get_expert_parallel_rank(m.expert_group_name)),
+                                 int(m.ep_size)]
+                          for name, m in engine.module.named_modules() if isinstance(m, MoE)}
     return out
 
 
 def _describe(p: Mapping[str, Any]) -> str:
     where = f"tensor-parallel rank {p.get('tp')} of {p.get('tp_size')}"
+    if p.get("experts"):
+        where += ", MoE layers (name: [experts, expert-parallel rank, expert-parallel size]) " + \
+            json.dumps(p["experts"], sort_keys=True)
     if "stage" in p:
         parts = p["parts"]
         s = p["stage"]

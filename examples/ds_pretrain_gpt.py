@@ -47,6 +47,21 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
+class MoEMLP(nn.Module):
+    """A block's MLP as DeepSpeed MoE experts (``deepspeed.moe.layer.MoE``, top-1 gating, expert parallel over
+    ``ep_size`` ranks); its load-balancing loss is kept for the model's loss."""
+
+    def __init__(self, mlp: nn.Module, d: int, experts: int, ep_size: int):
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+        self.moe = MoE(hidden_size=d, expert=mlp, num_experts=experts, ep_size=ep_size, k=1)
+        self.aux = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, self.aux, _ = self.moe(x)
+        return out
+
+
 class TinyGPT(nn.Module):
     def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int, dropout: float = 0.1):
         super().__init__()
@@ -63,6 +78,9 @@ class TinyGPT(nn.Module):
             x = blk(x)
         logits = self.head(self.ln(x)).float()
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        aux = [blk.mlp.aux for blk in self.blocks if isinstance(blk.mlp, MoEMLP)]
+        if aux:
+            loss = loss + 0.01 * sum(a.float() for a in aux)
         with torch.no_grad():
             self.loss_ema.mul_(0.9).add_(0.1 * loss.detach().to(self.loss_ema.dtype))
         return loss
@@ -209,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: a Megatron-style mpu handed to deepspeed.initialize, MLPs split "
                         "column/row-parallel (examples/_ds_tensor_parallel.py)")
+    p.add_argument("--moe", type=int, default=0,
+                   help="experts per block (deepspeed.moe.layer.MoE, expert parallel over min(experts, world) ranks)")
     p.add_argument("--partition-method", default="parameters",
                    help="PipelineModule partition_method (parameters, uniform, type:Block, ...)")
     p.add_argument("--optimizer", default="torch-adamw", choices=sorted(OPTIMIZERS),
@@ -262,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(a.seed)
     model = pipeline_model(a) if a.pp else TinyGPT(a.vocab, a.d_model, a.layers, a.heads, a.seq)
     mpu = None
+    if a.moe:
+        if a.pp or a.tp > 1:
+            raise SystemExit("--moe with --pp or --tp: not in this example")
+        for blk in model.blocks:   # every rank builds all experts from the same weights; MoE keeps its own
+            blk.mlp = MoEMLP(blk.mlp, a.d_model, a.moe, min(a.moe, world))
     if a.tp > 1:
         if a.pp:
             raise SystemExit("--tp with --pp: not in this example yet (use one of them)")

@@ -80,9 +80,16 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
     ref_dir, run_dir = os.path.join(base, "reference"), os.path.join(base, "run")
     for d in (ref_dir, run_dir):
         shutil.rmtree(d, ignore_errors=True)
+    if a.nodes is None or a.nproc_per_node is None:
+        # DeepSpeed's pipeline topology puts a stage's data-parallel ranks on consecutive ranks: one rank per node
+        # keeps each stage's parity group on distinct nodes.
+        dn, dp = (4, 1) if a.engine == "deepspeed-3d" else (2, 2)
+        a.nodes = dn if a.nodes is None else a.nodes
+        a.nproc_per_node = dp if a.nproc_per_node is None else a.nproc_per_node
     world = a.nodes * a.nproc_per_node
     if a.steps is None:
-        a.steps = 100 if a.engine == "deepspeed" else 40
+        a.steps = 40 if a.engine == "megatron" else 100
+    stage = None   # DeepSpeed's zero_optimization.stage
     if a.engine == "megatron":
         if world % (a.tp * a.pp):
             raise SystemExit(f"--tp {a.tp} x --pp {a.pp} does not divide the {world} ranks "
@@ -92,8 +99,20 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
         layout = f"TP{a.tp} x PP{a.pp} x DP{world // (a.tp * a.pp)}, DistributedOptimizer, {a.dtype}"
         plain, protect = "plain megatron-core", ["--shardsafe", "--shardsafe-memory-budget-gb", repr(a.memory_budget_gb)]
         unprotect = []
+    elif a.engine == "deepspeed-3d":
+        pp = a.pp if a.pp > 1 else 2
+        if world % pp:
+            raise SystemExit(f"--pp {pp} does not divide the {world} ranks")
+        script = str(EXAMPLES / "ds_pretrain_gpt.py")
+        # bf16 with stage 0 under a pipeline is DeepSpeed's BF16_Optimizer; fp32 takes ZeRO-1
+        stage = 0 if a.dtype == "bf16" else 1
+        common = ["--steps", str(a.steps), "--pp", str(pp), "--zero-stage", str(stage), "--dtype", a.dtype]
+        layout = (f"PipelineModule PP{pp} x DP{world // pp} (tied embedding), "
+                  + ("BF16_Optimizer" if stage == 0 else "ZeRO-1") + f", {a.dtype}")
+        plain, protect, unprotect = "plain deepspeed.initialize", [], ["--no-shardsafe"]
     else:
         script = str(EXAMPLES / "ds_pretrain_gpt.py")
+        stage = a.zero_stage
         common = ["--steps", str(a.steps), "--zero-stage", str(a.zero_stage), "--dtype", a.dtype]
         layout = f"ZeRO-{a.zero_stage} {a.dtype}"
         plain, protect, unprotect = "plain deepspeed.initialize", [], ["--no-shardsafe"]
@@ -113,7 +132,7 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
     say(f"[2/3] protected run: snapshot every step into one holder per node, parity across nodes; "
         f"injected faults: {inject} (a SIGKILLed trainer, then a whole node: its trainers and holder)")
     if a.preload is None:
-        preload = PRELOAD_DEEPSPEED if a.engine == "deepspeed" else PRELOAD_MEGATRON
+        preload = PRELOAD_MEGATRON if a.engine == "megatron" else PRELOAD_DEEPSPEED
     else:
         preload = tuple(m.strip() for m in a.preload.split(",") if m.strip())
     run = LocalLauncher(LaunchConfig(nodes=a.nodes, nproc_per_node=a.nproc_per_node, job_id=job, run_dir=run_dir,
@@ -127,7 +146,7 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
                     for f in r1.failures))
     say("[3/3] comparing every loss and every rank's final state with the reference (torch.equal)")
     cmp = compare_runs(run_dir, ref_dir, world, a.steps) if r1.ok else None
-    out = {"engine": a.engine, "zero_stage": a.zero_stage if a.engine == "deepspeed" else None,
+    out = {"engine": a.engine, "zero_stage": stage,
            "layout": layout, "dtype": a.dtype, "steps": a.steps,
            "nodes": a.nodes, "ranks": world, "failures_injected": len(r1.failures), "attempts": r1.attempts,
            **summarize(run_dir, world),
@@ -196,16 +215,18 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 def register_cli(sub) -> None:
     p = sub.add_parser("demo", help="kill a trainer mid-run, restore from the holders, compare bit for bit")
-    p.add_argument("--engine", default="deepspeed", choices=["deepspeed", "megatron"],
-                   help="deepspeed: examples/ds_pretrain_gpt.py (ZeRO); megatron: examples/megatron_pretrain_gpt.py "
-                        "(megatron-core GPT, DDP + DistributedOptimizer, TP/PP/DP)")
-    p.add_argument("--steps", type=int, default=None, help="default: 100 (deepspeed), 40 (megatron)")
+    p.add_argument("--engine", default="deepspeed", choices=["deepspeed", "deepspeed-3d", "megatron"],
+                   help="deepspeed: examples/ds_pretrain_gpt.py (ZeRO); deepspeed-3d: the same GPT as a DeepSpeed "
+                        "PipelineModule (PP x DP, tied embedding; BF16_Optimizer in bf16, ZeRO-1 in fp32); megatron: "
+                        "examples/megatron_pretrain_gpt.py (megatron-core GPT, DDP + DistributedOptimizer, TP/PP/DP)")
+    p.add_argument("--steps", type=int, default=None, help="default: 100 (deepspeed, deepspeed-3d), 40 (megatron)")
     p.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3], help="deepspeed only")
     p.add_argument("--tp", type=int, default=2, help="megatron only: tensor-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="megatron only: pipeline-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="megatron: pipeline-parallel size; deepspeed-3d: stages "
+                                                      "(default 2)")
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--nproc-per-node", type=int, default=2)
+    p.add_argument("--nodes", type=int, default=None, help="default: 2 (4 with deepspeed-3d)")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="default: 2 (1 with deepspeed-3d)")
     p.add_argument("--kill-at", type=int, default=0, help="step at which the last rank is SIGKILLed")
     p.add_argument("--inject", default="", help="fault spec overriding --kill-at (see shardsafe.launch.faults)")
     p.add_argument("--memory-budget-gb", type=float, default=1.0)

@@ -1,7 +1,7 @@
 """DeepSpeed setups shardsafe cannot protect yet are refused with a message naming the setting.
 
-Real engines, one forked rank (gloo): MoE layers and an LR scheduler whose state_dict is not plain data are
-refused; a PipelineModule (PipelineEngine, ZeRO-1) is accepted (tests/fault/test_deepspeed_3d.py runs it). ZeRO stage 0 is refused end to end in
+Real engines, one forked rank (gloo): an LR scheduler whose state_dict is not plain data is refused; a
+PipelineModule (PipelineEngine, ZeRO-1) and MoE layers are accepted (tests/fault/test_deepspeed_3d.py runs them). ZeRO stage 0 is refused end to end in
 tests/fault/test_degraded.py; NVMe offload needs DeepSpeed's aio op, which this CPU build does not have.
 """
 
@@ -63,7 +63,7 @@ def _refusal(what):
 
 WORDS = {
     "pipeline": ["accepted"],
-    "moe": ["MoE", "shardsafe.enabled=false"],
+    "moe": ["accepted"],
     "scheduler": ["LR scheduler Warmup", "not plain data", "shardsafe.enabled=false"],
 }
 

@@ -6,6 +6,9 @@ Every effective loss, every loss any attempt computed, and every rank's final st
 moments and step, low-precision params, RNG) must be torch.equal to an uninterrupted run of plain DeepSpeed,
 and each restarted attempt must have continued from the version it restored (compare_runs' resume check).
 """
+import json
+import os
+
 import pytest
 
 from shardsafe.runcheck import compare_runs, read_jsonl
@@ -101,3 +104,42 @@ def test_tensor_parallel_node_loss_rebuilt_from_parity(tmp_path, reference):
     assert {e["tier"] for e in ends} == {"parity"}
     assert {e["rank"] for e in ends if e.get("rebuilt_bytes")} == {2, 3}, ends
     _bit_exact(tmp_path, ref)
+
+
+MOE = ["--moe", "2"]
+
+
+def test_moe_expert_parallel_kill_rank_then_kill_during_copy(tmp_path, reference):
+    """deepspeed.moe.layer.MoE in every block, 2 experts, expert parallel 2 over 2 data-parallel ranks: each rank
+    holds one expert per layer, whose fp32 masters and moments exist on that rank alone (its expert-data-parallel
+    group is itself). ZeRO-2 bf16, top-1 gating with random token selection (RNG)."""
+    ref = reference(2, "bf16", STEPS, extra=MOE, world=2)
+    res = run_job(tmp_path, stage=2, dtype="bf16", steps=STEPS, nodes=2, nproc=1, extra=MOE,
+                  inject="kill-rank:1@5;kill-copy:0@8")
+    assert res.ok and res.attempts == 3, res
+    got = restores(tmp_path)
+    assert got[1] in (3, 4) and got[2] == 7, got
+    _bit_exact(tmp_path, ref, world=2)
+
+
+def test_moe_node_loss_rebuilt_from_parity(tmp_path, reference):
+    """node1's experts exist nowhere else: rebuilt from node0's payload and parity (RS(1, 1) over the two
+    data-parallel ranks, whose payloads have equal size). ZeRO-1 fp32."""
+    ref = reference(1, "fp32", STEPS, extra=MOE, world=2)
+    res = run_job(tmp_path, stage=1, dtype="fp32", steps=STEPS, nodes=2, nproc=1, extra=MOE,
+                  inject="kill-node:node1@6")
+    assert res.ok and res.attempts == 2 and res.failures[0]["cause"] == "node_loss", res
+    ends = [e for e in read_jsonl(f"{tmp_path}/events.jsonl") if e.get("kind") == "restore_end" and e.get("attempt")]
+    assert {e["tier"] for e in ends} == {"parity"} and {e["rank"] for e in ends if e.get("rebuilt_bytes")} == {1}
+    _bit_exact(tmp_path, ref, world=2)
+
+
+def test_pipeline_config_file_is_what_the_docs_say():
+    """configs/deepspeed/pipeline_bf16_shardsafe.json: bf16 with stage 0 (BF16_Optimizer under a PipelineModule)
+    and an enabled block the config dataclass accepts."""
+    from shardsafe.adapters.deepspeed import config_from_ds
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "deepspeed", "pipeline_bf16_shardsafe.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    assert cfg["bf16"]["enabled"] and cfg["zero_optimization"]["stage"] == 0
+    assert config_from_ds(cfg).enabled

@@ -25,6 +25,7 @@ KEYS = {"engine", "zero_stage", "steps", "failures_injected", "restores", "resto
 
 @pytest.mark.parametrize("engine, steps", [
     ("deepspeed", 30),
+    ("deepspeed-3d", 20),   # PipelineModule PP2 x DP2, BF16_Optimizer, 4 nodes x 1 rank
     pytest.param("megatron", 20, marks=pytest.mark.skipif(
         not installed_version("megatron-core", "megatron.core"),
         reason="megatron-core is not installed in this venv (docs/megatron.md)")),
