@@ -30,6 +30,13 @@ def _engines(run_dir):
     return out
 
 
+def _rebuilt_from_parity(run_dir):
+    """The ranks the restarted attempt rebuilt from parity; every rank of it must have restored from that tier."""
+    ends = [e for e in read_jsonl(f"{run_dir}/events.jsonl") if e.get("kind") == "restore_end" and e.get("attempt")]
+    assert ends and {e["tier"] for e in ends} == {"parity"}, ends
+    return {e["rank"] for e in ends if e.get("rebuilt_bytes")}
+
+
 def _bit_exact(run_dir, ref, world=4):
     cmp = compare_runs(str(run_dir), str(ref), world, STEPS)
     assert cmp.bit_identical and not cmp.resume_problems, (
@@ -64,10 +71,7 @@ def test_pipeline_node_loss_rebuilt_from_parity(tmp_path, reference):
     res = run_job(tmp_path, stage=0, dtype="bf16", steps=STEPS, nodes=4, nproc=1, extra=PP2,
                   inject="kill-node:node1@6")
     assert res.ok and res.attempts == 2 and res.failures[0]["cause"] == "node_loss", res
-    ends = [e for e in read_jsonl(f"{tmp_path}/events.jsonl") if e.get("kind") == "restore_end" and e.get("attempt")]
-    assert {e["tier"] for e in ends} == {"parity"}
-    rebuilt = {e["rank"] for e in ends if e.get("rebuilt_bytes")}
-    assert rebuilt == {1}, ends
+    assert _rebuilt_from_parity(tmp_path) == {1}
     done = max(e["iteration"] for e in read_jsonl(f"{tmp_path}/events.jsonl")
                if e.get("kind") == "iteration" and not e.get("attempt"))
     assert 4 <= restores(tmp_path)[1] <= done
@@ -100,9 +104,7 @@ def test_tensor_parallel_node_loss_rebuilt_from_parity(tmp_path, reference):
     res = run_job(tmp_path, stage=2, dtype="fp32", steps=STEPS, nodes=2, nproc=2, extra=TP2,
                   inject="kill-node:node1@6")
     assert res.ok and res.attempts == 2 and res.failures[0]["cause"] == "node_loss", res
-    ends = [e for e in read_jsonl(f"{tmp_path}/events.jsonl") if e.get("kind") == "restore_end" and e.get("attempt")]
-    assert {e["tier"] for e in ends} == {"parity"}
-    assert {e["rank"] for e in ends if e.get("rebuilt_bytes")} == {2, 3}, ends
+    assert _rebuilt_from_parity(tmp_path) == {2, 3}
     _bit_exact(tmp_path, ref)
 
 
@@ -129,8 +131,7 @@ def test_moe_node_loss_rebuilt_from_parity(tmp_path, reference):
     res = run_job(tmp_path, stage=1, dtype="fp32", steps=STEPS, nodes=2, nproc=1, extra=MOE,
                   inject="kill-node:node1@6")
     assert res.ok and res.attempts == 2 and res.failures[0]["cause"] == "node_loss", res
-    ends = [e for e in read_jsonl(f"{tmp_path}/events.jsonl") if e.get("kind") == "restore_end" and e.get("attempt")]
-    assert {e["tier"] for e in ends} == {"parity"} and {e["rank"] for e in ends if e.get("rebuilt_bytes")} == {1}
+    assert _rebuilt_from_parity(tmp_path) == {1}
     _bit_exact(tmp_path, ref, world=2)
 
 
