@@ -5,7 +5,8 @@ tensor-, data- (and pipeline-) parallel groups (Megatron's rank order: tensor in
 block split as Megatron splits it -- a column-parallel first linear layer, a row-parallel second one whose
 partial outputs are all-reduced over the tensor-parallel group. The dropout between them runs under the
 model-parallel RNG tracker (DeepSpeed's ``deepspeed.checkpointing``, what Megatron-DeepSpeed configures), so
-each tensor-parallel rank draws its own mask, as Megatron's tensor-parallel regions do.
+each tensor-parallel rank draws its own mask, as Megatron's tensor-parallel regions do. With a pipeline the mpu
+is DeepSpeed's ``PipelineParallelGrid`` over a pipe x data x model topology (``pipeline_grid``).
 """
 from __future__ import annotations
 
@@ -93,18 +94,18 @@ class ParallelMLP(nn.Module):
     ``[r*4d/tp, (r+1)*4d/tp)`` of the first weight and bias and the same columns of the second weight. Built from
     the full layer so every layout starts from the same weights (Megatron's CPU initialisation)."""
 
-    def __init__(self, full: nn.Sequential, mpu: TensorParallelMpu, dropout: float):
+    def __init__(self, full: nn.Sequential, tp_rank: int, tp_size: int, group, dropout: float):
         super().__init__()
         fc1, fc2 = full[0], full[2]
-        n = fc1.out_features // mpu.tp_size
-        lo, hi = mpu.tp_rank * n, (mpu.tp_rank + 1) * n
+        n = fc1.out_features // tp_size
+        lo, hi = tp_rank * n, (tp_rank + 1) * n
         self.w1 = nn.Parameter(fc1.weight.detach()[lo:hi].clone())
         self.b1 = nn.Parameter(fc1.bias.detach()[lo:hi].clone())
         self.w2 = nn.Parameter(fc2.weight.detach()[:, lo:hi].clone())
         self.b2 = nn.Parameter(fc2.bias.detach().clone())   # replicated: added once, after the reduction
         for p in (self.w1, self.b1, self.w2):
             p.tensor_model_parallel = True   # DeepSpeed counts these once per slice in the gradient norm
-        self.group, self.p = mpu.tp_group, dropout
+        self.group, self.p = group, dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
@@ -117,10 +118,26 @@ class ParallelMLP(nn.Module):
 def shard_mlps(model: nn.Module, mpu: TensorParallelMpu, dropout: float = 0.1) -> None:
     """Replace every block's MLP by its tensor-parallel slice, in place."""
     for blk in model.blocks:
-        blk.mlp = ParallelMLP(blk.mlp, mpu, dropout)
+        blk.mlp = ParallelMLP(blk.mlp, mpu.tp_rank, mpu.tp_size, mpu.tp_group, dropout)
 
 
-def seed_model_parallel_rng(mpu: TensorParallelMpu, seed: int) -> None:
+def pipeline_grid(pp: int, tp: int):
+    """DeepSpeed's own mpu for pipeline x tensor x data parallelism (what Megatron-DeepSpeed builds): a
+    ``PipelineParallelGrid`` over ``PipeModelDataParallelTopology`` (pipe outermost, tensor innermost). Its
+    slice group is the tensor-parallel group the blocks' MLPs reduce over."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+
+    class Grid(PipelineParallelGrid):
+        # deepspeed.checkpointing.configure() asks for the tensor-parallel group by Megatron's name, which the
+        # grid has under its own (the slice group) only.
+        def get_tensor_model_parallel_group(self):
+            return self.get_slice_parallel_group()
+
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dist.get_world_size() // (pp * tp))
+    return topo, Grid(topology=topo)
+
+
+def seed_model_parallel_rng(mpu, seed: int) -> None:
     """What Megatron-DeepSpeed does at start: DeepSpeed's activation-checkpointing module configured with the
     mpu, and the tracker's model-parallel stream seeded per tensor-parallel rank."""
     import deepspeed

@@ -114,15 +114,30 @@ def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def pipeline_model(a: argparse.Namespace):
+class TPBlock(Block):
+    """A block whose MLP is this rank's tensor-parallel slice (pipeline x tensor parallel)."""
+
+    def __init__(self, d: int, heads: int, dropout: float, tp_rank: int, tp_size: int, group):
+        super().__init__(d, heads, dropout)
+        from _ds_tensor_parallel import ParallelMLP
+        self.mlp = ParallelMLP(self.mlp, tp_rank, tp_size, group, dropout)
+
+
+def pipeline_model(a: argparse.Namespace, grid=None, topology=None):
     """The same GPT as a DeepSpeed ``PipelineModule``: the token embedding is a ``TiedLayerSpec`` on the
-    first stage and, as the head, on the last (its gradients are all-reduced between the two stages)."""
+    first stage and, as the head, on the last (its gradients are all-reduced between the two stages). With a
+    ``grid`` (``--tp``), every block's MLP is split over the grid's tensor-parallel (slice) group."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    if grid is None:
+        blocks = [LayerSpec(Block, a.d_model, a.heads, 0.1) for _ in range(a.layers)]
+    else:
+        tp = (grid.get_slice_parallel_rank(), grid.get_slice_parallel_world_size(), grid.get_slice_parallel_group())
+        blocks = [LayerSpec(TPBlock, a.d_model, a.heads, 0.1, *tp) for _ in range(a.layers)]
     layers = [TiedLayerSpec("embed", TokEmbed, a.vocab, a.d_model), LayerSpec(PosEmbed, a.seq, a.d_model, 0.1),
-              *[LayerSpec(Block, a.d_model, a.heads, 0.1) for _ in range(a.layers)],
-              LayerSpec(nn.LayerNorm, a.d_model),
+              *blocks, LayerSpec(nn.LayerNorm, a.d_model),
               TiedLayerSpec("embed", TokEmbed, a.vocab, a.d_model, forward_fn=_tied_head)]
-    return PipelineModule(layers=layers, num_stages=a.pp, loss_fn=_lm_loss, partition_method=a.partition_method)
+    kw = {"topology": topology} if topology is not None else {"num_stages": a.pp}
+    return PipelineModule(layers=layers, loss_fn=_lm_loss, partition_method=a.partition_method, **kw)
 
 
 def batch(seed: int, micro_index: int, dp_rank: int, mb: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,21 +295,25 @@ def main(argv: list[str] | None = None) -> int:
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=float(os.environ.get("SHARDSAFE_PG_TIMEOUT", 30))))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(a.seed)
-    model = pipeline_model(a) if a.pp else TinyGPT(a.vocab, a.d_model, a.layers, a.heads, a.seq)
-    mpu = None
+    mpu = grid = topology = None
+    if a.tp > 1 or a.pp:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    if a.tp > 1 and a.pp:
+        from _ds_tensor_parallel import pipeline_grid
+        topology, grid = pipeline_grid(a.pp, a.tp)
+    model = pipeline_model(a, grid, topology) if a.pp else TinyGPT(a.vocab, a.d_model, a.layers, a.heads, a.seq)
     if a.moe:
         if a.pp or a.tp > 1:
             raise SystemExit("--moe with --pp or --tp: not in this example")
         for blk in model.blocks:   # every rank builds all experts from the same weights; MoE keeps its own
             blk.mlp = MoEMLP(blk.mlp, a.d_model, a.moe, min(a.moe, world))
     if a.tp > 1:
-        if a.pp:
-            raise SystemExit("--tp with --pp: not in this example yet (use one of them)")
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from _ds_tensor_parallel import TensorParallelMpu, seed_model_parallel_rng, shard_mlps
-        mpu = TensorParallelMpu(a.tp)
-        shard_mlps(model, mpu)
-        seed_model_parallel_rng(mpu, a.seed)   # the tracker's stream per tensor-parallel rank
+        if not a.pp:
+            mpu = TensorParallelMpu(a.tp)
+            shard_mlps(model, mpu)
+        # the tracker's stream per tensor-parallel rank (the pipeline's grid is the mpu there)
+        seed_model_parallel_rng(mpu or grid, a.seed)
     torch.manual_seed(a.seed + 1 + rank)  # per-rank dropout streams: the adapter must keep RNG per rank
     random.seed(a.seed + rank)
     np.random.seed(a.seed + rank)

@@ -31,9 +31,11 @@ def _engines(run_dir):
 
 
 def _rebuilt_from_parity(run_dir):
-    """The ranks the restarted attempt rebuilt from parity; every rank of it must have restored from that tier."""
-    ends = [e for e in read_jsonl(f"{run_dir}/events.jsonl") if e.get("kind") == "restore_end" and e.get("attempt")]
-    assert ends and {e["tier"] for e in ends} == {"parity"}, ends
+    """The ranks the last attempt rebuilt from parity; every rank of it must have restored from that tier."""
+    ends = [e for e in read_jsonl(f"{run_dir}/events.jsonl") if e.get("kind") == "restore_end"]
+    last = max(int(e.get("attempt") or 0) for e in ends)
+    ends = [e for e in ends if int(e.get("attempt") or 0) == last]
+    assert last > 0 and {e["tier"] for e in ends} == {"parity"}, ends
     return {e["rank"] for e in ends if e.get("rebuilt_bytes")}
 
 
@@ -106,6 +108,24 @@ def test_tensor_parallel_node_loss_rebuilt_from_parity(tmp_path, reference):
     assert res.ok and res.attempts == 2 and res.failures[0]["cause"] == "node_loss", res
     assert _rebuilt_from_parity(tmp_path) == {2, 3}
     _bit_exact(tmp_path, ref)
+
+
+def test_tensor_pipeline_data_parallel_8_ranks(tmp_path, reference):
+    """TP2 x PP2 x DP2 on 4 nodes x 2 ranks: DeepSpeed's PipelineParallelGrid over a pipe x data x model topology
+    (tensor innermost: a node holds both slices of one (stage, dp) pair), tensor-parallel MLPs over the grid's
+    slice group, bf16 with stage 0 (BF16_Optimizer). Rank 5 (stage 1) is killed at step 4, then node1 (stage 0,
+    dp 1, both slices) is lost: ranks 2 and 3 are rebuilt, each in its own (tp, pp) parity group."""
+    args = [*TP2, *PP2]
+    ref = reference(0, "bf16", STEPS, extra=args, world=8)
+    res = run_job(tmp_path, stage=0, dtype="bf16", steps=STEPS, nodes=4, nproc=2, extra=args,
+                  inject="kill-rank:5@4;kill-node:node1@7")
+    assert res.ok and res.attempts == 3, res
+    assert [f["cause"] for f in res.failures] == ["rank_exit", "node_loss"], res.failures
+    assert _engines(tmp_path) == {("PipelineEngine", "BF16_Optimizer")}
+    got = restores(tmp_path)
+    assert got[1] in (2, 3) and 5 <= got[2] <= 8, got
+    assert _rebuilt_from_parity(tmp_path) == {2, 3}
+    _bit_exact(tmp_path, ref, world=8)
 
 
 MOE = ["--moe", "2"]
