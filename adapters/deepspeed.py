@@ -537,6 +537,8 @@ class ShardsafeEngineHook:
         self.restored = self.runtime.try_restore(self.adapter)
         # The RNG the snapshot restored, for the program's client state (its load_checkpoint comes later).
         self._restored_rng = _live_rng() if self.restored.version >= 0 else None
+        if cfg.export_dir:
+            self._export_and_exit(cfg.export_dir)
         self._install(engine)
 
     @property
@@ -620,6 +622,36 @@ class ShardsafeEngineHook:
             log.warning("shardsafe: the checkpoint's client state is returned as of the snapshot: %s",
                         ", ".join(changed))
         return os.path.join(str(load_dir), str(tag)), client
+
+    def _export_and_exit(self, export_dir: str) -> None:
+        """The export run (``shardsafe export --format deepspeed SRC DST -- COMMAND``): the restored state written by
+        this engine's own ``save_checkpoint`` -- DeepSpeed's files for whatever layout the job has (pipeline layer
+        files, mp_rank files per model-parallel rank, BF16_Optimizer and MoE expert files) -- then a clean exit
+        before the program trains. What DeepSpeed's format has no place for (this rank's RNG states and
+        model-parallel RNG trackers, module buffers, ``extra``) goes to ``shardsafe_rank{R}.pt`` beside them, which
+        ``shardsafe.export.apply_client_state`` reads after a vanilla ``load_checkpoint``."""
+        import torch.distributed as dist
+        from shardsafe.export import EXPORT_FORMAT, rank_side_file, save_rank_side_file
+        engine, v = self.adapter.engine, self.restored.version
+        if v < 0:
+            raise SystemExit(f"shardsafe export: no snapshot could be restored ({self.restored.message}); nothing was "
+                             f"written to {export_dir}")
+        tag = f"global_step{v}"
+        client = {"shardsafe": {"format": EXPORT_FORMAT, "version": v, "micro_steps": int(engine.micro_steps),
+                                "per_rank_files": True}}
+        engine.save_checkpoint(export_dir, tag=tag, client_state=client)
+        rng = capture_rng()
+        trackers = rng_trackers.capture(rng.tensors)
+        save_rank_side_file(rank_side_file(os.path.join(export_dir, tag), self.runtime.rank), {
+            "rng": rng.tensors, "rng_meta": rng.meta, "rng_trackers": trackers,
+            "buffers": {n: b.detach().clone() for n, b in self.adapter._buffers()}, "extra": dict(self.adapter.extra)})
+        if dist.is_initialized():
+            dist.barrier()
+        if self.runtime.rank == 0:
+            print(f"shardsafe: exported version {v} to {os.path.join(export_dir, tag)} (DeepSpeed save_checkpoint of "
+                  f"the restored engine)", flush=True)
+        self.close()
+        raise SystemExit(0)
 
     def flush(self) -> bool:
         return self.runtime.pipeline.flush()

@@ -1,6 +1,12 @@
 """Snapshot vs disk checkpoint, same state, same run (DeepSpeed ZeRO-2 bf16, 2 ranks, >= 1 GiB of state).
 
     .venv/bin/python bench/snapshot_bench.py [--d-model 1024 --layers 8] [--repeats 5] [--json]
+    .venv/bin/python bench/snapshot_bench.py --pp 2      (PipelineModule PP2 x DP2, ZeRO-1 bf16, 4 ranks)
+
+(The pipeline layout runs ZeRO-1, not BF16_Optimizer: DeepSpeed 0.19.8's load_checkpoint cannot read its own
+BF16_Optimizer checkpoint at zero stage 0 -- it hands the model-states file's optimizer dict to
+BF16_Optimizer.load_state_dict, which indexes it by data-parallel rank: KeyError 0 -- so there is no
+load_checkpoint to compare with.)
 
 Prints medians of --repeats runs and ratios, each naming its baseline measured in this run:
   * copy bandwidth of a snapshot into the holder's pre-faulted shared memory vs memcpy (torch copy_
@@ -52,7 +58,7 @@ def worker(a: argparse.Namespace) -> None:
     import deepspeed
     import deepspeed.ops
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    from ds_pretrain_gpt import TinyGPT, batch
+    from ds_pretrain_gpt import TinyGPT, batch, pipeline_model
     from shardsafe.adapters.deepspeed import initialize
     from shardsafe.restore import restore_from_holder
 
@@ -60,16 +66,28 @@ def worker(a: argparse.Namespace) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = TinyGPT(a.vocab, a.d_model, a.layers, a.heads, a.seq)
+    if a.pp:   # the same GPT as a PipelineModule (ZeRO-1: see the module docstring)
+        ns = argparse.Namespace(vocab=a.vocab, d_model=a.d_model, layers=a.layers, heads=a.heads, seq=a.seq, pp=a.pp,
+                                partition_method="parameters")
+        model = pipeline_model(ns)
+    else:
+        model = TinyGPT(a.vocab, a.d_model, a.layers, a.heads, a.seq)
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-           "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}, "steps_per_print": 10 ** 9,
+           "bf16": {"enabled": True}, "zero_optimization": {"stage": 1 if a.pp else 2}, "steps_per_print": 10 ** 9,
            "shardsafe": {"enabled": True, "interval": 1, "memory_budget_gb": a.budget_gb}}
-    engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, *_ = initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                            config=cfg)
     hook = engine.shardsafe
     pipe = hook.runtime.pipeline
+    dp_rank = engine.mpu.get_data_parallel_rank() if engine.mpu else rank
+    if rank == 0:
+        print(f"{type(engine).__name__} with {type(engine.optimizer).__name__}", flush=True)
 
     def train_step() -> None:
+        if a.pp:
+            engine.train_batch(iter([batch(0, engine.global_steps, dp_rank, 1, a.seq, a.vocab)]))
+            return
         x, y = batch(0, engine.micro_steps, rank, 1, a.seq, a.vocab)
         engine.backward(engine(x, y))
         engine.step()
@@ -162,9 +180,12 @@ def report(res: dict, a: argparse.Namespace) -> dict:
     memcpy_gbs = nbytes / med(res["memcpy_s"]) / 1e9
     stall = med(res["stall_s"])
     stall_floor = max(stall, 1e-6)
+    world = 2 * max(a.pp, 1)
     out = {
-        "model": f"TinyGPT vocab={a.vocab} d={a.d_model} layers={a.layers}", "ranks": 2, "zero_stage": 2, "dtype": "bf16",
-        "state_bytes_per_rank": nbytes, "state_bytes_total": 2 * nbytes, "repeats": a.repeats,
+        "model": f"TinyGPT vocab={a.vocab} d={a.d_model} layers={a.layers}", "ranks": world,
+        "layout": f"PipelineModule PP{a.pp} x DP2, ZeRO-1" if a.pp else "ZeRO-2", "dtype": "bf16",
+        # rank 0's (pipeline stages differ in size: the first holds the embeddings)
+        "state_bytes_per_rank": nbytes, "repeats": a.repeats,
         "copy_GBps": round(copy_gbs, 3), "memcpy_GBps": round(memcpy_gbs, 3),
         "ratio_copy_vs_memcpy": round(copy_gbs / memcpy_gbs, 3),
         "stall_ms_median": round(stall * 1e3, 3), "stall_ms_max": round(max(res["stall_s"]) * 1e3, 3),
@@ -194,6 +215,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--budget-gb", type=float, default=6.0)
+    p.add_argument("--pp", type=int, default=0, help="pipeline stages (PipelineModule x 2 data-parallel ranks)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--profile", default="", help="write a cProfile of rank 0's last restore to this file")
     a = p.parse_args()
@@ -204,11 +226,12 @@ def main() -> int:
         return 0
     from shardsafe.launch import LaunchConfig, LocalLauncher
     tmp = tempfile.mkdtemp(prefix="shardsafe-bench-", dir=a.ckpt_dir or None)
-    run = LocalLauncher(LaunchConfig(nodes=1, nproc_per_node=2, job_id=f"bench{os.getpid()}", run_dir=tmp,
+    run = LocalLauncher(LaunchConfig(nodes=1, nproc_per_node=2 * max(a.pp, 1), job_id=f"bench{os.getpid()}", run_dir=tmp,
                                      max_restarts=0, memory_budget_gb=a.budget_gb, attempt_timeout_s=3000))
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out", tmp, "--ckpt-dir", tmp,
             "--vocab", str(a.vocab), "--d-model", str(a.d_model), "--layers", str(a.layers), "--heads", str(a.heads),
-            "--seq", str(a.seq), "--repeats", str(a.repeats), "--warmup", str(a.warmup), "--budget-gb", str(a.budget_gb)]
+            "--seq", str(a.seq), "--repeats", str(a.repeats), "--warmup", str(a.warmup), "--budget-gb", str(a.budget_gb),
+            "--pp", str(a.pp)]
     if not run.run(argv).ok:
         print(f"benchmark failed; logs kept in {tmp}", file=sys.stderr)
         return 1
@@ -218,9 +241,8 @@ def main() -> int:
     if a.json:
         print(json.dumps(out))
         return 0
-    gib = out["state_bytes_total"] / 2 ** 30
-    print(f"{out['model']}, ZeRO-2 bf16, 2 ranks: {gib:.2f} GiB of rank state ({out['state_bytes_per_rank'] / 2**20:.0f} MiB/rank); "
-          f"medians of {a.repeats}")
+    print(f"{out['model']}, {out['layout']} bf16, {out['ranks']} ranks on one node: "
+          f"{out['state_bytes_per_rank'] / 2**20:.0f} MiB of rank state on rank 0; medians of {a.repeats}")
     print(f"copy into holder      {out['copy_GBps']:7.2f} GB/s   vs memcpy (same run) {out['memcpy_GBps']:.2f} GB/s  "
           f"-> {out['ratio_copy_vs_memcpy']:.2f}x of memcpy")
     print(f"trainer stall/snapshot {out['stall_ms_median']:7.3f} ms   (max {out['stall_ms_max']} ms; first snapshots "

@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         if path is None:
             raise SystemExit(f"no DeepSpeed checkpoint under {a.load}")
         print(f"[rank {rank}] loaded {path} at step {engine.global_steps}; shardsafe client state: "
-              f"{apply_client_state(engine, client)}", flush=True)
+              f"{apply_client_state(engine, client, path)}", flush=True)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.dtype)
     dp_rank = engine.mpu.get_data_parallel_rank() if engine.mpu else rank
     attempt = int(os.environ.get("SHARDSAFE_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
@@ -353,10 +353,13 @@ def main(argv: list[str] | None = None) -> int:
             # The pipeline engine does not count micro-steps: the data position is global_steps * gas.
             first = engine.global_steps * a.gas
             data = iter([batch(a.seed, first + j, dp_rank, a.micro_batch, a.seq, a.vocab) for j in range(a.gas)])
-            step = engine.global_steps + 1
+            rec = {"step": engine.global_steps + 1, "attempt": attempt}
+            scaler = getattr(engine.optimizer, "loss_scaler", None)
+            if a.dtype == "fp16" and scaler is not None:
+                rec["loss_scale"] = float(scaler.cur_scale)   # the scale this step's backward uses
             loss = engine.train_batch(data)
             if losses:   # after the step here: train_batch returns the loss only then
-                losses.write(json.dumps({"step": step, "loss": float(loss.item()).hex(), "attempt": attempt}) + "\n")
+                losses.write(json.dumps({**rec, "loss": float(loss.item()).hex()}) + "\n")
                 losses.flush()
         for i in range(0 if a.pp else a.gas):
             x, y = batch(a.seed, engine.micro_steps, dp_rank, a.micro_batch, a.seq, a.vocab)

@@ -161,8 +161,10 @@ def _register_export(sub) -> None:
     """`shardsafe export` (its module imports torch: only when the command runs, so `shardsafe holder`
     and `status` start in a fraction of a second)."""
     p = sub.add_parser("export", help="write a committed snapshot as a DeepSpeed or Megatron checkpoint",
-                       description="deepspeed: offline, from the snapshot files. megatron: runs the job's own "
-                                   "command (after --) once with --shardsafe-export-dir; it restores and saves.")
+                       description="deepspeed: offline, from the snapshot files (ZeRO-1/2/3, data parallel), or with "
+                                   "the job's command after -- (any layout: pipeline, tensor/expert parallel, "
+                                   "BF16_Optimizer) run once with SHARDSAFE_EXPORT_DIR; megatron: the job's own command "
+                                   "(after --) run once with --shardsafe-export-dir. A replayed job restores and saves.")
     p.add_argument("--format", required=True, choices=["deepspeed", "megatron"])
     p.add_argument("src", help="persistent job directory PERSIST_DIR/JOB_ID, or holder://JOB_ID")
     p.add_argument("dst", help="checkpoint directory to write (as engine.save_checkpoint / Megatron --save)")
@@ -170,7 +172,8 @@ def _register_export(sub) -> None:
     p.add_argument("--tag", default="", help="DeepSpeed tag (default global_step<N>)")
     p.add_argument("--holder-dir", default="", help="with holder://JOB_ID: the holders' directory")
     p.add_argument("command", nargs=argparse.REMAINDER,
-                   help="megatron: -- the job's launch command (torchrun ... pretrain_gpt.py ARGS)")
+                   help="-- the job's launch command (torchrun ... pretrain_gpt.py ARGS): required for megatron, "
+                        "and for deepspeed layouts the offline writer refuses")
     p.set_defaults(func=_run_export)
 
 

@@ -37,6 +37,8 @@ def default_job_id() -> str:
 
 
 ENV_HOLDER_BUDGET = "SHARDSAFE_HOLDER_BUDGET_GB"
+ENV_PERSIST_DIR = "SHARDSAFE_PERSIST_DIR"
+ENV_EXPORT_DIR = "SHARDSAFE_EXPORT_DIR"
 """Set by the launchers that start the holders (their --memory-budget-gb): a trainer's config cannot change
 the budget of a holder that already runs, so a different value in the config is an error naming both."""
 
@@ -93,7 +95,8 @@ class ShardsafeConfig:
     run_dir: str = ""
     """Where trainers append TOR events (events.jsonl); empty = SHARDSAFE_RUN_DIR or no event log."""
     persist_dir: str = ""
-    """Persistent tier: holders write committed versions under PERSIST_DIR/JOB_ID/ (empty = off)."""
+    """Persistent tier: holders write committed versions under PERSIST_DIR/JOB_ID/ (empty = SHARDSAFE_PERSIST_DIR,
+    else off)."""
     persist_every: int = 10
     """Flush every K-th snapshot (in snapshots, not steps) when persist_dir is set."""
     persist_keep: int = 2
@@ -103,6 +106,10 @@ class ShardsafeConfig:
     hash_threads: int = 0
     """Threads per rank that compute the snapshot checksums and verify a restore (xxh3 off the GIL,
     shardsafe/checksum.py); 0 = the node's usable cores over its local ranks, at most 8."""
+    export_dir: str = ""
+    """Export run: right after the restore at start, write the restored state with the framework's own checkpoint
+    writer into this directory and exit before training. Set by `shardsafe export ... -- COMMAND` through
+    SHARDSAFE_EXPORT_DIR (empty = SHARDSAFE_EXPORT_DIR, else a normal run)."""
 
     def __post_init__(self) -> None:
         _check_type(self)
@@ -138,6 +145,10 @@ class ShardsafeConfig:
                 raise ConfigError(f"shardsafe.{key} must be 1-64 characters without '/'; got {v!r}.")
         if not self.run_dir:
             self.run_dir = os.environ.get("SHARDSAFE_RUN_DIR", "")
+        if not self.persist_dir:
+            self.persist_dir = os.environ.get(ENV_PERSIST_DIR, "")
+        if not self.export_dir:
+            self.export_dir = os.environ.get(ENV_EXPORT_DIR, "")
         if self.enabled:
             self._check_launcher_budget()
 

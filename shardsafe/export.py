@@ -170,9 +170,12 @@ def _ds_check(ranks: list[RankSnapshot]) -> tuple[dict, dict]:
     world = ranks[0].manifest["world_size"]
     if [r.rank for r in ranks] != list(range(world)):
         raise ExportError(f"expected the snapshots of all {world} ranks, found ranks {[r.rank for r in ranks]}")
+    replay = ("pass the job's launch command after `--` (shardsafe export --format deepspeed SRC DST -- torchrun ... "
+              "train.py ARGS): the job then restores and writes the checkpoint with DeepSpeed's own save_checkpoint")
     if lay["mp_world_size"] != 1 or m0["dp_world_size"] != world:
-        raise ExportError(f"export writes data-parallel-only DeepSpeed checkpoints; this job ran model-parallel size "
-                          f"{lay['mp_world_size']} with data-parallel size {m0['dp_world_size']} of {world} ranks.")
+        raise ExportError(f"the offline export writes data-parallel-only DeepSpeed checkpoints; this job ran "
+                          f"model-parallel size {lay['mp_world_size']} (pipeline x tensor) with data-parallel size "
+                          f"{m0['dp_world_size']} of {world} ranks: {replay}.")
     if lay["frozen_params"]:
         raise ExportError(f"the model has frozen parameters ({', '.join(lay['frozen_params'][:4])}...) that are not "
                           "optimizer state and so not in the snapshot; export cannot write them.")
@@ -180,8 +183,10 @@ def _ds_check(ranks: list[RankSnapshot]) -> tuple[dict, dict]:
         raise ExportError("zero_optimization.elastic_checkpoint=true is not supported by export; "
                           "train with it false (the default).")
     if m0["optimizer"] not in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3"):
-        raise ExportError(f"export supports ZeRO stages 1-3 (DeepSpeedZeroOptimizer, ..._Stage3); this snapshot's "
-                          f"optimizer is {m0['optimizer']}.")
+        raise ExportError(f"the offline export supports ZeRO stages 1-3 (DeepSpeedZeroOptimizer, ..._Stage3); this "
+                          f"snapshot's optimizer is {m0['optimizer']}: {replay}.")
+    if (m0.get("parallel") or {}).get("experts"):
+        raise ExportError(f"the offline export does not write MoE expert files: {replay}.")
     return m0, lay
 
 
@@ -221,6 +226,7 @@ def _client_state(ranks: list[RankSnapshot], version: int) -> dict:
         "micro_steps": int(ranks[0].meta["counters"].get("micro_steps", 0)),
         "ranks": {r.rank: {"rng": {k: v.clone() for k, v in r.tensors.items() if k.startswith("rng/")},
                            "rng_meta": {k: v for k, v in r.meta.items() if k.startswith("rng/")},
+                           "rng_trackers": r.meta.get("rng_trackers") or {},
                            # DeepSpeed saves rank 0's buffers only; a per-rank buffer (running stats of
                            # a rank's own data) would come back as rank 0's without these.
                            "buffers": {k[len("module/buffer/"):]: v.clone() for k, v in r.tensors.items()
@@ -339,20 +345,46 @@ def export_deepspeed(ranks: list[RankSnapshot], dst: str, *, version: int, tag: 
     return tdir
 
 
-def apply_client_state(engine: Any, client_state: Mapping[str, Any] | None) -> bool:
+def rank_side_file(tag_dir: str, rank: int) -> str:
+    """Where an export run's rank keeps what DeepSpeed's files have no place for (its RNG, buffers, extra)."""
+    return os.path.join(tag_dir, f"shardsafe_rank{rank}.pt")
+
+
+def save_rank_side_file(path: str, obj: Mapping[str, Any]) -> None:
+    _atomic_save({"format": EXPORT_FORMAT, **obj}, path)
+
+
+def apply_client_state(engine: Any, client_state: Mapping[str, Any] | None, path: str | None = None) -> bool:
     """After a vanilla ``engine.load_checkpoint`` of an exported checkpoint: put back what DeepSpeed's
-    format does not carry (this rank's RNG states, ``micro_steps``). Returns False if there is nothing."""
+    format does not carry (this rank's RNG states and model-parallel RNG trackers, ``micro_steps``, buffers).
+    ``path``: the checkpoint directory ``load_checkpoint`` returned (an export run's per-rank files are there).
+    Returns False if there is nothing."""
     s = (client_state or {}).get("shardsafe")
     if not s:
         return False
     from shardsafe.state import apply_rng
+    from shardsafe.adapters import rng_trackers
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    mine = s["ranks"].get(rank)
+    if s.get("per_rank_files"):
+        # load_checkpoint returns the model-states file it read, inside the tag directory
+        tag_dir = (str(path) if os.path.isdir(str(path)) else os.path.dirname(str(path))) if path else ""
+        side = rank_side_file(tag_dir, rank) if tag_dir else ""
+        if not side or not os.path.isfile(side):
+            raise ExportError(f"the exported checkpoint keeps each rank's RNG states in shardsafe_rank<R>.pt beside its "
+                              f"files and rank {rank}'s is missing ({side or 'no checkpoint directory passed'}); load it "
+                              "with the world size it was exported at, and pass load_checkpoint's returned path.")
+        mine = torch.load(side, map_location="cpu", weights_only=True)   # plain tensors and data only
+    else:
+        mine = s["ranks"].get(rank)
     if mine is None:
         raise ExportError(f"the exported checkpoint has RNG states for ranks {sorted(s['ranks'])}, not for rank {rank}; "
                           "load it with the world size it was taken at.")
     engine.micro_steps = int(s["micro_steps"])
     apply_rng(mine["rng"], mine["rng_meta"])
+    problems = rng_trackers.problems(mine.get("rng_trackers"))
+    if problems:
+        raise ExportError("; ".join(problems))
+    rng_trackers.apply(mine["rng"], mine.get("rng_trackers"))
     bufs = dict(engine.module.named_buffers())
     with torch.no_grad():
         for name, v in mine.get("buffers", {}).items():
@@ -393,35 +425,27 @@ def _copy_recovery_scripts(dst: str) -> None:
 
 # ---- CLI ----------------------------------------------------------------------------------------------
 
-def export_megatron(src: str, dst: str, command: list[str], *, holder_dir: str = "",
-                    timeout_s: float | None = None) -> str:
-    """Run the job's own Megatron-LM command once more with ``--shardsafe-export-dir``: it restores the
-    newest snapshot of SRC and writes it with Megatron's ``save_checkpoint`` (the format and layout
-    that Megatron version's ``--save`` writes), then exits before training. Megatron checkpoints hold
-    the model's own sharding metadata (``sharded_state_dict`` of the live modules), which only the
-    model code can produce; hence the replay instead of an offline writer as for DeepSpeed."""
+def _replay_job(src: str, command: list[str], extra: Any, *, holder_dir: str, timeout_s: float | None) -> None:
+    """Run the job's own command once more so that it restores SRC and writes the export with the framework's own
+    writer. From holder://JOB_ID it reads the job's live holders; from a persistent job directory, fresh empty
+    holders in a private directory make the restore fall through to the persistent tier. ``extra(job_id,
+    persist_dir, holder_dir)`` returns the (flags, environment) that say so: Megatron reads flags, a DeepSpeed
+    program its JSON block, which the environment completes."""
     import subprocess
     import tempfile
-    if not command:
-        raise ExportError("--format megatron needs the job's launch command after `--` (e.g. `-- torchrun "
-                          "--nproc-per-node 8 pretrain_gpt.py ARGS`), with the layout (TP/PP/DP) it was trained at.")
-    flags = ["--shardsafe", "--shardsafe-export-dir", os.path.abspath(dst), "--shardsafe-parity-group-size", "1"]
     scratch = None
     if src.startswith("holder://"):
-        flags += ["--shardsafe-job-id", src[len("holder://"):]]
-        if holder_dir:
-            flags += ["--shardsafe-holder-dir", holder_dir]
+        job, persist, hdir = src[len("holder://"):], "", holder_dir
     else:
         if not os.path.isdir(src):
             raise ExportError(f"{src} is not a directory; SRC is a persistent job directory (PERSIST_DIR/JOB_ID) "
                               "or holder://JOB_ID")
         job_dir = os.path.abspath(src)
-        # Fresh, empty holders in a private directory: restore falls through to the persistent tier.
         scratch = tempfile.mkdtemp(prefix="shardsafe-export-")
-        flags += ["--shardsafe-job-id", os.path.basename(job_dir), "--shardsafe-persist-dir", os.path.dirname(job_dir),
-                  "--shardsafe-holder-dir", scratch]
+        job, persist, hdir = os.path.basename(job_dir), os.path.dirname(job_dir), scratch
+    flags, env = extra(job, persist, hdir)
     try:
-        p = subprocess.run([*command, *flags], timeout=timeout_s)
+        p = subprocess.run([*command, *flags], env={**os.environ, **env}, timeout=timeout_s)
     finally:
         if scratch is not None:
             _stop_holders(scratch)
@@ -429,6 +453,60 @@ def export_megatron(src: str, dst: str, command: list[str], *, holder_dir: str =
     if p.returncode != 0:
         raise ExportError(f"the export run exited with status {p.returncode}; its output above says why "
                           f"(command: {' '.join(command + flags)})")
+
+
+def export_deepspeed_replay(src: str, dst: str, command: list[str], *, holder_dir: str = "",
+                            timeout_s: float | None = None) -> str:
+    """``shardsafe export --format deepspeed SRC DST -- COMMAND``: run the job's own command once more with
+    SHARDSAFE_EXPORT_DIR=DST. Its engine restores the newest snapshot of SRC at ``deepspeed.initialize`` and
+    writes it with DeepSpeed's own ``save_checkpoint``, then exits before training (adapters/deepspeed.py), so
+    every layout DeepSpeed can save is exported as that DeepSpeed version writes it: pipeline stages, tensor
+    and expert parallelism, BF16_Optimizer -- what the offline writer (``export_deepspeed``) does not assemble.
+    The command must run the job's layout (world size, pipeline stages, mpu)."""
+    from shardsafe.config import ENV_EXPORT_DIR, ENV_PERSIST_DIR
+    dst = os.path.abspath(dst)
+
+    if not command:
+        raise ExportError("the export run needs the job's launch command after `--`")
+
+    def extra(job: str, persist: str, hdir: str) -> tuple[list[str], dict[str, str]]:
+        env = {ENV_EXPORT_DIR: dst, "SHARDSAFE_JOB_ID": job}
+        if persist:
+            env[ENV_PERSIST_DIR] = persist
+        if hdir:
+            env["SHARDSAFE_HOLDER_DIR"] = hdir
+        return [], env
+
+    _replay_job(src, command, extra, holder_dir=holder_dir, timeout_s=timeout_s)
+    latest = os.path.join(dst, "latest")
+    if not os.path.isfile(latest):
+        raise ExportError(f"the export run finished but {latest} is missing: did the command call deepspeed.initialize "
+                          "with the job's DeepSpeed config (its \"shardsafe\" block enabled)?")
+    with open(latest) as f:
+        return os.path.join(dst, f.read().strip())
+
+
+def export_megatron(src: str, dst: str, command: list[str], *, holder_dir: str = "",
+                    timeout_s: float | None = None) -> str:
+    """Run the job's own Megatron-LM command once more with ``--shardsafe-export-dir``: it restores the
+    newest snapshot of SRC and writes it with Megatron's ``save_checkpoint`` (the format and layout
+    that Megatron version's ``--save`` writes), then exits before training. Megatron checkpoints hold
+    the model's own sharding metadata (``sharded_state_dict`` of the live modules), which only the
+    model code can produce; hence the replay instead of an offline writer as for DeepSpeed."""
+    if not command:
+        raise ExportError("--format megatron needs the job's launch command after `--` (e.g. `-- torchrun "
+                          "--nproc-per-node 8 pretrain_gpt.py ARGS`), with the layout (TP/PP/DP) it was trained at.")
+
+    def extra(job: str, persist: str, hdir: str) -> tuple[list[str], dict[str, str]]:
+        flags = ["--shardsafe", "--shardsafe-export-dir", os.path.abspath(dst), "--shardsafe-parity-group-size", "1",
+                 "--shardsafe-job-id", job]
+        if persist:
+            flags += ["--shardsafe-persist-dir", persist]
+        if hdir:
+            flags += ["--shardsafe-holder-dir", hdir]
+        return flags, {}
+
+    _replay_job(src, command, extra, holder_dir=holder_dir, timeout_s=timeout_s)
     marker = os.path.join(dst, "latest_checkpointed_iteration.txt")
     if not os.path.exists(marker):
         raise ExportError(f"the export run finished but {marker} is missing: was the command a Megatron-LM entry "
@@ -467,7 +545,12 @@ def cmd_export(a: Any) -> int:
             print(f"exported {a.src} as a Megatron checkpoint: {out}", flush=True)
             return 0
         if cmd:
-            raise ExportError("--format deepspeed writes the checkpoint offline; it takes no command after `--`")
+            if a.version is not None or a.tag:
+                raise ExportError("--version and --tag are not supported with a command after `--`: the export run "
+                                  "restores the newest restorable version and saves it as global_step<N>.")
+            out = export_deepspeed_replay(a.src, a.dst, cmd, holder_dir=a.holder_dir)
+            print(f"exported {a.src} as a DeepSpeed checkpoint written by save_checkpoint: {out}", flush=True)
+            return 0
         version, ranks = open_source(a.src, holder_dir=a.holder_dir, version=a.version)
         out = export_deepspeed(ranks, a.dst, version=version, tag=a.tag or None)
     except ExportError as e:

@@ -8,10 +8,15 @@ and each restarted attempt must have continued from the version it restored (com
 """
 import json
 import os
+import subprocess
+import sys
 
 import pytest
+import torch
 
-from shardsafe.runcheck import compare_runs, read_jsonl
+from shardsafe.launch import PRELOAD_DEEPSPEED
+from shardsafe.manifest import load_tensors
+from shardsafe.runcheck import compare_runs, effective_losses, read_jsonl
 
 from .helpers import restores, run_job, trainer_logs
 
@@ -64,6 +69,32 @@ def test_pipeline_kill_rank_then_kill_during_copy(tmp_path, reference, stage, dt
     got = restores(tmp_path)
     assert got[0] == -1 and got[1] in (3, 4) and got[2] == 7, got   # the torn v8 is never restored
     _bit_exact(tmp_path, ref)
+
+
+def test_pipeline_fp16_with_dynamic_loss_scaler(tmp_path, reference, monkeypatch):
+    """fp16 ZeRO-1 under a PipelineModule: the loss scaler (scale, growth and hysteresis counters) comes back with
+    every stage's snapshot. A 2**20 initial scale overflows and a 3-step window grows it again; every step's
+    scale, and every loss, equals the uninterrupted run's (DeepSpeed refuses fp16 on this CPU: the example's
+    test-only switch lifts that refusal)."""
+    monkeypatch.setenv("SHARDSAFE_TEST_FORCE_FP16", "1")
+    args = [*PP2, "--fp16-scale-power", "20", "--fp16-scale-window", "3", "--fp16-hysteresis", "1"]
+    ref = reference(1, "fp16", STEPS, extra=args, world=4)
+    res = run_job(tmp_path, stage=1, dtype="fp16", steps=STEPS, nodes=4, nproc=1, extra=args,
+                  inject="kill-rank:2@5;kill-copy:1@8")
+    assert res.ok and res.attempts == 3, res
+    assert _engines(tmp_path) == {("PipelineEngine", "DeepSpeedZeroOptimizer")}
+    assert restores(tmp_path)[2] == 7
+    _bit_exact(tmp_path, ref)
+    want = _scales(ref)
+    moves = [b / a for a, b in zip(want, want[1:])]
+    assert any(x < 1 for x in moves) and any(x > 1 for x in moves), want   # overflowed and grew back
+    assert _scales(tmp_path) == want
+
+
+def _scales(run_dir) -> list:
+    """Rank 0's loss scale per step, the last record of each step (a replayed step logs again)."""
+    got = {int(rec["step"]): rec["loss_scale"] for rec in read_jsonl(os.path.join(str(run_dir), "losses_rank0.jsonl"))}
+    return [got[s] for s in range(1, STEPS + 1)]
 
 
 def test_pipeline_node_loss_rebuilt_from_parity(tmp_path, reference):
@@ -164,3 +195,73 @@ def test_pipeline_config_file_is_what_the_docs_say():
         cfg = json.load(f)
     assert cfg["bf16"]["enabled"] and cfg["zero_optimization"]["stage"] == 0
     assert config_from_ds(cfg).enabled
+
+
+@pytest.mark.parametrize("stage", [1, 0])
+def test_pipeline_export_equals_save_checkpoint_and_resumes_bit_exact(tmp_path, stage):
+    """`shardsafe export --format deepspeed SRC DST -- COMMAND` for PP2 x DP2 bf16: the job's own command, run once
+    more, restores version 6 from the persistent tier and writes it with DeepSpeed's save_checkpoint. Every file
+    (pipeline layer files, mp_rank model states per stage, bf16_zero optimizer files per rank) equals the one a
+    plain run saved at step 6, tensor for tensor.
+
+    ZeRO-1: a plain job that load_checkpoint()s the export goes on with the plain run's losses 7..10 and final
+    state (RNG from the export's per-rank files). BF16_Optimizer (stage 0): the files are compared only. DeepSpeed
+    0.19.8's load_checkpoint cannot read its own stage-0 BF16_Optimizer checkpoint (it passes the model-states
+    file's optimizer dict to BF16_Optimizer.load_state_dict, which indexes it by data-parallel rank: KeyError 0),
+    for the plain run's checkpoint as for the export."""
+    from .helpers import SCRIPT
+    from .test_export import _cmp
+    ref, vanilla = tmp_path / "ref", tmp_path / "vanilla_ckpt"
+    res = run_job(ref, stage=stage, dtype="bf16", steps=STEPS, shardsafe=False, max_restarts=0, nodes=4, nproc=1,
+                  extra=[*PP2, "--save-dir", str(vanilla), "--save-at", "6"])
+    assert res.ok, trainer_logs(str(ref))[-3000:]
+    disk, prot = tmp_path / "persist", tmp_path / "protected"
+    job = f"exp3d{stage}"
+    res = run_job(prot, stage=stage, dtype="bf16", steps=6, nodes=4, nproc=1, job_id=job,
+                  extra=[*PP2, "--shardsafe-json", json.dumps({"persist_dir": str(disk), "persist_every": 2})])
+    assert res.ok, trainer_logs(str(prot))[-3000:]
+
+    out = tmp_path / "exported"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", SCRIPT,
+               "--steps", "6", "--zero-stage", str(stage), "--dtype", "bf16", *PP2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    p = subprocess.run([sys.executable, "-m", "shardsafe.cli", "export", "--format", "deepspeed", str(disk / job),
+                        str(out), "--", *command], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "shardsafe: exported version 6" in p.stdout, p.stdout[-3000:]
+    tag = "global_step6"
+    assert (out / "latest").read_text().strip() == tag
+    want = sorted(f for f in os.listdir(vanilla / tag) if f.endswith(".pt"))
+    got = sorted(f for f in os.listdir(out / tag) if f.endswith(".pt") and not f.startswith("shardsafe_rank"))
+    assert got == want and any(f.startswith("layer_") for f in want) and any("bf16_zero" in f for f in want), got
+    assert sorted(f for f in os.listdir(out / tag) if f.startswith("shardsafe_rank")) == \
+        [f"shardsafe_rank{r}.pt" for r in range(4)]
+    for f in want:
+        a = torch.load(out / tag / f, weights_only=False)
+        b = torch.load(vanilla / tag / f, weights_only=False)
+        if isinstance(a, dict):
+            a.pop("shardsafe", None)                           # our client state
+            if isinstance(a.get("ds_config"), dict):
+                a["ds_config"].pop("shardsafe", None)          # the protected job's config has the block
+        diffs = []
+        _cmp(a, b, f, diffs)
+        assert not diffs, diffs[:10]
+    if stage == 0:
+        # DeepSpeed cannot load_checkpoint a stage-0 BF16_Optimizer checkpoint, its own included (docstring). When a
+        # DeepSpeed version can, this fails: then continue from the export as for ZeRO-1.
+        plain = tmp_path / "plain_load"
+        res = run_job(plain, stage=stage, dtype="bf16", steps=STEPS, shardsafe=False, max_restarts=0, nodes=4,
+                      nproc=1, extra=[*PP2, "--load", str(vanilla)], preload=PRELOAD_DEEPSPEED)
+        assert not res.ok and "KeyError: 0" in trainer_logs(str(plain)), trainer_logs(str(plain))[-3000:]
+        return
+
+    cont = tmp_path / "continued"
+    res = run_job(cont, stage=stage, dtype="bf16", steps=STEPS, shardsafe=False, max_restarts=0, nodes=4, nproc=1,
+                  extra=[*PP2, "--load", str(out)], preload=PRELOAD_DEEPSPEED)
+    assert res.ok, trainer_logs(str(cont))[-3000:]
+    for r in range(4):
+        got_l, ref_l = effective_losses(str(cont), r), effective_losses(str(ref), r)
+        assert sorted(got_l) == list(range(7, STEPS + 1)), sorted(got_l)
+        assert all(got_l[s] == ref_l[s] for s in got_l), {s: (got_l[s], ref_l[s]) for s in got_l if got_l[s] != ref_l[s]}
+        a, b = load_tensors(str(cont / f"final_rank{r}")), load_tensors(str(ref / f"final_rank{r}"))
+        assert a.keys() == b.keys() and not [k for k in a if not torch.equal(a[k], b[k])]
