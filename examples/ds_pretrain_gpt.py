@@ -62,6 +62,24 @@ class MoEMLP(nn.Module):
         return out
 
 
+class TinyLlama(nn.Module):
+    """A tiny ``transformers`` LlamaForCausalLM behind the example's ``(idx, targets) -> loss`` interface: the model
+    DeepSpeed's AutoTP training knows how to shard (``--autotp``; its q/k/v/gate/up projections column-wise,
+    o/down row-wise)."""
+
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int, dropout: float = 0.1):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=4 * d, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=seq,
+                          attention_dropout=dropout)
+        self.lm = LlamaForCausalLM(cfg)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(input_ids=idx).logits.float()
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
 class TinyGPT(nn.Module):
     def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int, dropout: float = 0.1):
         super().__init__()
@@ -169,6 +187,9 @@ def ds_config(a: argparse.Namespace, world: int) -> dict:
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
+    if a.autotp > 1:   # DeepSpeed's own training tensor parallelism (AutoTP shards the nn.Linear layers)
+        cfg["tensor_parallel"] = {"autotp_size": a.autotp}
+        del cfg["train_batch_size"]   # DeepSpeed derives it (its check runs before the TP groups exist)
     if not a.no_scheduler:
         cfg["scheduler"] = {"type": "WarmupLR",
                             "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}}
@@ -242,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: a Megatron-style mpu handed to deepspeed.initialize, MLPs split "
                         "column/row-parallel (examples/_ds_tensor_parallel.py)")
+    p.add_argument("--autotp", type=int, default=1,
+                   help="DeepSpeed AutoTP training of a tiny transformers Llama: \"tensor_parallel\": "
+                        "{\"autotp_size\": N} in the config")
     p.add_argument("--moe", type=int, default=0,
                    help="experts per block (deepspeed.moe.layer.MoE, expert parallel over min(experts, world) ranks)")
     p.add_argument("--partition-method", default="parameters",
@@ -301,7 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.tp > 1 and a.pp:
         from _ds_tensor_parallel import pipeline_grid
         topology, grid = pipeline_grid(a.pp, a.tp)
-    model = pipeline_model(a, grid, topology) if a.pp else TinyGPT(a.vocab, a.d_model, a.layers, a.heads, a.seq)
+    if a.pp:
+        model = pipeline_model(a, grid, topology)
+    elif a.autotp > 1:
+        model = TinyLlama(a.vocab, a.d_model, a.layers, a.heads, a.seq)
+    else:
+        model = TinyGPT(a.vocab, a.d_model, a.layers, a.heads, a.seq)
     if a.moe:
         if a.pp or a.tp > 1:
             raise SystemExit("--moe with --pp or --tp: not in this example")

@@ -159,6 +159,19 @@ def test_tensor_pipeline_data_parallel_8_ranks(tmp_path, reference):
     _bit_exact(tmp_path, ref, world=8)
 
 
+def test_deepspeed_autotp_training(tmp_path, reference):
+    """DeepSpeed's own training tensor parallelism (`"tensor_parallel": {"autotp_size": 2}`) on a tiny transformers
+    Llama: AutoTP shards its projections, the engine's mpu is deepspeed.utils.groups. TP2 x DP2 on 2 nodes x 2,
+    ZeRO-1 bf16: rank 1 killed at step 4, then node1 (both tensor slices of dp rank 1) lost, rebuilt from parity."""
+    args = ["--autotp", "2"]
+    ref = reference(1, "bf16", STEPS, extra=args, world=4)
+    res = run_job(tmp_path, stage=1, dtype="bf16", steps=STEPS, nodes=2, nproc=2, extra=args,
+                  inject="kill-rank:1@4;kill-node:node1@7")
+    assert res.ok and res.attempts == 3 and [f["cause"] for f in res.failures] == ["rank_exit", "node_loss"], res
+    assert _rebuilt_from_parity(tmp_path) == {2, 3}
+    _bit_exact(tmp_path, ref)
+
+
 MOE = ["--moe", "2"]
 
 
