@@ -269,3 +269,28 @@ def test_pipeline_export_equals_save_checkpoint_and_resumes_bit_exact(tmp_path, 
         assert all(got_l[s] == ref_l[s] for s in got_l), {s: (got_l[s], ref_l[s]) for s in got_l if got_l[s] != ref_l[s]}
         a, b = load_tensors(str(cont / f"final_rank{r}")), load_tensors(str(ref / f"final_rank{r}"))
         assert a.keys() == b.keys() and not [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_pipeline_ranks_moved_by_torch_elastic(tmp_path, reference):
+    """PP2 x DP2 under `shardsafe launch`'s torch elastic agents, one rank per node. node1 (rank 1: stage 0,
+    dp 1) is lost at step 6 and a fresh node4 joins. Torch elastic's next round orders the nodes by address
+    (node0, node2, node3, node4), so ranks 1-3 each run on another node than before, across stages: rank 1 (stage
+    0) lands on node2, which held rank 2's (stage 1) snapshots, and is rebuilt from parity there; ranks 2 and 3
+    find their snapshots on the nodes they left and move them (data and parity) to where they run now."""
+    from shardsafe.launch.elastic import ElasticConfig, ElasticLauncher
+    from .helpers import SCRIPT
+    from .test_launch import by_attempt
+    ref = reference(1, "bf16", STEPS, extra=PP2, world=4)
+    cfg = ElasticConfig(nodes=4, nproc_per_node=1, run_dir=str(tmp_path), inject="kill-node:node1@6",
+                        memory_budget_gb=0.5, max_restarts=3, keep_alive_s=2, keep_alive_misses=3, timeout_s=420,
+                        preload=PRELOAD_DEEPSPEED)
+    res = ElasticLauncher(cfg).run([SCRIPT, "--steps", str(STEPS), "--zero-stage", "1", "--dtype", "bf16", *PP2])
+    assert res.ok and res.attempts == 2 and res.failures[0]["cause"] == "node_loss", res
+    evs = read_jsonl(os.path.join(str(tmp_path), "events.jsonl"))
+    placed = {e["rank"]: e["node"] for e in by_attempt(evs, "trainer_start")[1]}
+    assert placed == {0: "node0", 1: "node2", 2: "node3", 3: "node4"}, placed
+    ends = {e["rank"]: e for e in by_attempt(evs, "restore_end")[1]}
+    assert {e["tier"] for e in ends.values()} == {"parity"}, ends
+    assert ends[2].get("migrated_slots", 0) > 0 and ends[3].get("migrated_slots", 0) > 0, ends
+    assert ends[1].get("rebuilt_bytes", 0) > 0, ends[1]
+    _bit_exact(tmp_path, ref)
