@@ -187,6 +187,8 @@ def ds_config(a: argparse.Namespace, world: int) -> dict:
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
+    if a.grad_accum_dtype:   # bf16 + ZeRO-1 + fp32 gradient accumulation: DeepSpeed's BF16_Optimizer
+        cfg["data_types"] = {"grad_accum_dtype": a.grad_accum_dtype}
     if a.autotp > 1:   # DeepSpeed's own training tensor parallelism (AutoTP shards the nn.Linear layers)
         cfg["tensor_parallel"] = {"autotp_size": a.autotp}
         del cfg["train_batch_size"]   # DeepSpeed derives it (its check runs before the TP groups exist)
@@ -263,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: a Megatron-style mpu handed to deepspeed.initialize, MLPs split "
                         "column/row-parallel (examples/_ds_tensor_parallel.py)")
+    p.add_argument("--grad-accum-dtype", default="", choices=["", "fp32", "bf16"],
+                   help="data_types.grad_accum_dtype (fp32 with bf16 and ZeRO-1: DeepSpeed's BF16_Optimizer)")
     p.add_argument("--autotp", type=int, default=1,
                    help="DeepSpeed AutoTP training of a tiny transformers Llama: \"tensor_parallel\": "
                         "{\"autotp_size\": N} in the config")

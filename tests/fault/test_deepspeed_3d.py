@@ -71,6 +71,19 @@ def test_pipeline_kill_rank_then_kill_during_copy(tmp_path, reference, stage, dt
     _bit_exact(tmp_path, ref)
 
 
+def test_bf16_optimizer_without_a_pipeline(tmp_path, reference):
+    """BF16_Optimizer outside a pipeline: bf16, ZeRO-1 and `data_types.grad_accum_dtype: fp32` (what DeepSpeed
+    picks for Megatron-DeepSpeed's non-pipeline bf16 runs), 2 ranks on 2 nodes: kill, then kill during the copy."""
+    args = ["--grad-accum-dtype", "fp32"]
+    ref = reference(1, "bf16", STEPS, extra=args, world=2)
+    res = run_job(tmp_path, stage=1, dtype="bf16", steps=STEPS, nodes=2, nproc=1, extra=args,
+                  inject="kill-rank:1@5;kill-copy:0@8")
+    assert res.ok and res.attempts == 3, res
+    assert _engines(tmp_path) == {("DeepSpeedEngine", "BF16_Optimizer")}
+    assert restores(tmp_path)[2] == 7
+    _bit_exact(tmp_path, ref, world=2)
+
+
 def test_pipeline_fp16_with_dynamic_loss_scaler(tmp_path, reference, monkeypatch):
     """fp16 ZeRO-1 under a PipelineModule: the loss scaler (scale, growth and hysteresis counters) comes back with
     every stage's snapshot. A 2**20 initial scale overflows and a 3-step window grows it again; every step's
