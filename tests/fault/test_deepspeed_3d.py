@@ -307,3 +307,14 @@ def test_pipeline_ranks_moved_by_torch_elastic(tmp_path, reference):
     assert ends[2].get("migrated_slots", 0) > 0 and ends[3].get("migrated_slots", 0) > 0, ends
     assert ends[1].get("rebuilt_bytes", 0) > 0, ends[1]
     _bit_exact(tmp_path, ref)
+
+
+def test_pipeline_config_file_is_what_the_docs_say():
+    """configs/deepspeed/pipeline_bf16_shardsafe.json: bf16 with stage 0 (BF16_Optimizer under a PipelineModule)
+    and an enabled block the config dataclass accepts."""
+    from shardsafe.adapters.deepspeed import config_from_ds
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "deepspeed", "pipeline_bf16_shardsafe.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    assert cfg["bf16"]["enabled"] and cfg["zero_optimization"]["stage"] == 0
+    assert config_from_ds(cfg).enabled
