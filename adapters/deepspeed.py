@@ -19,6 +19,9 @@ from shardsafe.state import RankState, apply_rng, capture_rng, cast_like_owner
 
 from . import rng_trackers
 from .cpu_adam_powers import AdamPowersTracker
+from .ds_client_state import DS_CHECKPOINT_KEYS, client_state_at, disk_checkpoint, live_rng
+from .ds_layout import coords as parallel_coords
+from .ds_layout import describe, is_pipeline, parallel_layout
 
 log = logging.getLogger("shardsafe.deepspeed")
 
@@ -116,7 +119,7 @@ class DeepSpeedStateAdapter:
         self._ckpt_layout = lay
         return lay
 
-    def _buffers(self) -> list[tuple[str, torch.Tensor]]:
+    def buffers(self) -> list[tuple[str, torch.Tensor]]:
         # Resolved once: capture() runs after every optimizer step, the module tree does not change.
         if self._buffer_list is None:
             m = self.engine.module
@@ -148,7 +151,7 @@ class DeepSpeedStateAdapter:
         # Module buffers (BatchNorm running stats, ...) are replicated, not partitioned, and not in the
         # optimizer: they are rank state too. Unlike optimizer state they change in the *next forward*,
         # while the asynchronous copy may still run: clone them now (they are small).
-        for name, buf in self._buffers():
+        for name, buf in self.buffers():
             st.tensors[f"module/buffer/{name}"] = buf.detach().clone()
         rng = capture_rng()
         st.tensors.update(rng.tensors)
@@ -218,7 +221,7 @@ class DeepSpeedStateAdapter:
                        "export the snapshot and reshard it with DeepSpeed's universal checkpoint")
         then = meta.get("parallel", self.parallel)
         if then != self.parallel:
-            out.append(f"the snapshot was taken at {_describe(then)}, this engine runs {_describe(self.parallel)}: "
+            out.append(f"the snapshot was taken at {describe(then)}, this engine runs {describe(self.parallel)}: "
                        "each rank's state belongs to one pipeline stage's layers, one tensor-parallel slice and its "
                        "experts (num_stages, partition_method, the PipelineModule's layers, the mpu, num_experts or "
                        "ep_size changed); run with "
@@ -288,7 +291,7 @@ class DeepSpeedStateAdapter:
                 if name.startswith("loss_scaler/"):
                     getattr(o.loss_scaler, name.split("/", 1)[1]).copy_(v)
         with torch.no_grad():
-            for name, buf in self._buffers():
+            for name, buf in self.buffers():
                 key = f"module/buffer/{name}"
                 if key in tensors:
                     buf.copy_(tensors[key])
@@ -376,150 +379,6 @@ def scheduler_state(sched: Any) -> Any:
     return sd
 
 
-# What DeepSpeed keeps for itself in a checkpoint's model-states file (engine._load_checkpoint); the rest is the
-# program's client state.
-_DS_CHECKPOINT_KEYS = frozenset({"module", "buffer_names", "optimizer", "lr_scheduler", "sparse_tensor_module_names",
-                                 "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
-                                 "data_sampler", "random_ltd", "ds_config", "ds_version", "shared_params",
-                                 "frozen_param_shapes", "frozen_param_fragments", "param_shapes"})
-_CLIENT_COUNTERS = ("iteration", "step", "steps", "global_step", "global_steps")
-# Data position a program keeps in its client state as a sample count (Megatron-DeepSpeed: ``args``), moved
-# from the checkpoint's ``global_samples`` to the engine's when they are equal.
-_CLIENT_SAMPLE_COUNTERS = ("consumed_train_samples", "consumed_samples")
-# RNG states GPT-NeoX (``save_ds_checkpoint``) and Megatron-DeepSpeed (``get_rng_state``: a list of these dicts
-# under ``rng_state``, one per data-parallel rank) keep in the client state and set after load_checkpoint.
-_CLIENT_RNG_KEYS = ("random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states")
-
-
-def _live_rng() -> dict[str, Any]:
-    """This process's RNG states in the form those programs save them."""
-    import random
-    import numpy as np
-    out: dict[str, Any] = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-                           "torch_rng_state": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda_rng_state"] = torch.cuda.get_rng_state()
-    tracker = rng_trackers.client_states()
-    if tracker is not None:   # Megatron-DeepSpeed's get_rng_state(): the model-parallel tracker's states
-        out["rng_tracker_states"] = tracker
-    return out
-
-
-def _client_state_at(client: dict, *, step: int, v: int, samples: Any, live_samples: int,
-                     rng: Mapping[str, Any] | None, dp_rank: int) -> list[str]:
-    """The client state of an older disk checkpoint, as it would be had the program saved it at v: the
-    program sets its counters, data position and RNG from it after load_checkpoint, and the engine holds v.
-    Step counters equal to the checkpoint's step become v, sample counters equal to its ``global_samples``
-    the engine's, and the RNG states those programs keep (top level, or ``rng_state[i]``) the ones the
-    snapshot restored. Returns the keys it changed (for the log)."""
-    changed: list[str] = []
-    for k in _CLIENT_COUNTERS:
-        if isinstance(client.get(k), int) and not isinstance(client[k], bool) and client[k] == step:
-            client[k] = v
-            changed.append(k)
-    holders: list[tuple[str, Any]] = [("", client)]
-    if "args" in client:
-        holders.append(("args.", client["args"]))
-    for where, h in holders:
-        for k in _CLIENT_SAMPLE_COUNTERS:
-            cur = h.get(k) if isinstance(h, dict) else getattr(h, k, None)
-            if isinstance(cur, int) and not isinstance(cur, bool) and isinstance(samples, int) and cur == samples:
-                if isinstance(h, dict):
-                    h[k] = live_samples
-                else:
-                    setattr(h, k, live_samples)
-                changed.append(where + k)
-    if rng:
-        dicts: list[tuple[str, dict]] = [("", client)]
-        listed = client.get("rng_state")
-        if isinstance(listed, list):   # Megatron-DeepSpeed reads [dp_rank] or [0]: both are this rank's at v
-            for i in {0, dp_rank} & set(range(len(listed))):
-                if isinstance(listed[i], dict):
-                    listed[i] = dict(listed[i])
-                    dicts.append((f"rng_state[{i}].", listed[i]))
-        for where, d in dicts:
-            for k in _CLIENT_RNG_KEYS:
-                if k in d and k in rng:
-                    d[k] = rng[k]
-                    changed.append(where + k)
-    return changed
-
-
-def _disk_checkpoint(engine: Any, load_dir: Any, tag: Any) -> tuple[Any, dict | None]:
-    """(tag, the model-states dict) of the checkpoint ``engine.load_checkpoint(load_dir, tag)`` would load, or
-    (tag, None) when there is none. The file is the program's own checkpoint, read as DeepSpeed reads it."""
-    if tag is None:
-        latest = os.path.join(str(load_dir), "latest")
-        if not os.path.isfile(latest):
-            return None, None
-        with open(latest) as f:
-            tag = f.read().strip()
-    path = engine._get_ckpt_name(str(load_dir), tag)
-    if not os.path.isfile(path):
-        return tag, None
-    return tag, torch.load(path, map_location="cpu", weights_only=False)
-
-
-def parallel_layout(engine: Any) -> dict[str, Any]:
-    """Which slice of the model this rank's state is: tensor-parallel rank and size (the mpu's), and under a
-    PipelineEngine the stage, the number of stages and the layer boundaries of every stage (PipelineModule's
-    ``parts``: the partitioning method's result). A snapshot fits only the same slice."""
-    mpu = engine.mpu
-    out: dict[str, Any] = {"tp": 0, "tp_size": 1}
-    if mpu is not None:
-        tensor = hasattr(mpu, "get_tensor_model_parallel_rank")
-        out["tp"] = int(mpu.get_tensor_model_parallel_rank() if tensor else mpu.get_model_parallel_rank())
-        out["tp_size"] = int(mpu.get_tensor_model_parallel_world_size() if tensor
-                             else mpu.get_model_parallel_world_size())
-    if is_pipeline(engine):
-        out.update(stage=int(engine.stage_id), stages=int(engine.num_stages),
-                   parts=[int(x) for x in engine.module.parts])
-    if engine.has_moe_layers:
-        # MoE layers (deepspeed.moe.layer.MoE): this rank holds num_experts / ep_size of each layer's experts, and
-        # their optimizer state is partitioned over the expert-data-parallel group only (ZeRO's MoE param groups).
-        from deepspeed.moe.layer import MoE
-        from deepspeed.utils import groups
-        out["experts"] = {name: [int(m.num_experts), int(groups._get_expert_parallel_rank(m.expert_group_name)),
-                                 int(m.ep_size)]
-                          for name, m in engine.module.named_modules() if isinstance(m, MoE)}
-    return out
-
-
-def _describe(p: Mapping[str, Any]) -> str:
-    where = f"tensor-parallel rank {p.get('tp')} of {p.get('tp_size')}"
-    if p.get("experts"):
-        where += ", MoE layers (name: [experts, expert-parallel rank, expert-parallel size]) " + \
-            json.dumps(p["experts"], sort_keys=True)
-    if "stage" in p:
-        parts = p["parts"]
-        s = p["stage"]
-        where = (f"pipeline stage {s} of {p['stages']} (layers {parts[s]}-{parts[s + 1] - 1}, stage boundaries "
-                 f"{parts}), " + where)
-    return where
-
-
-def is_pipeline(engine: Any) -> bool:
-    """A PipelineEngine (a PipelineModule handed to deepspeed.initialize). Imported here, not at module import:
-    this module must not pull DeepSpeed in before the program does (adapters/autoload.py)."""
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-    return isinstance(engine, PipelineEngine)
-
-
-def _coords(engine: Any, rank: int) -> dict[str, int]:
-    """Data/tensor/pipeline-parallel coordinates for parity placement, from the engine's mpu: a Megatron-style
-    mpu handed to ``deepspeed.initialize``, or the ``PipelineParallelGrid`` a PipelineEngine gets from its
-    PipelineModule. Parity groups are data-parallel ranks of equal (tp, pp): their payloads have one layout."""
-    mpu = engine.mpu
-    if mpu is None:
-        return {"dp": int(engine.global_rank), "tp": 0, "pp": 0}
-    # The tensor-parallel rank, never ``get_model_parallel_rank``: on a PipelineParallelGrid that is the rank in
-    # the combined pipeline x tensor group (old Megatron mpus, which have no tensor method, mean tensor by it).
-    tp = mpu.get_tensor_model_parallel_rank if hasattr(mpu, "get_tensor_model_parallel_rank") \
-        else mpu.get_model_parallel_rank
-    pp = getattr(mpu, "get_pipeline_model_parallel_rank", None)
-    return {"dp": int(mpu.get_data_parallel_rank()), "tp": int(tp()), "pp": int(pp()) if pp is not None else 0}
-
-
 class ShardsafeEngineHook:
     """What ``initialize`` attaches to the engine as ``engine.shardsafe``."""
 
@@ -531,12 +390,12 @@ class ShardsafeEngineHook:
         self.adapter = DeepSpeedStateAdapter(engine)
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        coords = _coords(engine, rank)
+        coords = parallel_coords(engine, self.adapter.parallel)
         self._dp_rank = coords["dp"]
         self.runtime = Runtime(cfg, rank=rank, world_size=world, coords=coords)
         self.restored = self.runtime.try_restore(self.adapter)
         # The RNG the snapshot restored, for the program's client state (its load_checkpoint comes later).
-        self._restored_rng = _live_rng() if self.restored.version >= 0 else None
+        self._restored_rng = live_rng() if self.restored.version >= 0 else None
         if cfg.export_dir:
             self._export_and_exit(cfg.export_dir)
         self._install(engine)
@@ -599,7 +458,7 @@ class ShardsafeEngineHook:
         keep there replaced by the snapshot's, so a program that sets them after loading continues as at v."""
         v, engine = self.restored.version, self.adapter.engine
         rank0 = self.runtime.rank == 0
-        tag, states = _disk_checkpoint(engine, load_dir, tag)
+        tag, states = disk_checkpoint(engine, load_dir, tag)
         if states is None:
             if rank0:
                 log.warning("shardsafe: load_checkpoint(%r): no checkpoint there; the engine continues from snapshot "
@@ -614,8 +473,8 @@ class ShardsafeEngineHook:
         if rank0:
             log.warning("shardsafe: snapshot version %d is newer than disk checkpoint %s (step %d): continuing from "
                         "the snapshot; the checkpoint was not loaded", v, tag, step)
-        client = {k: val for k, val in states.items() if k not in _DS_CHECKPOINT_KEYS}
-        changed = _client_state_at(client, step=step, v=v, samples=states.get("global_samples"),
+        client = {k: val for k, val in states.items() if k not in DS_CHECKPOINT_KEYS}
+        changed = client_state_at(client, step=step, v=v, samples=states.get("global_samples"),
                                    live_samples=int(engine.global_samples), rng=self._restored_rng,
                                    dp_rank=self._dp_rank)
         if rank0 and changed:
@@ -644,7 +503,7 @@ class ShardsafeEngineHook:
         trackers = rng_trackers.capture(rng.tensors)
         save_rank_side_file(rank_side_file(os.path.join(export_dir, tag), self.runtime.rank), {
             "rng": rng.tensors, "rng_meta": rng.meta, "rng_trackers": trackers,
-            "buffers": {n: b.detach().clone() for n, b in self.adapter._buffers()}, "extra": dict(self.adapter.extra)})
+            "buffers": {n: b.detach().clone() for n, b in self.adapter.buffers()}, "extra": dict(self.adapter.extra)})
         if dist.is_initialized():
             dist.barrier()
         if self.runtime.rank == 0:

@@ -54,8 +54,8 @@ def _bit_exact(run_dir, ref, world=4):
     # ZeRO-1 under a pipeline: DeepSpeedZeroOptimizer partitions each stage's fp32 state over its 2 DP ranks.
     (1, "fp32", "DeepSpeedZeroOptimizer", ["--partition-method", "parameters"]),
     # bf16 with stage 0 under a pipeline is DeepSpeed's BF16_Optimizer (fp32 masters partitioned over DP);
-    # two micro-batches per train_batch, stages cut at the transformer blocks.
-    (0, "bf16", "BF16_Optimizer", ["--gas", "2", "--partition-method", "type:Block"]),
+    # two micro-batches per train_batch, stages cut at the transformer blocks; DeepSpeed's default FusedAdam.
+    (0, "bf16", "BF16_Optimizer", ["--gas", "2", "--partition-method", "type:Block", "--optimizer", "fused-adamw"]),
 ])
 def test_pipeline_kill_rank_then_kill_during_copy(tmp_path, reference, stage, dtype, optimizer, extra):
     args = [*PP2, *extra]
@@ -158,8 +158,9 @@ def test_tensor_pipeline_data_parallel_8_ranks(tmp_path, reference):
     """TP2 x PP2 x DP2 on 4 nodes x 2 ranks: DeepSpeed's PipelineParallelGrid over a pipe x data x model topology
     (tensor innermost: a node holds both slices of one (stage, dp) pair), tensor-parallel MLPs over the grid's
     slice group, bf16 with stage 0 (BF16_Optimizer). Rank 5 (stage 1) is killed at step 4, then node1 (stage 0,
-    dp 1, both slices) is lost: ranks 2 and 3 are rebuilt, each in its own (tp, pp) parity group."""
-    args = [*TP2, *PP2]
+    dp 1, both slices) is lost: ranks 2 and 3 are rebuilt, each in its own (tp, pp) parity group. DeepSpeed's
+    default optimizer (FusedAdam: "AdamW" without torch_adam)."""
+    args = [*TP2, *PP2, "--optimizer", "fused-adamw"]
     ref = reference(0, "bf16", STEPS, extra=args, world=8)
     res = run_job(tmp_path, stage=0, dtype="bf16", steps=STEPS, nodes=4, nproc=2, extra=args,
                   inject="kill-rank:5@4;kill-node:node1@7")

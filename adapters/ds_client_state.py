@@ -1,0 +1,96 @@
+"""The program's own resume through ``engine.load_checkpoint`` after a restore: what an older disk checkpoint's
+client state must say for a program that sets its counters, data position and RNG from it (GPT-NeoX,
+Megatron-DeepSpeed, plain scripts). Used by the DeepSpeed adapter's ``load_checkpoint`` wrapper
+(adapters/deepspeed.py ``ShardsafeEngineHook._resume_load``); docs/deepspeed.md has the table of rules.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import torch
+
+from . import rng_trackers
+
+# What DeepSpeed keeps for itself in a checkpoint's model-states file (engine._load_checkpoint); the rest is the
+# program's client state.
+DS_CHECKPOINT_KEYS = frozenset({"module", "buffer_names", "optimizer", "lr_scheduler", "sparse_tensor_module_names",
+                                 "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+                                 "data_sampler", "random_ltd", "ds_config", "ds_version", "shared_params",
+                                 "frozen_param_shapes", "frozen_param_fragments", "param_shapes"})
+_CLIENT_COUNTERS = ("iteration", "step", "steps", "global_step", "global_steps")
+# Data position a program keeps in its client state as a sample count (Megatron-DeepSpeed: ``args``), moved
+# from the checkpoint's ``global_samples`` to the engine's when they are equal.
+_CLIENT_SAMPLE_COUNTERS = ("consumed_train_samples", "consumed_samples")
+# RNG states GPT-NeoX (``save_ds_checkpoint``) and Megatron-DeepSpeed (``get_rng_state``: a list of these dicts
+# under ``rng_state``, one per data-parallel rank) keep in the client state and set after load_checkpoint.
+_CLIENT_RNG_KEYS = ("random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states")
+
+
+def live_rng() -> dict[str, Any]:
+    """This process's RNG states in the form those programs save them."""
+    import random
+    import numpy as np
+    out: dict[str, Any] = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                           "torch_rng_state": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_rng_state"] = torch.cuda.get_rng_state()
+    tracker = rng_trackers.client_states()
+    if tracker is not None:   # Megatron-DeepSpeed's get_rng_state(): the model-parallel tracker's states
+        out["rng_tracker_states"] = tracker
+    return out
+
+
+def client_state_at(client: dict, *, step: int, v: int, samples: Any, live_samples: int,
+                     rng: Mapping[str, Any] | None, dp_rank: int) -> list[str]:
+    """The client state of an older disk checkpoint, as it would be had the program saved it at v: the
+    program sets its counters, data position and RNG from it after load_checkpoint, and the engine holds v.
+    Step counters equal to the checkpoint's step become v, sample counters equal to its ``global_samples``
+    the engine's, and the RNG states those programs keep (top level, or ``rng_state[i]``) the ones the
+    snapshot restored. Returns the keys it changed (for the log)."""
+    changed: list[str] = []
+    for k in _CLIENT_COUNTERS:
+        if isinstance(client.get(k), int) and not isinstance(client[k], bool) and client[k] == step:
+            client[k] = v
+            changed.append(k)
+    holders: list[tuple[str, Any]] = [("", client)]
+    if "args" in client:
+        holders.append(("args.", client["args"]))
+    for where, h in holders:
+        for k in _CLIENT_SAMPLE_COUNTERS:
+            cur = h.get(k) if isinstance(h, dict) else getattr(h, k, None)
+            if isinstance(cur, int) and not isinstance(cur, bool) and isinstance(samples, int) and cur == samples:
+                if isinstance(h, dict):
+                    h[k] = live_samples
+                else:
+                    setattr(h, k, live_samples)
+                changed.append(where + k)
+    if rng:
+        dicts: list[tuple[str, dict]] = [("", client)]
+        listed = client.get("rng_state")
+        if isinstance(listed, list):   # Megatron-DeepSpeed reads [dp_rank] or [0]: both are this rank's at v
+            for i in {0, dp_rank} & set(range(len(listed))):
+                if isinstance(listed[i], dict):
+                    listed[i] = dict(listed[i])
+                    dicts.append((f"rng_state[{i}].", listed[i]))
+        for where, d in dicts:
+            for k in _CLIENT_RNG_KEYS:
+                if k in d and k in rng:
+                    d[k] = rng[k]
+                    changed.append(where + k)
+    return changed
+
+
+def disk_checkpoint(engine: Any, load_dir: Any, tag: Any) -> tuple[Any, dict | None]:
+    """(tag, the model-states dict) of the checkpoint ``engine.load_checkpoint(load_dir, tag)`` would load, or
+    (tag, None) when there is none. The file is the program's own checkpoint, read as DeepSpeed reads it."""
+    if tag is None:
+        latest = os.path.join(str(load_dir), "latest")
+        if not os.path.isfile(latest):
+            return None, None
+        with open(latest) as f:
+            tag = f.read().strip()
+    path = engine._get_ckpt_name(str(load_dir), tag)
+    if not os.path.isfile(path):
+        return tag, None
+    return tag, torch.load(path, map_location="cpu", weights_only=False)
