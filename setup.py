@@ -128,7 +128,7 @@ if __name__ == "__main__":
         version="0.1.0",
         description="In-memory, erasure-coded fault tolerance for DeepSpeed and Megatron pretraining",
         python_requires=">=3.10",
-        packages=["shardsafe", "shardsafe.holder", "shardsafe.launch", "shardsafe.tor", "shardsafe.adapters", "shardsafe.adapters.megatron", "shardsafe.kernels"],
+        packages=["shardsafe", "shardsafe.holder", "shardsafe.launch", "shardsafe.parity", "shardsafe.payload", "shardsafe.snapshot", "shardsafe.export", "shardsafe.tor", "shardsafe.adapters", "shardsafe.adapters.megatron", "shardsafe.kernels"],
         package_dir={"shardsafe": "shardsafe", "shardsafe.adapters": "adapters", "shardsafe.kernels": "kernels"},
         package_data={"shardsafe.kernels": ["csrc/*.cu", "csrc/*.h", "csrc/*.cuh", "*.so"]},
         install_requires=["numpy>=1.24,<3", "xxhash>=3.0,<4", "psutil>=5.9"],

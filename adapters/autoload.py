@@ -98,6 +98,7 @@ def _patch_deepspeed(module) -> None:
 
     @functools.wraps(original)
     def initialize(*args, **kwargs):
+        from .ds_config import wants_protection   # stdlib only; imported at the first call, not at startup
         if not wants_protection(args, kwargs):
             return original(*args, **kwargs)
         why = FAILED.get("transformers.trainer")
@@ -107,7 +108,7 @@ def _patch_deepspeed(module) -> None:
                               "a snapshot the Trainer's loop then ignores. Set \"enabled\": false in the "
                               "\"shardsafe\" block, or use the transformers version shardsafe is tested with (5.24).")
         from shardsafe.adapters.deepspeed import protect
-        return protect(original, args, kwargs, auto=True)
+        return protect(original, args, kwargs, auto=f"{ENV_AUTO}=0")
 
     initialize.__shardsafe_auto__ = True   # functools.wraps also sets __wrapped__ = DeepSpeed's own
     module.initialize = initialize
@@ -223,54 +224,6 @@ def _patch_transformers_trainer(module) -> None:
 
 PATCHES = {"deepspeed": _patch_deepspeed, "megatron.training": _patch_megatron_training,
            "transformers.trainer": _patch_transformers_trainer}
-
-
-def deepspeed_config_source(args: tuple, kwargs: dict):
-    """Where ``deepspeed.initialize(*args, **kwargs)`` takes its config from, as DeepSpeed reads it."""
-    src = kwargs.get("config")
-    if src is None:
-        src = kwargs.get("config_params")
-    if src is None:
-        ns = kwargs.get("args", args[0] if args else None)
-        if ns is not None:
-            src = getattr(ns, "deepspeed_config", None) or getattr(ns, "deepscale_config", None)
-    return src
-
-
-def read_config(src):
-    """The config as a mapping (a dict as is; a path parsed as JSON, else HJSON as DeepSpeed does), or None."""
-    if isinstance(src, dict):
-        return src
-    if isinstance(src, (str, os.PathLike)):
-        import json
-        with open(src) as f:
-            text = f.read()
-        try:
-            return json.loads(text)
-        except ValueError:
-            try:
-                import hjson   # DeepSpeed's own parser (comments allowed)
-            except ImportError:
-                raise
-            return hjson.loads(text)
-    try:   # a Mapping that is not a dict (DeepSpeed accepts any)
-        from collections.abc import Mapping
-        return src if isinstance(src, Mapping) else None
-    except ImportError:
-        return None
-
-
-def wants_protection(args: tuple, kwargs: dict) -> bool:
-    """True when the config has a ``"shardsafe"`` block other than ``{"enabled": false}``. A block that is
-    malformed is routed to shardsafe too, whose config check names what is wrong."""
-    try:
-        cfg = read_config(deepspeed_config_source(args, kwargs))
-    except (OSError, ValueError):
-        return False   # DeepSpeed reports an unreadable config itself
-    if not cfg or "shardsafe" not in cfg:
-        return False
-    block = cfg["shardsafe"]
-    return not (isinstance(block, dict) and block.get("enabled", True) is False)
 
 
 def install() -> None:

@@ -31,6 +31,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from shardsafe.errors import InternalError
+
 # kernel call signature used for the replay: (step, lr, beta1, beta2, eps, weight_decay, bias_correction)
 _Replay = Callable[[int, float, float, float], None]
 
@@ -158,7 +160,7 @@ class AdamPowersTracker:
         if target.step == 0:
             # Never stepped: a fresh object is in that state (placeholder or constructor betas, step 0).
             if self.chain.step != 0:
-                raise ValueError(f"{self.kind}: cannot rewind the kernel's beta powers to step 0 "
+                raise InternalError(f"{self.kind}: cannot rewind the kernel's beta powers to step 0 "
                                  f"(it is at step {self.chain.step})")
             return 0
         start = max(target.replay_start(), 1)
@@ -173,7 +175,7 @@ class AdamPowersTracker:
             self._call(s, 0.0, target.b1, target.b2)   # lr 0: the dummy parameter does not matter anyway
             calls += 1
         if (self.chain.step, self.chain.b1, self.chain.b2) != (target.step, target.b1, target.b2):
-            raise RuntimeError(f"{self.kind}: replaying the beta powers reached {self.chain.state()}, "
+            raise InternalError(f"{self.kind}: replaying the beta powers reached {self.chain.state()}, "
                                f"expected {target.state()}")
         self.replayed_calls = calls
         return calls

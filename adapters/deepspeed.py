@@ -15,10 +15,11 @@ from typing import Any, Mapping
 import torch
 
 from shardsafe.config import ConfigError, ShardsafeConfig
-from shardsafe.state import RankState, apply_rng, capture_rng, cast_like_owner
+from shardsafe.snapshot.state import RankState, StateAdapter, apply_rng, capture_rng, cast_like_owner
 
 from . import rng_trackers
 from .cpu_adam_powers import AdamPowersTracker
+from .ds_config import config_source, read_config
 from .ds_client_state import DS_CHECKPOINT_KEYS, client_state_at, disk_checkpoint, live_rng
 from .ds_layout import coords as parallel_coords
 from .ds_layout import describe, is_pipeline, parallel_layout
@@ -29,33 +30,13 @@ SUPPORTED = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "BF16_Op
 COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
 
-def _load_config(args: Any, config: Any, config_params: Any) -> Mapping[str, Any] | None:
-    """The DeepSpeed config wherever the caller put it (dict, JSON path, or args.deepspeed_config)."""
-    src = config if config is not None else config_params
-    if src is None and args is not None:
-        src = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
-    if src is None:
-        return None
-    if isinstance(src, Mapping):
-        return src
-    if isinstance(src, (str, os.PathLike)):
-        try:
-            import hjson  # what DeepSpeed itself parses configs with (comments allowed)
-            with open(src) as f:
-                return hjson.load(f)
-        except ImportError:
-            with open(src) as f:
-                return json.load(f)
-    return None
-
-
 def config_from_ds(ds_config: Mapping[str, Any] | None) -> ShardsafeConfig:
     if ds_config is None or "shardsafe" not in ds_config:
         return ShardsafeConfig(enabled=False)
     return ShardsafeConfig.from_dict(ds_config["shardsafe"], where='"shardsafe" block of the DeepSpeed config')
 
 
-class DeepSpeedStateAdapter:
+class DeepSpeedStateAdapter(StateAdapter):
     """Rank state of a DeepSpeed engine with a ZeRO-1/2/3 or BF16 optimizer."""
 
     # Adam moments/step exist only after the first step: a fresh engine restores them from the snapshot.
@@ -346,7 +327,7 @@ def check_supported(engine: Any) -> None:
                               "NVMe, not in memory); use device cpu or none, or set shardsafe.enabled=false.")
     sd = scheduler_state(engine.lr_scheduler)
     try:
-        from shardsafe.manifest import to_jsonable
+        from shardsafe.payload.manifest import to_jsonable
         json.dumps(to_jsonable(sd))
     except (TypeError, ValueError) as e:
         bad = sorted(k for k, v in (sd or {}).items() if not _jsonable(v)) if isinstance(sd, dict) else []
@@ -357,7 +338,7 @@ def check_supported(engine: Any) -> None:
 
 
 def _jsonable(v: Any) -> bool:
-    from shardsafe.manifest import to_jsonable
+    from shardsafe.payload.manifest import to_jsonable
     try:
         json.dumps(to_jsonable(v))
         return True
@@ -382,7 +363,7 @@ def scheduler_state(sched: Any) -> Any:
 class ShardsafeEngineHook:
     """What ``initialize`` attaches to the engine as ``engine.shardsafe``."""
 
-    def __init__(self, engine: Any, cfg: ShardsafeConfig, *, auto: bool = False):
+    def __init__(self, engine: Any, cfg: ShardsafeConfig, *, auto: str = ""):
         from shardsafe.runtime import Runtime
         import torch.distributed as dist
         self.cfg, self.auto = cfg, auto
@@ -488,9 +469,9 @@ class ShardsafeEngineHook:
         files, mp_rank files per model-parallel rank, BF16_Optimizer and MoE expert files) -- then a clean exit
         before the program trains. What DeepSpeed's format has no place for (this rank's RNG states and
         model-parallel RNG trackers, module buffers, ``extra``) goes to ``shardsafe_rank{R}.pt`` beside them, which
-        ``shardsafe.export.apply_client_state`` reads after a vanilla ``load_checkpoint``."""
+        ``shardsafe.adapters.ds_export.apply_client_state`` reads after a vanilla ``load_checkpoint``."""
         import torch.distributed as dist
-        from shardsafe.export import EXPORT_FORMAT, rank_side_file, save_rank_side_file
+        from .ds_export import EXPORT_FORMAT, rank_side_file, save_rank_side_file
         engine, v = self.adapter.engine, self.restored.version
         if v < 0:
             raise SystemExit(f"shardsafe export: no snapshot could be restored ({self.restored.message}); nothing was "
@@ -513,7 +494,7 @@ class ShardsafeEngineHook:
         raise SystemExit(0)
 
     def flush(self) -> bool:
-        return self.runtime.pipeline.flush()
+        return self.runtime.flush()
 
     def close(self) -> None:
         self.runtime.close()
@@ -531,23 +512,18 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                    dict(config=config, config_params=config_params, **kwargs))
 
 
-def protect(ds_initialize: Any, args: tuple, kwargs: dict, *, auto: bool = False):
+def protect(ds_initialize: Any, args: tuple, kwargs: dict, *, auto: str = ""):
     """``ds_initialize(*args, **kwargs)`` (DeepSpeed's own), with the engine protected when its config has an
-    enabled ``"shardsafe"`` block. ``auto``: reached through the automatic activation (the program itself
-    calls ``deepspeed.initialize``); rank 0 then says so in one log line."""
-    from .autoload import ENV_AUTO, deepspeed_config_source, read_config
-    ns = kwargs.get("args", args[0] if args else None)
-    src = deepspeed_config_source(args, kwargs)
-    ds_cfg = _load_config(ns, src, None) if not isinstance(src, Mapping) else src
-    if ds_cfg is None and src is not None:
-        ds_cfg = read_config(src)
-    cfg = config_from_ds(ds_cfg)   # validate first: a typo fails fast, before the engine is built
+    enabled ``"shardsafe"`` block. ``auto``: set when reached through the automatic activation (the program
+    itself calls ``deepspeed.initialize``) to what turns it off; rank 0 says so in one log line."""
+    # validate first: a typo fails fast, before the engine is built
+    cfg = config_from_ds(read_config(config_source(args, kwargs)))
     ret = ds_initialize(*args, **kwargs)
     engine = ret[0]
     engine.shardsafe = ShardsafeEngineHook(engine, cfg, auto=auto) if cfg.enabled else None
     if engine.shardsafe is not None and engine.shardsafe.runtime.rank == 0:
-        how = ("the \"shardsafe\" block of the DeepSpeed config (automatic activation; " f"{ENV_AUTO}=0 turns "
-               "the activation off)") if auto else "shardsafe.adapters.deepspeed.initialize"
+        how = (f"the \"shardsafe\" block of the DeepSpeed config (automatic activation; {auto} turns the "
+               "activation off)") if auto else "shardsafe.adapters.deepspeed.initialize"
         log.warning("shardsafe: this DeepSpeed engine is protected (in-memory snapshots every %d step(s), job %s), "
                     "switched on by %s; \"enabled\": false in the block turns protection off. %s", cfg.interval,
                     cfg.job_id, how, engine.shardsafe.restored.message)

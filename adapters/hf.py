@@ -66,7 +66,7 @@ class PendingResume:
     version: int
     """The restored snapshot's version: optimizer steps already trained."""
     rng: Any
-    """The RNG states the snapshot restored (``shardsafe.state.capture_rng``), put back where HF loads a
+    """The RNG states the snapshot restored (``shardsafe.snapshot.state.capture_rng``), put back where HF loads a
     checkpoint's ``rng_state_{rank}.pth``."""
     checkpoint: str | None
     """``resume_from_checkpoint`` as the program passed it (its files are not read)."""
@@ -154,7 +154,7 @@ def after_prepare(trainer: Any, resume_from_checkpoint: str | None) -> None:
             log.warning("shardsafe: HF Trainer resumes from resume_from_checkpoint=%s (step %d), which is newer than "
                         "the snapshot (version %d): HF's own resume runs", resume_from_checkpoint, state.global_step, v)
         return
-    from shardsafe.state import capture_rng
+    from shardsafe.snapshot.state import capture_rng
     was = int(state.global_step)
     rec = hook.extra.get(EXTRA_KEY) or {}
     state.global_step = v
@@ -202,7 +202,7 @@ def _run_epoch(original: Any, trainer: Any, args: tuple, kwargs: dict) -> Any:
     a["steps_trained_in_current_epoch"] = skip
 
     def _load_rng_state(checkpoint: Any) -> None:   # the snapshot's RNG, where HF loads rng_state_{rank}.pth
-        from shardsafe.state import apply_rng
+        from shardsafe.snapshot.state import apply_rng
         apply_rng(pending.rng.tensors, pending.rng.meta)
 
     trainer._load_rng_state = _load_rng_state   # this call only (the instance attribute shadows HF's method)

@@ -40,8 +40,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from shardsafe.parity import ParityError, available_backends, get_codec  # noqa: E402
-from shardsafe.topology import chunk_stride  # noqa: E402
+from shardsafe.parity.codec import ParityError, available_backends, get_codec  # noqa: E402
+from shardsafe.parity.topology import chunk_stride  # noqa: E402
 
 PIECE = 512 << 20  # pyeclib: payload per call (it segfaults above 2 GiB and copies everything twice)
 HEADER = 80  # pyeclib fragment header

@@ -30,11 +30,11 @@ def _alone_rank(rank: int, world: int, root: str, nbytes: int, m: int, reps: int
     """One rank of the no-training run: snapshot ``nbytes`` of state ``reps`` times with parity."""
     import torch
     import torch.distributed as dist
-    from shardsafe.exchange import ParityExchange, gather_places, plan_parity
+    from shardsafe.parity.exchange import ParityExchange, gather_places, plan_parity
     from shardsafe.holder.client import HolderClient
     from shardsafe.holder.paths import HolderPaths
-    from shardsafe.snapshot import GlooAgreement, SnapshotPipeline
-    from shardsafe.state import RankState
+    from shardsafe.snapshot.pipeline import GlooAgreement, SnapshotPipeline
+    from shardsafe.snapshot.state import RankState
 
     client = HolderClient(HolderPaths(root, "alone", f"n{rank}"), timeout_s=30).connect()
     places = gather_places(rank, world, f"n{rank}", rank)

@@ -27,11 +27,13 @@ import sys
 import tempfile
 import time
 
+from shardsafe.snapshot.state import StateAdapter
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 1 << 30
 
 
-class SyntheticShard:
+class SyntheticShard(StateAdapter):
     """A StateAdapter over fixed tensors: capture hands them over, apply copies a snapshot into them."""
 
     def __init__(self, nbytes: int, seed: int):
@@ -43,7 +45,7 @@ class SyntheticShard:
         self.tensors["step"] = torch.tensor([7], dtype=torch.int64)
 
     def capture(self):
-        from shardsafe.state import RankState
+        from shardsafe.snapshot.state import RankState
         return RankState(tensors=dict(self.tensors), meta={"step": 7})
 
     def apply(self, tensors, meta) -> None:
@@ -54,10 +56,10 @@ class SyntheticShard:
 def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from shardsafe import checksum
-    from shardsafe import manifest as mf
+    from shardsafe.payload import checksum
+    from shardsafe.payload import manifest as mf
     from shardsafe.config import ShardsafeConfig
-    from shardsafe.restore import restore_from_holder
+    from shardsafe.snapshot.restore import restore_from_holder
     from shardsafe.runtime import Runtime
 
     torch.set_num_threads(1)

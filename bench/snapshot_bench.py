@@ -60,7 +60,7 @@ def worker(a: argparse.Namespace) -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     from ds_pretrain_gpt import TinyGPT, batch, pipeline_model
     from shardsafe.adapters.deepspeed import initialize
-    from shardsafe.restore import restore_from_holder
+    from shardsafe.snapshot.restore import restore_from_holder
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(sorted(m for m in sys.modules if m == "shardsafe" or m.startswith("shardsafe.")), f)
         # test-only: the state to compare bit for bit, in shardsafe's format (imports its adapter)
         from ds_pretrain_gpt import final_state
-        from shardsafe.manifest import save_tensors
+        from shardsafe.payload.manifest import save_tensors
         save_tensors(os.path.join(a.out, f"final_rank{rank}"), final_state(engine))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         from deepspeed.accelerator import get_accelerator
         get_accelerator().is_fp16_supported = lambda: True
     from shardsafe.adapters.deepspeed import initialize
-    from shardsafe.manifest import save_tensors
+    from shardsafe.payload.manifest import save_tensors
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=float(os.environ.get("SHARDSAFE_PG_TIMEOUT", 30))))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.load:
         # Vanilla DeepSpeed load; an exported snapshot also carries what DeepSpeed's format has no
         # place for (per-rank RNG, micro_steps), put back by apply_client_state.
-        from shardsafe.export import apply_client_state
+        from shardsafe.adapters.ds_export import apply_client_state
         path, client = engine.load_checkpoint(a.load)
         if path is None:
             raise SystemExit(f"no DeepSpeed checkpoint under {a.load}")

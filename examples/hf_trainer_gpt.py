@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         # test-only: the state to compare bit for bit, in shardsafe's format (imports its adapter)
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from ds_pretrain_gpt import final_state
-        from shardsafe.manifest import save_tensors
+        from shardsafe.payload.manifest import save_tensors
         save_tensors(os.path.join(a.out, f"final_rank{rank}"), final_state(trainer.model_wrapped))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -148,7 +148,7 @@ def _record(out_dir: str) -> None:
 def _save_final(out_dir: str) -> None:
     """Rank state (optimizer shards and state, RNGs, ...) plus every model parameter, bit for bit."""
     from shardsafe.adapters.megatron import MegatronStateAdapter
-    from shardsafe.manifest import save_tensors
+    from shardsafe.payload.manifest import save_tensors
 
     model = RUN["model"]
     ad = MegatronStateAdapter(model, RUN["optimizer"], RUN["scheduler"], get_iteration=lambda: RUN.get("iteration", 0),

@@ -411,7 +411,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if prot is not None:
         prot.flush()
     if args.out:
-        from shardsafe.manifest import save_tensors
+        from shardsafe.payload.manifest import save_tensors
         save_tensors(os.path.join(args.out, f"final_rank{rank}"), final_state(tr, adapter))
     if prot is not None and args.core_api == "functions":
         from shardsafe.adapters.megatron import close

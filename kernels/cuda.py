@@ -19,6 +19,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from shardsafe.errors import BackendUnavailable, KernelError
+
+from . import reference
+
 BACKEND = "cuda"
 LIB_NAME = "libshardsafe_ec.so"
 ABI_VERSION = 1  # must match SS_EC_ABI_VERSION in csrc/ec_kernels.cu
@@ -29,7 +33,6 @@ _lock = threading.Lock()
 
 
 def _unavailable(msg: str) -> Exception:
-    from shardsafe.parity_errors import BackendUnavailable
     return BackendUnavailable(msg)
 
 
@@ -55,7 +58,7 @@ def load() -> ctypes.CDLL:
     """Load the kernel library and check that a GPU is usable.
 
     Raises:
-        shardsafe.parity.BackendUnavailable: torch has no CUDA, no device, or the library is
+        shardsafe.errors.BackendUnavailable: torch has no CUDA, no device, or the library is
             missing/stale; the message says which and how to fix it.
     """
     global _lib, _lib_path
@@ -113,7 +116,6 @@ def _ptrs(tensors: Sequence[Any]) -> ctypes.Array:
 
 def _check(err: int, what: str) -> None:
     if err != 0:
-        from shardsafe.parity_errors import KernelError
         raise KernelError(f"{what} failed: CUDA error {err} ({_lib.shardsafe_ec_error_string(err).decode()})")
 
 
@@ -142,14 +144,18 @@ def apply_matrix(coeffs: np.ndarray, sources: Sequence[Any], outs: Sequence[Any]
 
 # --- same-signature entry points (all kernel modules) --------------------------------------------
 
+def _torch_ops():
+    import torch
+    return reference.ArrayOps(flat=lambda t: t.view(-1),
+                              empty=lambda like, n: torch.empty(n, dtype=torch.uint8, device=like.device))
+
+
 def encode(data: Sequence[Any], m: int, *, out: Sequence[Any] | None = None) -> list[Any]:
-    """k equal-length uint8 CUDA tensors -> m parity tensors. See :meth:`shardsafe.parity.Codec.encode`."""
-    from shardsafe.parity import _shared_codec
-    return _shared_codec(BACKEND, len(data), m).encode(data, out=out)
+    """k equal-length uint8 CUDA tensors -> m parity tensors (guarded: :meth:`shardsafe.parity.codec.Codec.encode`)."""
+    return reference.encode_with(apply_matrix, data, m, out=out, ops=_torch_ops())
 
 
 def reconstruct(available: Mapping[int, Any], missing: Sequence[int], *, k: int, m: int,
                 out: Sequence[Any] | None = None) -> list[Any]:
-    """Rebuild fragments ``missing`` from ``available``. See :meth:`shardsafe.parity.Codec.reconstruct`."""
-    from shardsafe.parity import _shared_codec
-    return _shared_codec(BACKEND, k, m).reconstruct(available, missing, out=out)
+    """Rebuild fragments ``missing`` from ``available`` (guarded: :meth:`shardsafe.parity.codec.Codec.reconstruct`)."""
+    return reference.reconstruct_with(apply_matrix, available, missing, k=k, m=m, out=out, ops=_torch_ops())

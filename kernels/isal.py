@@ -24,6 +24,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from shardsafe.errors import BackendUnavailable, InvalidParameter
+
+from . import reference
+
 BACKEND = "isal"
 
 _MAX_CALL = 1 << 30
@@ -72,7 +76,7 @@ def load() -> ctypes.CDLL:
     """Load and bind ISA-L once.
 
     Raises:
-        shardsafe.parity.BackendUnavailable: no candidate library loads or exports the EC API.
+        shardsafe.errors.BackendUnavailable: no candidate library loads or exports the EC API.
     """
     global _lib, _lib_path, _load_error
     if _lib is not None:
@@ -96,7 +100,6 @@ def load() -> ctypes.CDLL:
             else:
                 _load_error = "; ".join(tried) or "no candidate library"
     if _lib is None:
-        from shardsafe.parity_errors import BackendUnavailable
         raise BackendUnavailable(
             f"ISA-L is not loadable (tried: {_load_error}). {_pyeclib_note()}Install one of: the parity extra "
             f"(pip install 'shardsafe[parity]'), or pip install --only-binary pyeclib '{PYECLIB_REQUIREMENT}' (its binary wheels bundle "
@@ -158,10 +161,10 @@ def invert_matrix(a: np.ndarray) -> np.ndarray:
     src = np.array(a, dtype=np.uint8, order="C")
     n = src.shape[0]
     if src.ndim != 2 or src.shape[1] != n:
-        raise ValueError(f"invert_matrix needs a square matrix, got shape {src.shape}")
+        raise InvalidParameter(f"invert_matrix needs a square matrix, got shape {src.shape}")
     out = np.zeros((n, n), dtype=np.uint8)
     if lib.gf_invert_matrix(_ptr(src), _ptr(out), n) != 0:
-        raise ValueError("matrix is singular")
+        raise InvalidParameter("matrix is singular")
     return out
 
 
@@ -230,13 +233,12 @@ def apply_matrix(coeffs: np.ndarray, sources: Sequence[np.ndarray], outs: Sequen
 # --- same-signature entry points (all kernel modules) --------------------------------------------
 
 def encode(data: Sequence[np.ndarray], m: int, *, out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
-    """k equal-length uint8 arrays -> m parity arrays. See :meth:`shardsafe.parity.Codec.encode`."""
-    from shardsafe.parity import _shared_codec
-    return _shared_codec(BACKEND, len(data), m).encode(data, out=out)
+    """k equal-length uint8 arrays -> m parity arrays (the guarded API: :meth:`shardsafe.parity.codec.Codec.encode`)."""
+    return reference.encode_with(apply_matrix, data, m, out=out, generator=gen_cauchy1_matrix(len(data), m))
 
 
 def reconstruct(available: Mapping[int, np.ndarray], missing: Sequence[int], *, k: int, m: int,
                 out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
-    """Rebuild fragments ``missing`` from ``available``. See :meth:`shardsafe.parity.Codec.reconstruct`."""
-    from shardsafe.parity import _shared_codec
-    return _shared_codec(BACKEND, k, m).reconstruct(available, missing, out=out)
+    """Rebuild fragments ``missing`` from ``available`` (guarded: :meth:`shardsafe.parity.codec.Codec.reconstruct`)."""
+    return reference.reconstruct_with(apply_matrix, available, missing, k=k, m=m, out=out,
+                                      generator=gen_cauchy1_matrix(k, m), invert=invert_matrix)

@@ -18,9 +18,11 @@ This module is the oracle: slow (~0.5 GB/s) but obviously correct. Production co
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
+
+from shardsafe.errors import InsufficientFragments, InvalidFragment, InvalidParameter
 
 POLY = 0x11D
 """Field polynomial (ISA-L, pyeclib, galois' default GF(2^8) all use it)."""
@@ -78,7 +80,7 @@ def gen_cauchy1_matrix(k: int, m: int) -> np.ndarray:
         uint8 array of shape (k+m, k), rows 0..k-1 the identity.
     """
     if k < 1 or m < 0 or k + m > 256:
-        raise ValueError(f"need k >= 1, m >= 0, k + m <= 256; got k={k}, m={m}")
+        raise InvalidParameter(f"need k >= 1, m >= 0, k + m <= 256; got k={k}, m={m}")
     a = np.zeros((k + m, k), dtype=np.uint8)
     a[np.arange(k), np.arange(k)] = 1
     i = np.arange(k, k + m)[:, None]
@@ -92,7 +94,7 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a = np.asarray(a, dtype=np.uint8)
     b = np.asarray(b, dtype=np.uint8)
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"matmul shapes do not match: {a.shape} x {b.shape}")
+        raise InvalidParameter(f"matmul shapes do not match: {a.shape} x {b.shape}")
     # products[r, s, c] = a[r, s] * b[s, c]; the GF sum is XOR over s
     products = GF_MUL[a[:, :, None], b[None, :, :]]
     return np.bitwise_xor.reduce(products, axis=1).astype(np.uint8) if a.shape[1] else \
@@ -108,12 +110,12 @@ def invert_matrix(a: np.ndarray) -> np.ndarray:
     a = np.array(a, dtype=np.uint8)  # copy: eliminated in place
     n = a.shape[0]
     if a.ndim != 2 or a.shape[1] != n:
-        raise ValueError(f"invert_matrix needs a square matrix, got shape {a.shape}")
+        raise InvalidParameter(f"invert_matrix needs a square matrix, got shape {a.shape}")
     inv = np.eye(n, dtype=np.uint8)
     for col in range(n):
         nz = np.nonzero(a[col:, col])[0]
         if nz.size == 0:
-            raise ValueError(f"matrix is singular (no pivot in column {col})")
+            raise InvalidParameter(f"matrix is singular (no pivot in column {col})")
         p = col + int(nz[0])
         if p != col:
             a[[col, p]] = a[[p, col]]
@@ -149,7 +151,7 @@ def decode_matrix(k: int, m: int, sources: Sequence[int], targets: Sequence[int]
     a = gen_cauchy1_matrix(k, m) if generator is None else generator
     src = list(sources)
     if len(src) != k or len(set(src)) != k:
-        raise ValueError(f"need exactly k={k} distinct source fragments, got {src}")
+        raise InvalidParameter(f"need exactly k={k} distinct source fragments, got {src}")
     if src == list(range(k)):
         return np.ascontiguousarray(a[list(targets)])
     return matmul(a[list(targets)], invert(a[src]))
@@ -186,16 +188,97 @@ def apply_matrix(coeffs: np.ndarray, sources: Sequence[np.ndarray], outs: Sequen
                     np.bitwise_xor(acc, t, out=acc)
 
 
-# --- same-signature entry points (all kernel modules) --------------------------------------------
+# --- the rebuild rule and the same-signature entry points (all kernel modules) -----------------------
+
+def select_sources(k: int, m: int, missing: Sequence[int], unavailable: Sequence[int] = ()) -> list[int]:
+    """The k fragments a rebuild reads: the lowest surviving indices (data before parity).
+
+    Preferring data keeps the common case cheap: with every data fragment present a rebuild is a
+    re-encode with no matrix inversion. The codec (:class:`shardsafe.parity.codec.Codec`) and
+    :class:`shardsafe.parity.topology.ParityGroup` (which plans which peer sends what) apply this same
+    rule, so all three always agree.
+
+    Raises:
+        InsufficientFragments: fewer than k fragments survive.
+    """
+    gone = set(missing) | set(unavailable)
+    alive = [i for i in range(k + m) if i not in gone]
+    if len(alive) < k:
+        raise InsufficientFragments(
+            f"need k={k} surviving fragments to rebuild {sorted(set(missing))}, but only {len(alive)} survive "
+            f"({alive}; lost or unavailable: {sorted(gone)}). An RS(k={k}, m={m}) codeword survives at most "
+            f"{m} lost fragments; restore it from the persistent tier.")
+    return alive[:k]
+
+
+class ArrayOps(NamedTuple):
+    """How a kernel module's entry points handle its arrays (numpy here and in isal, torch CUDA in cuda)."""
+
+    flat: Callable[[Any], Any]            # a 1-D view of one C-contiguous fragment
+    empty: Callable[[Any, int], Any]      # a new uint8 fragment of n bytes like the given one
+
+
+NUMPY_OPS = ArrayOps(flat=lambda a: np.asarray(a).reshape(-1),
+                     empty=lambda like, n: np.empty(n, dtype=np.uint8))
+
+
+def _outputs(op: str, out: Sequence[Any] | None, count: int, length: int, like: Any, ops: ArrayOps) -> tuple[list, list]:
+    if out is None:
+        made = [ops.empty(like, length) for _ in range(count)]
+        return made, made
+    outs = list(out)
+    flat = [ops.flat(o) for o in outs]
+    if len(outs) != count or any(f.shape[0] != length for f in flat):
+        raise InvalidFragment(f"{op}: out must be {count} writable fragments of {length} bytes; got "
+                              f"{[f.shape[0] for f in flat]}")
+    return outs, flat
+
+
+def encode_with(apply: Callable, data: Sequence[Any], m: int, *, out: Sequence[Any] | None = None,
+                ops: ArrayOps = NUMPY_OPS, generator: np.ndarray | None = None) -> list[Any]:
+    """The entry point :func:`encode` of every kernel module, on that module's ``apply_matrix``.
+
+    Checks only what the kernels need (counts and equal lengths); :class:`shardsafe.parity.codec.Codec`
+    is the guarded API with the full argument checks.
+    """
+    k = len(data)
+    if k < 1 or m < 1 or k + m > 256:
+        raise InvalidParameter(f"encode: need k >= 1 data fragments and 1 <= m, k + m <= 256; got k={k}, m={m}")
+    src = [ops.flat(d) for d in data]
+    length = src[0].shape[0]
+    if any(s.shape[0] != length for s in src):
+        raise InvalidFragment(f"encode: data fragments must have one length; got {[s.shape[0] for s in src]}")
+    outs, flat = _outputs("encode", out, m, length, data[0], ops)
+    a = gen_cauchy1_matrix(k, m) if generator is None else generator
+    if length:
+        apply(np.ascontiguousarray(a[k:]), src, flat)
+    return outs
+
+
+def reconstruct_with(apply: Callable, available: Mapping[int, Any], missing: Sequence[int], *, k: int, m: int,
+                     out: Sequence[Any] | None = None, ops: ArrayOps = NUMPY_OPS,
+                     generator: np.ndarray | None = None, invert: Callable = invert_matrix) -> list[Any]:
+    """The entry point :func:`reconstruct` of every kernel module, on that module's ``apply_matrix``."""
+    targets = [int(t) for t in missing]
+    if not targets:
+        return [] if out is None else list(out)
+    sources = select_sources(k, m, targets, [i for i in range(k + m) if i not in available])
+    src = [ops.flat(available[i]) for i in sources]
+    length = src[0].shape[0]
+    if any(s.shape[0] != length for s in src):
+        raise InvalidFragment(f"reconstruct: fragments must have one length; got {[s.shape[0] for s in src]}")
+    outs, flat = _outputs("reconstruct", out, len(targets), length, available[sources[0]], ops)
+    if length:
+        apply(decode_matrix(k, m, sources, targets, generator=generator, invert=invert), src, flat)
+    return outs
+
 
 def encode(data: Sequence[np.ndarray], m: int, *, out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
-    """k equal-length uint8 arrays -> m parity arrays. See :meth:`shardsafe.parity.Codec.encode`."""
-    from shardsafe.parity import _shared_codec
-    return _shared_codec(BACKEND, len(data), m).encode(data, out=out)
+    """k equal-length uint8 arrays -> m parity arrays (the guarded API: :meth:`shardsafe.parity.codec.Codec.encode`)."""
+    return encode_with(apply_matrix, data, m, out=out)
 
 
 def reconstruct(available: Mapping[int, np.ndarray], missing: Sequence[int], *, k: int, m: int,
                 out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
-    """Rebuild fragments ``missing`` from ``available``. See :meth:`shardsafe.parity.Codec.reconstruct`."""
-    from shardsafe.parity import _shared_codec
-    return _shared_codec(BACKEND, k, m).reconstruct(available, missing, out=out)
+    """Rebuild fragments ``missing`` from ``available`` (guarded: :meth:`shardsafe.parity.codec.Codec.reconstruct`)."""
+    return reconstruct_with(apply_matrix, available, missing, k=k, m=m, out=out)

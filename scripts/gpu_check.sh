@@ -79,7 +79,7 @@ phase_deps() {
     echo "using $PY (CUDA torch preinstalled); no venv, no installs"
     [ -e "$REPO/shardsafe/kernels" ] || ln -s ../kernels "$REPO/shardsafe/kernels"
     [ -e "$REPO/shardsafe/adapters" ] || ln -s ../adapters "$REPO/shardsafe/adapters"
-    (cd /tmp && PYTHONPATH="$REPO" "$PY" -c "import shardsafe.kernels.reference, shardsafe.topology, xxhash, torch; print('shardsafe importable; torch', torch.__version__, 'cuda', torch.cuda.is_available())")
+    (cd /tmp && PYTHONPATH="$REPO" "$PY" -c "import shardsafe.kernels.reference, shardsafe.parity.topology, xxhash, torch; print('shardsafe importable; torch', torch.__version__, 'cuda', torch.cuda.is_available())")
     return $?
   fi
   local py
@@ -112,7 +112,7 @@ phase_deps() {
     [ -e "$REPO/shardsafe/kernels" ] || ln -s ../kernels "$REPO/shardsafe/kernels"
     [ -e "$REPO/shardsafe/adapters" ] || ln -s ../adapters "$REPO/shardsafe/adapters"
   fi
-  (cd /tmp && PYTHONPATH="$REPO" "$vpy" -c "import shardsafe.kernels.reference as r, shardsafe.topology; print('shardsafe importable from', r.__file__)") || return 1
+  (cd /tmp && PYTHONPATH="$REPO" "$vpy" -c "import shardsafe.kernels.reference as r, shardsafe.parity.topology; print('shardsafe importable from', r.__file__)") || return 1
   "$vpy" - <<'EOF'
 import importlib
 for m in ("torch", "numpy", "xxhash", "pytest", "pyeclib"):

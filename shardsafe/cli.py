@@ -178,7 +178,7 @@ def _register_export(sub) -> None:
 
 
 def _run_export(a: argparse.Namespace) -> int:
-    from shardsafe.export import cmd_export
+    from shardsafe.export.replay import cmd_export
     return cmd_export(a)
 
 

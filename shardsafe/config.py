@@ -11,17 +11,13 @@ import socket
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from .errors import ShardsafeError
+from .errors import ConfigError  # noqa: F401 - the family lives in the root module; importable from here as before
 from .fatal import install_excepthook
 from .jobid import AmbiguousJobId, derive_job_id
 
 # Every protected trainer imports this module: from here on a ConfigError or RestoreError that ends the
 # process leaves a marker for the launcher, which then stops instead of restarting (shardsafe.fatal).
 install_excepthook()
-
-
-class ConfigError(ValueError, ShardsafeError):
-    """A shardsafe setting is malformed or cannot be honoured."""
 
 
 def default_job_id() -> str:
@@ -105,7 +101,7 @@ class ShardsafeConfig:
     """Cap a holder's flush bandwidth in MB/s (0 = uncapped)."""
     hash_threads: int = 0
     """Threads per rank that compute the snapshot checksums and verify a restore (xxh3 off the GIL,
-    shardsafe/checksum.py); 0 = the node's usable cores over its local ranks, at most 8."""
+    shardsafe/payload/checksum.py); 0 = the node's usable cores over its local ranks, at most 8."""
     export_dir: str = ""
     """Export run: right after the restore at start, write the restored state with the framework's own checkpoint
     writer into this directory and exit before training. Set by `shardsafe export ... -- COMMAND` through

@@ -14,6 +14,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,55 @@ def tor_accounting_check(rep, wall_s: float) -> dict[str, Any]:
             "tor_accounted": bool(off <= 0.02 and abs(gap) <= 1e-6)}
 
 
+@dataclass
+class _Plan:
+    """What the demo runs for one engine: the example script, its arguments, and how to describe it."""
+    script: str
+    common: list
+    layout: str
+    plain: str          # how the reference run trains (no shardsafe)
+    protect: list       # arguments of the protected run
+    unprotect: list     # arguments of the reference run
+    stage: int | None   # DeepSpeed's zero_optimization.stage
+
+
+def _plan(a: argparse.Namespace, world: int) -> _Plan:
+    if a.engine == "megatron":
+        if world % (a.tp * a.pp):
+            raise SystemExit(f"--tp {a.tp} x --pp {a.pp} does not divide the {world} ranks "
+                             f"(--nodes {a.nodes} x --nproc-per-node {a.nproc_per_node})")
+        return _Plan(str(EXAMPLES / "megatron_pretrain_gpt.py"),
+                     ["--steps", str(a.steps), "--tp", str(a.tp), "--pp", str(a.pp)] + (["--bf16"] if a.dtype == "bf16" else []),
+                     f"TP{a.tp} x PP{a.pp} x DP{world // (a.tp * a.pp)}, DistributedOptimizer, {a.dtype}",
+                     "plain megatron-core", ["--shardsafe", "--shardsafe-memory-budget-gb", repr(a.memory_budget_gb)],
+                     [], None)
+    if a.engine == "deepspeed-3d":
+        pp = a.pp if a.pp > 1 else 2
+        if world % pp:
+            raise SystemExit(f"--pp {pp} does not divide the {world} ranks")
+        stage = 0 if a.dtype == "bf16" else 1   # bf16 with stage 0 under a pipeline is BF16_Optimizer; fp32: ZeRO-1
+        return _Plan(str(EXAMPLES / "ds_pretrain_gpt.py"),
+                     ["--steps", str(a.steps), "--pp", str(pp), "--zero-stage", str(stage), "--dtype", a.dtype],
+                     f"PipelineModule PP{pp} x DP{world // pp} (tied embedding), "
+                     + ("BF16_Optimizer" if stage == 0 else "ZeRO-1") + f", {a.dtype}",
+                     "plain deepspeed.initialize", [], ["--no-shardsafe"], stage)
+    return _Plan(str(EXAMPLES / "ds_pretrain_gpt.py"),
+                 ["--steps", str(a.steps), "--zero-stage", str(a.zero_stage), "--dtype", a.dtype],
+                 f"ZeRO-{a.zero_stage} {a.dtype}", "plain deepspeed.initialize", [], ["--no-shardsafe"], a.zero_stage)
+
+
+def _tor_summary(run_dir: str, measured: float) -> dict[str, Any]:
+    """The run's TOR report and whether it accounts for the wall time measured outside the launcher."""
+    try:
+        from .tor import compute_tor, read_events, report_dict, report_text
+        rep = compute_tor(read_events(run_dir))
+        d = report_dict(rep)
+        return {"tor": d.get("tor"), "tor_breakdown": d.get("breakdown"), "tor_report": report_text(rep),
+                **tor_accounting_check(rep, measured), "measured_wall_s": round(measured, 3)}
+    except Exception as e:  # the demo's verdict does not depend on accounting
+        return {"tor_report": f"TOR report unavailable: {e}"}
+
+
 def run_demo(a: argparse.Namespace) -> dict[str, Any]:
     from .runcheck import compare_runs
     keep = bool(a.run_dir)
@@ -89,43 +139,17 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
     world = a.nodes * a.nproc_per_node
     if a.steps is None:
         a.steps = 40 if a.engine == "megatron" else 100
-    stage = None   # DeepSpeed's zero_optimization.stage
-    if a.engine == "megatron":
-        if world % (a.tp * a.pp):
-            raise SystemExit(f"--tp {a.tp} x --pp {a.pp} does not divide the {world} ranks "
-                             f"(--nodes {a.nodes} x --nproc-per-node {a.nproc_per_node})")
-        script = str(EXAMPLES / "megatron_pretrain_gpt.py")
-        common = ["--steps", str(a.steps), "--tp", str(a.tp), "--pp", str(a.pp)] + (["--bf16"] if a.dtype == "bf16" else [])
-        layout = f"TP{a.tp} x PP{a.pp} x DP{world // (a.tp * a.pp)}, DistributedOptimizer, {a.dtype}"
-        plain, protect = "plain megatron-core", ["--shardsafe", "--shardsafe-memory-budget-gb", repr(a.memory_budget_gb)]
-        unprotect = []
-    elif a.engine == "deepspeed-3d":
-        pp = a.pp if a.pp > 1 else 2
-        if world % pp:
-            raise SystemExit(f"--pp {pp} does not divide the {world} ranks")
-        script = str(EXAMPLES / "ds_pretrain_gpt.py")
-        # bf16 with stage 0 under a pipeline is DeepSpeed's BF16_Optimizer; fp32 takes ZeRO-1
-        stage = 0 if a.dtype == "bf16" else 1
-        common = ["--steps", str(a.steps), "--pp", str(pp), "--zero-stage", str(stage), "--dtype", a.dtype]
-        layout = (f"PipelineModule PP{pp} x DP{world // pp} (tied embedding), "
-                  + ("BF16_Optimizer" if stage == 0 else "ZeRO-1") + f", {a.dtype}")
-        plain, protect, unprotect = "plain deepspeed.initialize", [], ["--no-shardsafe"]
-    else:
-        script = str(EXAMPLES / "ds_pretrain_gpt.py")
-        stage = a.zero_stage
-        common = ["--steps", str(a.steps), "--zero-stage", str(a.zero_stage), "--dtype", a.dtype]
-        layout = f"ZeRO-{a.zero_stage} {a.dtype}"
-        plain, protect, unprotect = "plain deepspeed.initialize", [], ["--no-shardsafe"]
+    plan = _plan(a, world)
     inject = a.inject or (f"kill-rank:{world - 1}@{a.kill_at or (a.steps * 2) // 5};"
                           f"kill-node:node{a.nodes - 1}@{(a.steps * 3) // 4}")
     job = f"demo{os.getpid()}"
     say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else (lambda *x: print(*x, flush=True))
 
-    say(f"[1/3] reference run: {world} ranks on {a.nodes} simulated nodes, {a.engine} {layout}, "
-        f"{a.steps} steps, no failures, {plain}")
+    say(f"[1/3] reference run: {world} ranks on {a.nodes} simulated nodes, {a.engine} {plan.layout}, "
+        f"{a.steps} steps, no failures, {plan.plain}")
     ref = LocalLauncher(LaunchConfig(nodes=a.nodes, nproc_per_node=a.nproc_per_node, job_id=job + "-ref",
                                      run_dir=ref_dir, start_holders=False, max_restarts=0))
-    r0 = ref.run([sys.executable, script, *common, *unprotect, "--out", ref_dir])
+    r0 = ref.run([sys.executable, plan.script, *plan.common, *plan.unprotect, "--out", ref_dir])
     if not r0.ok:
         raise SystemExit(f"the reference run failed; see {ref_dir}/trainer_rank*.log")
     say(f"      done in {r0.wall_s:.1f} s")
@@ -139,15 +163,15 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
                                      inject=inject, max_restarts=3, memory_budget_gb=a.memory_budget_gb,
                                      preload=preload))
     t_run = time.time()
-    r1 = run.run([sys.executable, script, *common, *protect, "--out", run_dir])
+    r1 = run.run([sys.executable, plan.script, *plan.common, *plan.protect, "--out", run_dir])
     measured = time.time() - t_run   # the wall time TOR must account for, measured outside the launcher
     say(f"      done in {r1.wall_s:.1f} s after {r1.attempts} attempt(s); failures: "
         + ", ".join(f"{f['cause']} of " + (f"rank {f['rank']}" if f.get("rank") is not None else f"node {f.get('node')}")
                     for f in r1.failures))
     say("[3/3] comparing every loss and every rank's final state with the reference (torch.equal)")
     cmp = compare_runs(run_dir, ref_dir, world, a.steps) if r1.ok else None
-    out = {"engine": a.engine, "zero_stage": stage,
-           "layout": layout, "dtype": a.dtype, "steps": a.steps,
+    out = {"engine": a.engine, "zero_stage": plan.stage,
+           "layout": plan.layout, "dtype": a.dtype, "steps": a.steps,
            "nodes": a.nodes, "ranks": world, "failures_injected": len(r1.failures), "attempts": r1.attempts,
            **summarize(run_dir, world),
            "bit_identical": bool(cmp and cmp.bit_identical),
@@ -156,18 +180,7 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
            "resume_problems": cmp.resume_problems[:10] if cmp else [],
            "mismatches": (cmp.loss_mismatches + cmp.state_mismatches)[:10] if cmp else ["protected run failed"],
            "wall_s": round(r1.wall_s, 2), "reference_wall_s": round(r0.wall_s, 2),
-           "run_dir": run_dir if keep else None}
-    try:
-        from .tor import compute_tor, read_events, report_dict, report_text
-        rep = compute_tor(read_events(run_dir))
-        d = report_dict(rep)
-        out["tor"] = d.get("tor")
-        out["tor_breakdown"] = d.get("breakdown")
-        out["tor_report"] = report_text(rep)
-        out.update(tor_accounting_check(rep, measured))
-        out["measured_wall_s"] = round(measured, 3)
-    except Exception as e:  # the demo's verdict does not depend on accounting
-        out["tor_report"] = f"TOR report unavailable: {e}"
+           "run_dir": run_dir if keep else None, **_tor_summary(run_dir, measured)}
     if not keep:
         shutil.rmtree(base, ignore_errors=True)
     return out
@@ -228,7 +241,7 @@ def register_cli(sub) -> None:
     p.add_argument("--nodes", type=int, default=None, help="default: 2 (4 with deepspeed-3d)")
     p.add_argument("--nproc-per-node", type=int, default=None, help="default: 2 (1 with deepspeed-3d)")
     p.add_argument("--kill-at", type=int, default=0, help="step at which the last rank is SIGKILLed")
-    p.add_argument("--inject", default="", help="fault spec overriding --kill-at (see shardsafe.launch.faults)")
+    p.add_argument("--inject", default="", help="fault spec overriding --kill-at (see shardsafe.faults)")
     p.add_argument("--memory-budget-gb", type=float, default=1.0)
     p.add_argument("--preload", default=None,
                    help="comma-separated modules the protected run's fork server imports once; its trainers (first "

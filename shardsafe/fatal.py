@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 FATAL_DIR = "fatal"
 
-FATAL_TYPES = ("shardsafe.config.ConfigError", "shardsafe.restore.RestoreError", "shardsafe.jobid.JobConflict")
+FATAL_TYPES = ("shardsafe.errors.ConfigError", "shardsafe.snapshot.restore.RestoreError", "shardsafe.jobid.JobConflict")
 """Qualified names of the error classes (or their bases) that no restart can fix."""
 
 

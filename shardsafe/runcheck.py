@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .manifest import load_tensors
+from .payload.manifest import load_tensors
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:

@@ -1,9 +1,11 @@
 """The per-rank shardsafe runtime shared by the engine adapters.
 
-It connects to (or starts) the node's holder, creates the snapshot agreement group, restores at
+:class:`BaseRuntime` is the contract the adapters drive (and a test double implements); :class:`Runtime` is
+the real one: it connects to (or starts) the node's holder, creates the snapshot agreement group, restores at
 start, and snapshots after optimizer steps. Adapters only supply a :class:`StateAdapter` and call
-``before_step`` / ``after_step``. Nothing here raises into the training loop once training runs:
-snapshot failures are logged, recorded as TOR events and skipped.
+``try_restore`` once, ``before_step`` / ``after_step`` around every optimizer step, ``on_exit``, ``flush`` and
+``close``. Nothing here raises into the training loop once training runs: snapshot failures are logged,
+recorded as TOR events and skipped.
 """
 from __future__ import annotations
 
@@ -11,45 +13,89 @@ import logging
 import os
 import subprocess
 import time
+from abc import ABC, abstractmethod
 from datetime import timedelta
 from typing import Any, Optional
 
-from . import checksum
+from .payload import checksum
 from .config import ENV_HOLDER_BUDGET, ConfigError, ShardsafeConfig
 from .persist import PersistentStore
-from .exchange import ExchangeError, ParityExchange, gather_places, plan_parity
-from .topology import TopologyError
-from .launch.faults import Injector, current_attempt
+from .parity.exchange import ExchangeError, ParityExchange, gather_places, plan_parity
+from .parity.topology import TopologyError
+from .faults import Injector, current_attempt
 from .holder.client import HolderClient, HolderError, HolderUnavailable, connect_or_start
 from .holder.paths import HolderPaths
 from .jobid import claim
-from .restore import Collectives, RestoreResult, new_timeline, restore_from_holder
-from .snapshot import GlooAgreement, LocalAgreement, SnapshotPipeline
-from .state import StateAdapter
+from .snapshot.restore import Collectives, RestoreResult, new_timeline, restore_from_holder
+from .snapshot.pipeline import GlooAgreement, LocalAgreement, SnapshotPipeline
+from .snapshot.state import StateAdapter
+from .tor.events import EventLog, NullEventLog
 
 log = logging.getLogger("shardsafe")
 
 
-class _NoEvents:
-    def emit(self, kind: str, **fields: Any) -> None:
-        pass
-
-
 def _event_log(cfg: ShardsafeConfig, rank: int):
     if not cfg.run_dir:
-        return _NoEvents()
+        return NullEventLog()
     try:
-        from .tor import EventLog
         return EventLog(cfg.run_dir, source="trainer", rank=rank, node=cfg.node, attempt=current_attempt())
     except Exception as e:  # accounting never takes training down
         log.warning("[rank %d] TOR event log unavailable: %s", rank, e)
-        return _NoEvents()
+        return NullEventLog()
 
 
-class Runtime:
+class BaseRuntime(ABC):
+    """What an engine adapter drives, one per rank: the calls of a training loop's life.
+
+    :class:`Runtime` implements it over the node's holder; a test double implements the abstract members and
+    inherits the defaults. Adapters use these members and nothing else of a runtime.
+    """
+
+    events: Any = NullEventLog()
+    """The TOR event log (``emit(kind, **fields)``); writes nothing without a run directory."""
+    restored: Optional[RestoreResult] = None
+    """What :meth:`try_restore` did, once it ran."""
+    last_stall_s: float = 0.0
+    """Seconds the last :meth:`before_step` waited for the pending snapshot copy."""
+
+    @abstractmethod
+    def try_restore(self, adapter: StateAdapter) -> RestoreResult:
+        """Collective, once before training: put the newest recoverable snapshot back through ``adapter.apply``.
+        ``version`` -1 in the result: nothing was restored (a fresh start)."""
+
+    def before_step(self, step: int) -> float:
+        """Right before the optimizer step ``step`` mutates the state: wait for the pending copy; the stall (s)."""
+        return 0.0
+
+    @abstractmethod
+    def after_step(self, step: int, adapter: StateAdapter) -> None:
+        """After the optimizer step ``step`` (counters updated): snapshot every ``interval`` steps, asynchronously."""
+
+    def on_exit(self, step: int, adapter: StateAdapter) -> None:
+        """The loop leaves after ``step`` (a signal, a time limit): make sure that step is kept."""
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the last submitted snapshot is sealed and voted on; True if it committed."""
+        return True
+
+    @property
+    def stall_total_s(self) -> float:
+        """Seconds the training loop has spent blocked by snapshots so far."""
+        return 0.0
+
+    def close(self) -> None:
+        """Finish the snapshot in flight and let go of the holder. Idempotent."""
+
+
+class Runtime(BaseRuntime):
     """Args:
         cfg: the validated shardsafe config.
         rank, world_size: global rank and size (torch.distributed must be initialised when world_size > 1).
+        coords: this rank's parallel coordinates ``{"dp", "tp", "pp", ...}``: parity groups are data-parallel
+            peers with equal other coordinates, on distinct nodes (default: every rank a DP peer).
+
+    Raises:
+        ConfigError: the parity settings cannot be placed on this layout; on every rank, before training.
     """
 
     def __init__(self, cfg: ShardsafeConfig, *, rank: int, world_size: int, coords: dict[str, int] | None = None):
@@ -160,6 +206,10 @@ class Runtime:
 
     # ---- the three calls adapters make ------------------------------------------------------------
     def try_restore(self, adapter: StateAdapter) -> RestoreResult:
+        if not isinstance(adapter, StateAdapter):
+            raise TypeError(f"shardsafe restores through a shardsafe.snapshot.state.StateAdapter; got "
+                            f"{type(adapter).__name__}. Subclass StateAdapter (capture, apply; validate and the "
+                            "rest have defaults).")
         if not self.cfg.restore:
             self.restored = RestoreResult(message="restore disabled by config", timeline=new_timeline(self.coll))
             self.pipeline.timeline = self.restored.timeline
@@ -167,7 +217,7 @@ class Runtime:
         emit = self.events.emit
         if self.world_size > 1:
             # Torch elastic may have put this rank on another node than its snapshot: move it first.
-            from .placement import migrate
+            from .parity.placement import migrate
             mig = migrate(self.client, rank=self.rank, world_size=self.world_size, node=self.cfg.node,
                           rank_nodes=self.nodes, group=self.coll.group)
             if mig.moves:
@@ -196,7 +246,8 @@ class Runtime:
     def before_step(self, step: int) -> float:
         """Call before the optimizer step ``step`` mutates the state. Returns the stall in seconds."""
         self.injector.before_step(step)
-        return self.pipeline.wait_copied()
+        self.last_stall_s = self.pipeline.wait_copied()
+        return self.last_stall_s
 
     def after_step(self, step: int, adapter: StateAdapter) -> None:
         if step % self.cfg.interval != 0:
@@ -219,6 +270,10 @@ class Runtime:
             self._request_flush(step)
         except (HolderError, HolderUnavailable) as e:
             log.warning("[rank %d] final snapshot %d not flushed to %s: %s", self.rank, step, self.cfg.persist_dir, e)
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the last submitted snapshot is sealed and voted on; True if it committed."""
+        return self.pipeline.flush(timeout)
 
     def close(self) -> None:
         """Finish the snapshot in flight, stop the worker, let the holder go. Idempotent; also run when the

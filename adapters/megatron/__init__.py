@@ -6,22 +6,24 @@ One module per concept; every name stays importable from ``shardsafe.adapters.me
   * :mod:`.state_checks`: what is checked before state moves: ``check_supported`` (unsupported setups
     rejected up front), ``rank_coordinates``/``parity_coordinates`` (the parallel layout), ``validate``.
   * :mod:`.core_api`: a megatron-core loop of your own: ``protect``, or ``restore`` once and ``snapshot``
-    after every step, ``close``; the ``Runtime`` protocol, ``HolderRuntime`` and ``wrap_optimizer_step``.
+    after every step, ``close``; ``default_runtime_factory`` and ``wrap_optimizer_step``.
   * :mod:`.hooks`: Megatron-LM's loop: ``pretrain`` (drop-in), ``install_hooks``, ``protected_pretrain``.
   * the flags live beside this package, in ``shardsafe.adapters.megatron_args``.
 """
 from __future__ import annotations
 
 from ..megatron_args import add_arguments, compose_extra_args_provider, config_from_args
-from .core_api import (HolderRuntime, Protection, Restored, Runtime, close, default_runtime_factory, protect,
-                       protection_of, restore, snapshot, wrap_optimizer_step)
+from shardsafe.runtime import BaseRuntime
+
+from .core_api import (Protection, Restored, close, default_runtime_factory, protect, protection_of, restore, snapshot,
+                       wrap_optimizer_step)
 from .hooks import HookHandle, install_hooks, pretrain, protected_pretrain
 from .state import MegatronStateAdapter, SnapshotMismatch, apply_state, snapshot_state
 from .state_checks import (FORMAT, check_supported, leaf_optimizers, megatron_core_version, parity_coordinates,
                            rank_coordinates)
 
 __all__ = [
-    "MegatronStateAdapter", "SnapshotMismatch", "Runtime", "HolderRuntime", "Protection", "protect",
+    "MegatronStateAdapter", "SnapshotMismatch", "BaseRuntime", "Protection", "protect",
     "restore", "snapshot", "close", "Restored", "protection_of",
     "snapshot_state", "apply_state", "rank_coordinates", "parity_coordinates", "check_supported",
     "wrap_optimizer_step", "install_hooks", "pretrain", "add_arguments", "config_from_args", "FORMAT",

@@ -1,17 +1,20 @@
 """The Megatron core API: protection for a megatron-core training loop of your own.
 
-Runtime wiring: :class:`HolderRuntime` puts :class:`shardsafe.runtime.Runtime` (node holder, async
-snapshot pipeline, Reed-Solomon parity across DP peers on distinct nodes, restore) behind the
-adapter of :mod:`.state`; :func:`wrap_optimizer_step` makes every optimizer step wait for the pending
+Runtime wiring: :func:`default_runtime_factory` builds :class:`shardsafe.runtime.Runtime` (node holder, async
+snapshot pipeline, Reed-Solomon parity across DP peers on distinct nodes, restore) for Megatron's layout, behind
+the adapter of :mod:`.state`; :func:`wrap_optimizer_step` makes every optimizer step wait for the pending
 snapshot copy. Two ways in, both fork-free: :func:`protect`, or the two calls :func:`restore` once and
 :func:`snapshot` after every step (a registry keyed by the optimizer keeps the iteration and counters
-between them). Megatron-LM's own loop is driven through the same :class:`Runtime` protocol by :mod:`.hooks`.
+between them). Megatron-LM's own loop drives the same :class:`shardsafe.runtime.BaseRuntime` contract from
+:mod:`.hooks`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, MutableMapping, Optional, Protocol
+from typing import Any, Callable, Mapping, MutableMapping, Optional
 
 from shardsafe.config import ConfigError, ShardsafeConfig
+from shardsafe.errors import UsageError
+from shardsafe.runtime import BaseRuntime, Runtime
 from shardsafe.tor.events import NullEventLog
 
 from ..megatron_args import config_from_args
@@ -22,123 +25,31 @@ from .state_checks import parity_coordinates
 _NO_EVENTS = NullEventLog()
 
 
-class Runtime(Protocol):
-    """What the Megatron-LM hooks and :func:`protect` drive: :class:`HolderRuntime` implements it.
+def default_runtime_factory(cfg: ShardsafeConfig) -> Runtime:
+    """The holder runtime (:class:`shardsafe.runtime.Runtime`) for this process's rank and Megatron layout.
 
-    Optional members, used when present: ``before_step(iteration)`` (run right before every optimizer
-    step; it finishes the pending snapshot copy), ``flush(timeout)``, ``close()``, ``events`` (TOR event
-    log), ``last_stall_s`` and ``restored`` (a ``RestoreResult``). Test doubles may omit them.
-    """
-
-    def after_step(self, iteration: int, adapter: "MegatronStateAdapter") -> None:
-        """Called after every optimizer step (scheduler stepped, ``iteration`` incremented).
-
-        The runtime applies ``ShardsafeConfig.interval`` and may call ``adapter.capture()``; it
-        must finish copying the captured tensors before the next optimizer step.
-        """
-
-    def on_exit(self, iteration: int, adapter: "MegatronStateAdapter") -> None:
-        """Megatron-LM decided to exit (signal, exit interval/duration): seal or flush snapshots."""
-
-    def try_restore(self, adapter: "MegatronStateAdapter") -> Optional[int]:
-        """Restore the newest recoverable version through ``adapter.apply`` (a collective on every
-        rank); return its iteration, or None when nothing was restored."""
-
-
-# --------------------------------------------------------------------------------------------------
-# The holder runtime, and the before-step wait
-# --------------------------------------------------------------------------------------------------
-
-class HolderRuntime:
-    """shardsafe's holder runtime (:class:`shardsafe.runtime.Runtime`) behind the Megatron ``Runtime`` protocol.
-
-    Connects to (or starts) the node's holder, builds the parity plan from Megatron's layout (DP peers
-    with equal TP/PP coordinates, on distinct nodes), restores, and snapshots after optimizer steps.
-    ``before_step`` must run right before every optimizer step that follows a snapshot (it waits for the
-    asynchronous copy; :func:`wrap_optimizer_step` arranges that). Collective: every rank creates one.
-
-    Args:
-        cfg: the checked config (``config_from_args(args)``).
-        rank, world_size: default ``torch.distributed``'s.
-        coords: ``rank_coordinates()``-style dict (default: read from ``megatron.core.parallel_state``).
+    Connects to (or starts) the node's holder and builds the parity plan from Megatron's layout (DP peers with
+    equal TP/PP coordinates, on distinct nodes, read from ``megatron.core.parallel_state``). Collective: every
+    rank creates one. ``before_step`` must run right before every optimizer step that follows a snapshot (it
+    waits for the asynchronous copy; :func:`wrap_optimizer_step` arranges that).
 
     Raises:
         ConfigError: the parity settings cannot be placed on this layout (e.g. a ``--shardsafe-parity-group-size``
             larger than the number of DP peers on distinct nodes); raised on every rank, before training.
     """
+    import torch.distributed as dist
 
-    def __init__(self, cfg: ShardsafeConfig, *, rank: Optional[int] = None, world_size: Optional[int] = None,
-                 coords: Optional[Mapping[str, Any]] = None) -> None:
-        import torch.distributed as dist
-        from shardsafe.runtime import Runtime as CoreRuntime
-
-        initialized = dist.is_available() and dist.is_initialized()
-        self.rank = int(rank if rank is not None else (dist.get_rank() if initialized else 0))
-        self.world_size = int(world_size if world_size is not None else (dist.get_world_size() if initialized else 1))
-        self.cfg = cfg
-        try:
-            self.core = CoreRuntime(cfg, rank=self.rank, world_size=self.world_size, coords=parity_coordinates(coords))
-        except ConfigError as e:
-            if "parity" not in str(e):
-                raise
-            raise ConfigError(f"{e} Set --shardsafe-parity-group-size (0 = the largest feasible, 1 = no parity) and "
-                              "--shardsafe-parity-shards to fit this layout: parity groups are data-parallel "
-                              "peers (equal tensor/pipeline ranks) on distinct nodes.") from None
-        self.restored = None          # shardsafe.restore.RestoreResult after try_restore
-        self.last_stall_s = 0.0       # seconds the last optimizer step waited for a snapshot copy
-        self._closed = False
-
-    @property
-    def events(self) -> Any:
-        """The TOR event log (``emit(kind, **fields)``; a no-op without a run directory)."""
-        return self.core.events
-
-    @property
-    def pipeline(self) -> Any:
-        return self.core.pipeline
-
-    @property
-    def stall_total_s(self) -> float:
-        """Seconds the training loop has spent blocked by snapshots so far (see shardsafe.runtime)."""
-        return self.core.stall_total_s
-
-    def try_restore(self, adapter: "MegatronStateAdapter") -> Optional[int]:
-        """Collective. The restored iteration, or None on a fresh start.
-
-        Raises:
-            shardsafe.restore.RestoreError: snapshots exist but none is restorable (more lost nodes than
-                parity covers, every version corrupt or not fitting this job); the message says what to do.
-        """
-        self.restored = self.core.try_restore(adapter)
-        return self.restored.version if self.restored.version >= 0 else None
-
-    def before_step(self, iteration: int) -> float:
-        """Right before the optimizer step of ``iteration``: fault injection, then wait for the pending copy."""
-        self.last_stall_s = self.core.before_step(iteration)
-        return self.last_stall_s
-
-    def after_step(self, iteration: int, adapter: "MegatronStateAdapter") -> None:
-        self.core.after_step(iteration, adapter)
-
-    def on_exit(self, iteration: int, adapter: "MegatronStateAdapter") -> None:
-        """Megatron-LM decided to exit after ``iteration``: a final snapshot of it (when the interval skipped
-        it), committed, and flushed to the persistent tier when one is set (Runtime.on_exit)."""
-        self.core.on_exit(iteration, adapter)
-
-    def flush(self, timeout: Optional[float] = None) -> bool:
-        """Wait until the last submitted snapshot is sealed and voted on; True if it committed."""
-        return self.core.pipeline.flush(timeout)
-
-    def close(self) -> None:
-        """Flush, stop the snapshot worker, disconnect from the holder (which keeps its memory). Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self.core.close()
-
-
-def default_runtime_factory(cfg: ShardsafeConfig) -> HolderRuntime:
-    """The holder runtime, for this process's rank and Megatron layout (see :class:`HolderRuntime`)."""
-    return HolderRuntime(cfg)
+    initialized = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if initialized else 0
+    world_size = dist.get_world_size() if initialized else 1
+    try:
+        return Runtime(cfg, rank=rank, world_size=world_size, coords=parity_coordinates(None))
+    except ConfigError as e:
+        if "parity" not in str(e):
+            raise
+        raise ConfigError(f"{e} Set --shardsafe-parity-group-size (0 = the largest feasible, 1 = no parity) and "
+                          "--shardsafe-parity-shards to fit this layout: parity groups are data-parallel "
+                          "peers (equal tensor/pipeline ranks) on distinct nodes.") from None
 
 
 def wrap_optimizer_step(optimizer: Any, before_step: Callable[[int], Any],
@@ -179,13 +90,14 @@ class Protection:
     """What :func:`protect` returns.
 
     Attributes:
-        restored: ``shardsafe.restore.RestoreResult`` (``version`` -1: fresh start; ``tier``, ``seconds``,
+        restored: ``shardsafe.snapshot.restore.RestoreResult`` (``version`` -1: fresh start; ``tier``, ``seconds``,
             ``message``). The loop's iteration and counters are already set to the restored values.
         adapter: the :class:`MegatronStateAdapter`.
         runtime: the runtime (None when shardsafe is disabled).
     """
 
-    def __init__(self, adapter: "MegatronStateAdapter", runtime: Any, restored: Any, undo_step: Callable[[], None]):
+    def __init__(self, adapter: "MegatronStateAdapter", runtime: Optional[BaseRuntime], restored: Any,
+                 undo_step: Callable[[], None]):
         self.adapter, self.runtime, self.restored = adapter, runtime, restored
         self._undo_step = undo_step
 
@@ -196,19 +108,18 @@ class Protection:
     @property
     def events(self) -> Any:
         """TOR event log of the runtime (``emit(kind, **fields)``); a no-op when disabled or without a run dir."""
-        ev = getattr(self.runtime, "events", None)
-        return ev if ev is not None else _NO_EVENTS
+        return self.runtime.events if self.runtime is not None else _NO_EVENTS
 
     @property
     def last_stall_s(self) -> float:
         """Seconds the last optimizer step waited for the snapshot copy."""
-        return float(getattr(self.runtime, "last_stall_s", 0.0) or 0.0)
+        return float(self.runtime.last_stall_s) if self.runtime is not None else 0.0
 
     @property
     def stall_total_s(self) -> float:
         """Seconds the training loop has spent blocked by snapshots so far (waits and captures): an
         iteration's TOR `seconds` are its wall time minus this counter's growth over it (docs/tor.md)."""
-        return float(getattr(self.runtime, "stall_total_s", 0.0) or 0.0)
+        return float(self.runtime.stall_total_s) if self.runtime is not None else 0.0
 
     def after_step(self, iteration: Optional[int] = None) -> None:
         """Call after every optimizer step (and scheduler step / counter updates) with the iteration just
@@ -224,13 +135,13 @@ class Protection:
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait for the last snapshot to be sealed and committed (e.g. before a planned exit)."""
-        return bool(self.runtime.flush(timeout)) if self.runtime is not None and hasattr(self.runtime, "flush") else True
+        return bool(self.runtime.flush(timeout)) if self.runtime is not None else True
 
     def close(self) -> None:
         """Flush the last snapshot, remove the optimizer-step wrapper, disconnect. Idempotent."""
         self._undo_step()
         self._undo_step = lambda: None
-        if self.runtime is not None and hasattr(self.runtime, "close"):
+        if self.runtime is not None:
             self.runtime.close()
 
     def __enter__(self) -> "Protection":
@@ -253,7 +164,7 @@ def protect(model_chunks: Any, optimizer: Any, scheduler: Any, cfg: Any, *,
             get_counters: Optional[Callable[[], Mapping[str, Any]]] = None,
             set_counters: Optional[Callable[[Mapping[str, Any]], None]] = None,
             extra: Optional[MutableMapping[str, Any]] = None,
-            runtime_factory: Callable[[ShardsafeConfig], Any] = default_runtime_factory) -> Protection:
+            runtime_factory: Callable[[ShardsafeConfig], BaseRuntime] = default_runtime_factory) -> Protection:
     """Protect a megatron-core training loop: restore now (if a snapshot exists), snapshot after steps.
 
     Call on every rank after ``initialize_model_parallel``, the model seed and the model, optimizer and
@@ -280,29 +191,23 @@ def protect(model_chunks: Any, optimizer: Any, scheduler: Any, cfg: Any, *,
     Raises:
         ConfigError: bad flags, an unsupported optimizer setup, or parity that cannot be placed on this
             layout; before any snapshot or restore.
-        shardsafe.restore.RestoreError: snapshots exist but none can be restored (the message says what to do).
+        shardsafe.snapshot.restore.RestoreError: snapshots exist but none can be restored (the message says what to do).
     """
     conf = _as_config(cfg)
     adapter = MegatronStateAdapter(model_chunks, optimizer, scheduler, get_iteration=get_iteration,
                                    set_iteration=set_iteration, get_counters=get_counters, set_counters=set_counters,
                                    extra=extra)
     if not conf.enabled:
-        from shardsafe.restore import RestoreResult
+        from shardsafe.snapshot.restore import RestoreResult
         return Protection(adapter, None, RestoreResult(message="shardsafe disabled"), lambda: None)
     runtime = runtime_factory(conf)
-    undo = wrap_optimizer_step(optimizer, runtime.before_step, get_iteration) if hasattr(runtime, "before_step") \
-        else (lambda: None)
+    undo = wrap_optimizer_step(optimizer, runtime.before_step, get_iteration)
     try:
-        runtime.try_restore(adapter)
+        restored = runtime.try_restore(adapter)
     except BaseException:
         undo()
-        if hasattr(runtime, "close"):
-            runtime.close()
+        runtime.close()
         raise
-    restored = getattr(runtime, "restored", None)
-    if restored is None:
-        from shardsafe.restore import RestoreResult
-        restored = RestoreResult()
     return Protection(adapter, runtime, restored, undo)
 
 
@@ -318,16 +223,16 @@ class Restored:
         counters: the restored loop counters (the ``counters`` given to :func:`snapshot`); ``{}`` on a fresh start.
         tier / seconds / message: where it came from (``memory``, ``parity``, ``persistent``, ``none``), how long
             it took, and a sentence for the log.
-        result: the full ``shardsafe.restore.RestoreResult``.
+        result: the full ``shardsafe.snapshot.restore.RestoreResult``.
         protection: the :class:`Protection` behind the calls (events, stall counters, flush).
     """
 
     def __init__(self, iteration: Optional[int], counters: Mapping[str, Any], protection: "Protection") -> None:
         self.iteration, self.counters, self.protection = iteration, dict(counters), protection
         self.result = protection.restored
-        self.tier = str(getattr(self.result, "tier", "none"))
-        self.seconds = float(getattr(self.result, "seconds", 0.0) or 0.0)
-        self.message = str(getattr(self.result, "message", ""))
+        self.tier = str(self.result.tier)
+        self.seconds = float(self.result.seconds)
+        self.message = str(self.result.message)
 
     def __repr__(self) -> str:
         return f"Restored(iteration={self.iteration}, tier={self.tier!r}, seconds={self.seconds:.3f})"
@@ -361,7 +266,7 @@ def _chunks(model_chunks: Any) -> list:
 def _session_for(model_chunks: Any, optimizer: Any, scheduler: Any, call: str) -> _Session:
     s = _SESSIONS.get(id(optimizer))
     if s is None:
-        raise RuntimeError(f"shardsafe.adapters.megatron.{call}: no protection for this optimizer. Call "
+        raise UsageError(f"shardsafe.adapters.megatron.{call}: no protection for this optimizer. Call "
                            "restore(model_chunks, optimizer, scheduler, cfg) once on every rank before the "
                            "first snapshot (it connects to the holder, sets up parity and restores when a "
                            "snapshot exists; pass a config with restore disabled, --shardsafe-no-restore, to "
@@ -369,7 +274,7 @@ def _session_for(model_chunks: Any, optimizer: Any, scheduler: Any, call: str) -
     chunks = _chunks(model_chunks)
     if len(chunks) != len(s.model_chunks) or any(a is not b for a, b in zip(chunks, s.model_chunks)) \
             or scheduler is not s.scheduler:
-        raise ValueError(f"shardsafe.adapters.megatron.{call}: the model chunks or the scheduler are not the "
+        raise ConfigError(f"shardsafe.adapters.megatron.{call}: the model chunks or the scheduler are not the "
                          "objects restore() was given for this optimizer; pass the same objects (the snapshot "
                          "references their tensors), or close(optimizer) and restore() again for new ones.")
     return s
@@ -377,7 +282,7 @@ def _session_for(model_chunks: Any, optimizer: Any, scheduler: Any, call: str) -
 
 def restore(model_chunks: Any, optimizer: Any, scheduler: Any, cfg: Any, *,
             extra: Optional[MutableMapping[str, Any]] = None,
-            runtime_factory: Callable[[ShardsafeConfig], Any] = default_runtime_factory) -> Restored:
+            runtime_factory: Callable[[ShardsafeConfig], BaseRuntime] = default_runtime_factory) -> Restored:
     """Set up protection for this rank's model/optimizer/scheduler and restore the newest snapshot, in place.
 
     Collective: every rank calls it once, after ``initialize_model_parallel``, the model seed and the
@@ -404,10 +309,10 @@ def restore(model_chunks: Any, optimizer: Any, scheduler: Any, cfg: Any, *,
         :class:`Restored` (``iteration`` None on a fresh start).
     Raises:
         RuntimeError: restore() was already called for this optimizer (close() it first).
-        ConfigError, shardsafe.restore.RestoreError: as :func:`protect`.
+        ConfigError, shardsafe.snapshot.restore.RestoreError: as :func:`protect`.
     """
     if id(optimizer) in _SESSIONS:
-        raise RuntimeError("shardsafe.adapters.megatron.restore: this optimizer is already protected (restore() "
+        raise UsageError("shardsafe.adapters.megatron.restore: this optimizer is already protected (restore() "
                            "was called for it before); call close(optimizer) first to start over.")
     conf = _as_config(cfg)
     s = _Session(_chunks(model_chunks), optimizer, scheduler)
@@ -417,7 +322,7 @@ def restore(model_chunks: Any, optimizer: Any, scheduler: Any, cfg: Any, *,
                    set_counters=s.set_counters, extra=extra, runtime_factory=runtime_factory)
     s.protection = prot
     _SESSIONS[id(optimizer)] = s
-    version = int(getattr(prot.restored, "version", -1))
+    version = int(prot.restored.version)
     return Restored(s.iteration if version >= 0 else None, s.counters if version >= 0 else {}, prot)
 
 

@@ -3,7 +3,7 @@
 Fork-free: ``train()`` looks up ``setup_model_and_optimizer``, ``checkpoint_and_decide_exit`` and
 ``train_step`` as module globals of ``megatron.training.training`` at call time, so wrapping those
 globals (and ``optimizer.step`` on the instance, :func:`~.core_api.wrap_optimizer_step`) is enough;
-Megatron-LM is not modified. The wrappers drive the same :class:`~.core_api.Runtime` protocol as the
+Megatron-LM is not modified. The wrappers drive the same :class:`shardsafe.runtime.BaseRuntime` contract as the
 core API, bind the adapter's iteration and counters to Megatron-LM's ``args``, and implement
 ``--shardsafe-export-dir`` with Megatron-LM's own ``save_checkpoint``. :func:`protected_pretrain` is also
 what the automatic activation (adapters/autoload.py) calls.
@@ -18,10 +18,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from shardsafe.config import ShardsafeConfig
-from shardsafe.state import RankState
+from shardsafe.runtime import BaseRuntime
+from shardsafe.snapshot.state import RankState
 
 from ..megatron_args import compose_extra_args_provider, config_from_args
-from .core_api import _NO_EVENTS, Runtime, default_runtime_factory, wrap_optimizer_step
+
+from .core_api import _NO_EVENTS, default_runtime_factory, wrap_optimizer_step
 from .state import MegatronStateAdapter
 
 log = logging.getLogger("shardsafe.megatron")
@@ -47,9 +49,16 @@ def _rerun_state_machine() -> Any:
 
 
 class _HookState:
-    def __init__(self, runtime_factory: Callable[[ShardsafeConfig], Runtime]):
-        self.runtime_factory = runtime_factory
-        self.runtime: Optional[Runtime] = None
+    """The three wrappers of Megatron-LM's loop functions and what they share (one per ``install_hooks``).
+
+    ``setup`` runs inside ``setup_model_and_optimizer`` (builds the adapter and runtime, restores), ``checkpoint``
+    inside ``checkpoint_and_decide_exit`` (once per iteration: snapshot, exit), ``train_step`` before each step
+    (re-seats the restored RNGs once; TOR timing).
+    """
+
+    def __init__(self, runtime_factory: Callable[[ShardsafeConfig], BaseRuntime], get_args: Callable[[], Any]):
+        self.runtime_factory, self.get_args = runtime_factory, get_args
+        self.runtime: Optional[BaseRuntime] = None
         self.adapter: Optional[MegatronStateAdapter] = None
         self.iteration = 0
         self.flops = 0.0
@@ -59,6 +68,97 @@ class _HookState:
         self.train_ready = False
         self.t_step = 0.0
 
+    # ---- setup_model_and_optimizer ------------------------------------------------------------------
+    def setup(self, orig: Callable[..., Any], a: tuple, kw: dict) -> Any:
+        args = self.get_args()
+        cfg = config_from_args(args)  # ConfigError here: before the model is built or anything trains
+        model, optimizer, scheduler = orig(*a, **kw)
+        if not cfg.enabled or optimizer is None:
+            return model, optimizer, scheduler
+        self.iteration = int(args.iteration)
+        self.flops = float(getattr(args, "num_floating_point_operations_so_far", 0) or 0)
+        self.adapter = self._adapter(args, model, optimizer, scheduler)
+        self.runtime = self.runtime_factory(cfg)  # ConfigError (parity placement) here, on every rank
+        self.events = self.runtime.events
+        self.undo_step = wrap_optimizer_step(optimizer, self.runtime.before_step, lambda: self.iteration)
+        restored = self._restore(args) if cfg.restore else None
+        export_dir = getattr(args, "shardsafe_export_dir", None)
+        if export_dir:
+            how = self.runtime.restored.message if self.runtime.restored is not None else ""
+            _export_and_exit(args, export_dir, restored, model, optimizer, scheduler, self.flops, how)
+        return model, optimizer, scheduler
+
+    def _adapter(self, args: Any, model: Any, optimizer: Any, scheduler: Any) -> MegatronStateAdapter:
+        """The state adapter, its iteration and counters bound to Megatron-LM's ``args`` (and its rerun state
+        machine's iteration count, which megatron-core >= 0.18 checkpoints)."""
+        def get_counters():
+            c = {k: getattr(args, k) for k in _ARGS_COUNTERS if getattr(args, k, None) is not None}
+            c["num_floating_point_operations_so_far"] = self.flops
+            rsm = _rerun_state_machine()
+            if isinstance(getattr(rsm, "current_iteration", None), int):
+                # Megatron's --load restores it; a Megatron checkpoint exported from a snapshot carries it.
+                c[_RERUN_ITERATION] = rsm.current_iteration
+            return c
+
+        def set_counters(c):
+            for k in _ARGS_COUNTERS:
+                if k in c:
+                    setattr(args, k, c[k])
+            self.flops = c.get("num_floating_point_operations_so_far", self.flops)
+            args.num_floating_point_operations_so_far = self.flops
+            rsm = _rerun_state_machine()
+            if _RERUN_ITERATION in c and isinstance(getattr(rsm, "current_iteration", None), int):
+                rsm.current_iteration = int(c[_RERUN_ITERATION])
+
+        def set_iteration(i):
+            self.iteration = i
+            args.iteration = i
+
+        return MegatronStateAdapter(model, optimizer, scheduler, get_iteration=lambda: self.iteration,
+                                    set_iteration=set_iteration, get_counters=get_counters, set_counters=set_counters)
+
+    def _restore(self, args: Any) -> Optional[int]:
+        """Collective: the restored iteration, or None on a fresh start."""
+        result = self.runtime.try_restore(self.adapter)
+        if result.version < 0:
+            return None
+        # Between here and the first step Megatron-LM builds the data iterators, and iter(DataLoader) draws a
+        # seed from the torch RNG: set the restored RNGs again right before the first train_step so they
+        # continue exactly where they stopped.
+        self.pending_rng = self.adapter.capture_rng_state()
+        from megatron.core.num_microbatches_calculator import update_num_microbatches
+        update_num_microbatches(args.consumed_train_samples, consistency_check=False, verbose=True)
+        log.info("shardsafe: restored iteration %d (consumed_train_samples=%s)", result.version,
+                 getattr(args, "consumed_train_samples", None))
+        return result.version
+
+    # ---- checkpoint_and_decide_exit: once per iteration, after optimizer.step(), scheduler.step(), iteration += 1
+    def checkpoint(self, orig: Callable[..., Any], sig: inspect.Signature, a: tuple, kw: dict) -> Any:
+        if self.runtime is not None:
+            named = sig.bind(*a, **kw).arguments
+            self.iteration = int(named["iteration"])
+            self.flops = float(named.get("num_floating_point_operations_so_far", self.flops))
+            if self.t_step:
+                self.events.emit("iteration", iteration=self.iteration,
+                                 seconds=max(0.0, time.perf_counter() - self.t_step - float(self.runtime.last_stall_s)))
+            self.runtime.after_step(self.iteration, self.adapter)
+        should_exit = orig(*a, **kw)
+        if should_exit and self.runtime is not None:
+            self.runtime.on_exit(self.iteration, self.adapter)
+        return should_exit
+
+    # ---- train_step ---------------------------------------------------------------------------------
+    def train_step(self, orig: Callable[..., Any], a: tuple, kw: dict) -> Any:
+        if self.pending_rng is not None:
+            self.adapter.apply_rng_state(self.pending_rng.tensors, self.pending_rng.meta)
+            self.pending_rng = None
+        if self.runtime is not None:
+            if not self.train_ready:
+                self.train_ready = True
+                self.events.emit("train_ready", iteration=self.iteration + 1)
+            self.t_step = time.perf_counter()
+        return orig(*a, **kw)
+
 
 class HookHandle:
     """Undo ``install_hooks`` (tests; a second pretrain in one process) and close the runtime."""
@@ -67,7 +167,7 @@ class HookHandle:
         self._module, self._originals, self.state = module, originals, state
 
     @property
-    def runtime(self) -> Optional[Runtime]:
+    def runtime(self) -> Optional[BaseRuntime]:
         return self.state.runtime
 
     @property
@@ -82,11 +182,11 @@ class HookHandle:
         self.state.undo_step()
         self.state.undo_step = lambda: None
         rt = self.state.runtime
-        if rt is not None and hasattr(rt, "close"):
+        if rt is not None:
             rt.close()
 
 
-def install_hooks(runtime_factory: Callable[[ShardsafeConfig], Runtime] = default_runtime_factory, *,
+def install_hooks(runtime_factory: Callable[[ShardsafeConfig], BaseRuntime] = default_runtime_factory, *,
                   training_module: Any = None) -> HookHandle:
     """Wrap ``setup_model_and_optimizer`` (restore, runtime, before-step wait), ``checkpoint_and_decide_exit``
     (snapshot, exit) and ``train_step`` (re-seat the restored RNGs right before the first step).
@@ -107,97 +207,21 @@ def install_hooks(runtime_factory: Callable[[ShardsafeConfig], Runtime] = defaul
     T = training_module
     from megatron.training.global_vars import get_args
 
-    state = _HookState(runtime_factory)
-    orig_setup, orig_ckpt, orig_train_step = T.setup_model_and_optimizer, T.checkpoint_and_decide_exit, T.train_step
-
-    def setup_model_and_optimizer(*a, **kw):
-        args = get_args()
-        cfg = config_from_args(args)  # ConfigError here: before the model is built or anything trains
-        model, optimizer, scheduler = orig_setup(*a, **kw)
-        if not cfg.enabled or optimizer is None:
-            return model, optimizer, scheduler
-        state.iteration = int(args.iteration)
-        state.flops = float(getattr(args, "num_floating_point_operations_so_far", 0) or 0)
-
-        def get_counters():
-            c = {k: getattr(args, k) for k in _ARGS_COUNTERS if getattr(args, k, None) is not None}
-            c["num_floating_point_operations_so_far"] = state.flops
-            rsm = _rerun_state_machine()
-            if isinstance(getattr(rsm, "current_iteration", None), int):
-                # Megatron's --load restores it; a Megatron checkpoint exported from a snapshot carries it.
-                c[_RERUN_ITERATION] = rsm.current_iteration
-            return c
-
-        def set_counters(c):
-            for k in _ARGS_COUNTERS:
-                if k in c:
-                    setattr(args, k, c[k])
-            state.flops = c.get("num_floating_point_operations_so_far", state.flops)
-            args.num_floating_point_operations_so_far = state.flops
-            rsm = _rerun_state_machine()
-            if _RERUN_ITERATION in c and isinstance(getattr(rsm, "current_iteration", None), int):
-                rsm.current_iteration = int(c[_RERUN_ITERATION])
-
-        def set_iteration(i):
-            state.iteration = i
-            args.iteration = i
-
-        state.adapter = MegatronStateAdapter(model, optimizer, scheduler, get_iteration=lambda: state.iteration,
-                                             set_iteration=set_iteration, get_counters=get_counters,
-                                             set_counters=set_counters)
-        state.runtime = state.runtime_factory(cfg)  # ConfigError (parity placement) here, on every rank
-        state.events = getattr(state.runtime, "events", None) or _NO_EVENTS
-        if hasattr(state.runtime, "before_step"):
-            state.undo_step = wrap_optimizer_step(optimizer, state.runtime.before_step, lambda: state.iteration)
-        if cfg.restore:
-            restored = state.runtime.try_restore(state.adapter)
-            if restored is not None:
-                # Between here and the first step Megatron-LM builds the data iterators, and
-                # iter(DataLoader) draws a seed from the torch RNG: set the restored RNGs again
-                # right before the first train_step so they continue exactly where they stopped.
-                state.pending_rng = state.adapter.capture_rng_state()
-                from megatron.core.num_microbatches_calculator import update_num_microbatches
-                update_num_microbatches(args.consumed_train_samples, consistency_check=False, verbose=True)
-                log.info("shardsafe: restored iteration %d (consumed_train_samples=%s)", restored,
-                         getattr(args, "consumed_train_samples", None))
-        export_dir = getattr(args, "shardsafe_export_dir", None)
-        if export_dir:
-            how = getattr(getattr(state.runtime, "restored", None), "message", "")
-            _export_and_exit(args, export_dir, restored if cfg.restore else None, model, optimizer, scheduler,
-                             state.flops, how)
-        return model, optimizer, scheduler
-
+    state = _HookState(runtime_factory, get_args)
+    originals = {"setup_model_and_optimizer": T.setup_model_and_optimizer,
+                 "checkpoint_and_decide_exit": T.checkpoint_and_decide_exit, "train_step": T.train_step}
+    orig_setup, orig_ckpt, orig_train_step = originals.values()
     ckpt_sig = inspect.signature(orig_ckpt)
 
+    def setup_model_and_optimizer(*a, **kw):
+        return state.setup(orig_setup, a, kw)
+
     def checkpoint_and_decide_exit(*a, **kw):
-        # Called once per iteration after optimizer.step(), scheduler.step() and iteration += 1.
-        if state.runtime is not None:
-            named = ckpt_sig.bind(*a, **kw).arguments
-            state.iteration = int(named["iteration"])
-            state.flops = float(named.get("num_floating_point_operations_so_far", state.flops))
-            if state.t_step:
-                stall = float(getattr(state.runtime, "last_stall_s", 0.0) or 0.0)
-                state.events.emit("iteration", iteration=state.iteration,
-                                  seconds=max(0.0, time.perf_counter() - state.t_step - stall))
-            state.runtime.after_step(state.iteration, state.adapter)
-        should_exit = orig_ckpt(*a, **kw)
-        if should_exit and state.runtime is not None:
-            state.runtime.on_exit(state.iteration, state.adapter)
-        return should_exit
+        return state.checkpoint(orig_ckpt, ckpt_sig, a, kw)
 
     def train_step(*a, **kw):
-        if state.pending_rng is not None:
-            state.adapter.apply_rng_state(state.pending_rng.tensors, state.pending_rng.meta)
-            state.pending_rng = None
-        if state.runtime is not None:
-            if not state.train_ready:
-                state.train_ready = True
-                state.events.emit("train_ready", iteration=state.iteration + 1)
-            state.t_step = time.perf_counter()
-        return orig_train_step(*a, **kw)
+        return state.train_step(orig_train_step, a, kw)
 
-    originals = {"setup_model_and_optimizer": orig_setup, "checkpoint_and_decide_exit": orig_ckpt,
-                 "train_step": orig_train_step}
     T.setup_model_and_optimizer = setup_model_and_optimizer
     T.checkpoint_and_decide_exit = checkpoint_and_decide_exit
     T.train_step = train_step
@@ -224,7 +248,7 @@ def _export_and_exit(args: Any, export_dir: str, restored: Optional[int], model:
     raise SystemExit(0)
 
 
-def pretrain(*args: Any, runtime_factory: Callable[[ShardsafeConfig], Runtime] = default_runtime_factory,
+def pretrain(*args: Any, runtime_factory: Callable[[ShardsafeConfig], BaseRuntime] = default_runtime_factory,
              **kwargs: Any) -> Any:
     """Drop-in for ``megatron.training.pretrain`` that adds shardsafe's flags and hooks.
 
@@ -242,7 +266,7 @@ def pretrain(*args: Any, runtime_factory: Callable[[ShardsafeConfig], Runtime] =
 
 
 def protected_pretrain(original: Callable[..., Any], args: tuple, kwargs: dict, *,
-                       runtime_factory: Callable[[ShardsafeConfig], Runtime] = default_runtime_factory) -> Any:
+                       runtime_factory: Callable[[ShardsafeConfig], BaseRuntime] = default_runtime_factory) -> Any:
     """``original(*args, **kwargs)`` (Megatron-LM's ``pretrain``) with shardsafe's flags added to its parser
     (<= 0.17) and the hooks installed into ``megatron.training.training`` for the call."""
     import megatron.training.training as T

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Mapping, MutableMapping, Optional
 import torch
 
 from shardsafe.errors import ShardsafeError
-from shardsafe.state import RankState, apply_rng, capture_rng, cast_like_owner
+from shardsafe.snapshot.state import RankState, apply_rng, capture_rng, cast_like_owner
 
 from .state_checks import (FORMAT, _kind, _names_with_prefix, _SnapshotChecks, check_supported, leaf_optimizers,
                            megatron_core_version, rank_coordinates)
@@ -75,7 +75,7 @@ def _like_live(saved: Any, live: Any) -> Any:
 
 
 class MegatronStateAdapter(_SnapshotChecks):
-    """:class:`shardsafe.state.StateAdapter` for megatron-core model chunks + MegatronOptimizer.
+    """:class:`shardsafe.snapshot.state.StateAdapter` for megatron-core model chunks + MegatronOptimizer.
 
     Args:
         model_chunks: the DDP-wrapped model chunks (one per virtual pipeline stage).

@@ -18,6 +18,8 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from shardsafe.config import ConfigError
+from shardsafe.errors import UsageError
+from shardsafe.snapshot.state import StateAdapter
 
 FORMAT = "shardsafe.megatron/1"
 """Meta format tag: bumped when names or meta layout change, so an old snapshot is refused, not misread."""
@@ -112,7 +114,7 @@ def rank_coordinates() -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
-        raise RuntimeError("rank_coordinates(): megatron.core.parallel_state is not initialized; call it after "
+        raise UsageError("rank_coordinates(): megatron.core.parallel_state is not initialized; call it after "
                            "initialize_model_parallel() (Megatron-LM: after initialize_megatron()).")
 
     def ranks(group) -> list[int]:
@@ -167,7 +169,7 @@ def parity_coordinates(coords: Optional[Mapping[str, Any]] = None) -> Optional[d
 # Does a snapshot fit the live model/optimizer?
 # --------------------------------------------------------------------------------------------------
 
-class _SnapshotChecks:
+class _SnapshotChecks(StateAdapter):
     """``validate`` of :class:`~.state.MegatronStateAdapter`, which it is mixed into: it reads the adapter's
     enumeration (``leaves``, ``_kinds``, ``_groups``, ``_model_param_of``, ``_param_names``,
     ``_persistent_buffers``, ``_coordinates``) and its ``scheduler``, ``extra`` and ``include_rng``."""
@@ -190,48 +192,7 @@ class _SnapshotChecks:
             p.append(f"snapshot has {len(opts)} optimizer(s), the live ChainedOptimizer has {len(self.leaves)}")
             return p
         for li, om in enumerate(opts):
-            if om["type"] != self._kinds[li]:
-                p.append(f"optimizer {li}: snapshot {om['type']} vs live {self._kinds[li]} (--use-distributed-optimizer, "
-                         f"--bf16/--fp16 must match)")
-                continue
-            owner = self._model_param_of(li)
-            groups = self._groups(li)
-            if len(om["groups"]) != len(groups):
-                p.append(f"optimizer {li}: {len(om['groups'])} param groups in the snapshot vs {len(groups)} live")
-                continue
-            inner = getattr(self.leaves[li], "optimizer", None)
-            for gi, (gm, group) in enumerate(zip(om["groups"], groups)):
-                if len(gm["params"]) != len(group["params"]):
-                    p.append(f"optimizer {li} group {gi}: {len(gm['params'])} params in the snapshot vs "
-                             f"{len(group['params'])} live (another model or optimizer config)")
-                    continue
-                for k in gm["hparam_tensors"]:
-                    self._check_tensor(p, tensors, f"opt{li}/g{gi}/hp/{k}", group.get(k))
-                for pi, (pm, param) in enumerate(zip(gm["params"], group["params"])):
-                    pre = f"opt{li}/g{gi}/p{pi}"
-                    model, rng = owner.get(id(param), (None, None))
-                    name = self._param_names.get(id(model)) if model is not None else None
-                    if pm["name"] != name or pm["range"] != rng:
-                        p.append(f"{pre}: snapshot holds {pm['name']}{pm['range'] or ''}, live is {name}{rng or ''}")
-                        continue
-                    self._check_tensor(p, tensors, f"{pre}/param", param)
-                    live_state = inner.state.get(param, {}) if inner is not None else {}
-                    if live_state and sorted(live_state) != pm["state"]:
-                        p.append(f"{pre}: optimizer state keys {pm['state']} in the snapshot vs {sorted(live_state)} "
-                                 "live (another optimizer, or amsgrad differs)")
-                        continue
-                    for k in pm["state"]:
-                        if k in pm["state_meta"]:
-                            continue
-                        self._check_tensor(p, tensors, f"{pre}/{k}", live_state.get(k))
-            gs = getattr(self.leaves[li], "grad_scaler", None)
-            if (om["grad_scaler"] is None) != (gs is None):
-                p.append(f"optimizer {li}: grad scaler {'missing' if gs is None else 'present'} live but not in the "
-                         "snapshot (--fp16/--loss-scale must match)")
-            elif gs is not None:
-                for k, v in vars(gs).items():
-                    if isinstance(v, torch.Tensor):
-                        self._check_tensor(p, tensors, f"opt{li}/grad_scaler/{k}", v)
+            p.extend(self._optimizer_problems(li, om, tensors))
         if (meta.get("scheduler") is None) != (self.scheduler is None):
             p.append("scheduler state is " + ("missing from the snapshot" if meta.get("scheduler") is None else
                                               "in the snapshot but no scheduler was given to the adapter"))
@@ -254,6 +215,53 @@ class _SnapshotChecks:
                     self._check_tensor(p, tensors, f"buf/{name}", live_bufs[name])
         if self.include_rng and meta.get("rng") is None:
             p.append("the snapshot has no RNG state (taken with include_rng=False)")
+        return p
+
+    def _optimizer_problems(self, li: int, om: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> list[str]:
+        """Does leaf optimizer ``li`` fit its snapshot record ``om``: type, groups, params, state, grad scaler."""
+        p: list[str] = []
+        if om["type"] != self._kinds[li]:
+            p.append(f"optimizer {li}: snapshot {om['type']} vs live {self._kinds[li]} (--use-distributed-optimizer, "
+                     f"--bf16/--fp16 must match)")
+            return p
+        owner = self._model_param_of(li)
+        groups = self._groups(li)
+        if len(om["groups"]) != len(groups):
+            p.append(f"optimizer {li}: {len(om['groups'])} param groups in the snapshot vs {len(groups)} live")
+            return p
+        inner = getattr(self.leaves[li], "optimizer", None)
+        for gi, (gm, group) in enumerate(zip(om["groups"], groups)):
+            if len(gm["params"]) != len(group["params"]):
+                p.append(f"optimizer {li} group {gi}: {len(gm['params'])} params in the snapshot vs "
+                         f"{len(group['params'])} live (another model or optimizer config)")
+                continue
+            for k in gm["hparam_tensors"]:
+                self._check_tensor(p, tensors, f"opt{li}/g{gi}/hp/{k}", group.get(k))
+            for pi, (pm, param) in enumerate(zip(gm["params"], group["params"])):
+                pre = f"opt{li}/g{gi}/p{pi}"
+                model, rng = owner.get(id(param), (None, None))
+                name = self._param_names.get(id(model)) if model is not None else None
+                if pm["name"] != name or pm["range"] != rng:
+                    p.append(f"{pre}: snapshot holds {pm['name']}{pm['range'] or ''}, live is {name}{rng or ''}")
+                    continue
+                self._check_tensor(p, tensors, f"{pre}/param", param)
+                live_state = inner.state.get(param, {}) if inner is not None else {}
+                if live_state and sorted(live_state) != pm["state"]:
+                    p.append(f"{pre}: optimizer state keys {pm['state']} in the snapshot vs {sorted(live_state)} "
+                             "live (another optimizer, or amsgrad differs)")
+                    continue
+                for k in pm["state"]:
+                    if k in pm["state_meta"]:
+                        continue
+                    self._check_tensor(p, tensors, f"{pre}/{k}", live_state.get(k))
+        gs = getattr(self.leaves[li], "grad_scaler", None)
+        if (om["grad_scaler"] is None) != (gs is None):
+            p.append(f"optimizer {li}: grad scaler {'missing' if gs is None else 'present'} live but not in the "
+                     "snapshot (--fp16/--loss-scale must match)")
+        elif gs is not None:
+            for k, v in vars(gs).items():
+                if isinstance(v, torch.Tensor):
+                    self._check_tensor(p, tensors, f"opt{li}/grad_scaler/{k}", v)
         return p
 
     def _scheduler_problems(self, sd: Mapping[str, Any]) -> list[str]:

@@ -85,7 +85,7 @@ class BackgroundWork:
 
         def progress(fraction: float) -> None:
             if fraction >= 0.5:
-                from shardsafe.launch.faults import kill_self_in_flush
+                from shardsafe.faults import kill_self_in_flush
                 kill_self_in_flush(f, self._run_dir, version)
         return progress
 
@@ -93,7 +93,7 @@ class BackgroundWork:
     def scrub(self, req: dict | None = None) -> dict:
         """Re-verify every sealed slot's checksums; a bad one becomes ``corrupt`` (never listed or
         opened again, so restore rebuilds that rank from parity or falls back a tier)."""
-        from shardsafe import manifest as mf
+        from shardsafe.payload import manifest as mf
         with self.lock:
             todo = [(r, k, s, s.version) for r, e in self.ranks.items() for k, lst in e.slots.items() for s in lst
                     if s.state == "sealed" and s.manifest is not None]

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from ..errors import ConfigError
 from .paths import HolderPaths
 from .protocol import (FLUSH_DRAIN_S, BadFrame, HolderError, ProtocolError, close_fds, gib_up, recv_msg, req_int,
                        req_ranks, send_msg)
@@ -43,7 +44,7 @@ class Holder(BackgroundWork):
                  run_dir: str = "", scrub_interval_s: float = 0.0, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
                  max_clients: int = DEFAULT_MAX_CLIENTS):
         if read_timeout_s <= 0 or max_clients < 1:
-            raise ValueError(f"holder read_timeout_s must be > 0 and max_clients >= 1; got {read_timeout_s} and "
+            raise ConfigError(f"holder read_timeout_s must be > 0 and max_clients >= 1; got {read_timeout_s} and "
                              f"{max_clients}")
         self.paths = paths
         self.budget = int(budget_bytes)
@@ -68,7 +69,7 @@ class Holder(BackgroundWork):
         self._flush_pending = 0    # queued or being written; a shutdown reports it so launchers wait for them
         self._events = None
         self._run_dir = run_dir
-        from shardsafe.launch.faults import flush_fault
+        from shardsafe.faults import flush_fault
         try:
             self._flush_fault = flush_fault(paths.node)   # kill-flush: fault injection (tests, demos)
         except ValueError as e:
@@ -76,7 +77,7 @@ class Holder(BackgroundWork):
             self._flush_fault = None
         if run_dir:
             try:
-                from shardsafe.tor import EventLog
+                from shardsafe.tor.events import EventLog
                 self._events = EventLog(run_dir, source="holder", node=paths.node)
             except Exception as e:  # accounting never takes the holder down
                 log.warning("TOR event log unavailable: %s", e)

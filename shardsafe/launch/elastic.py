@@ -18,7 +18,7 @@ a fresh node (agent + empty holder) joins; ``kill-rank`` and ``hang-rank`` happe
 run ``shardsafe control serve`` on the batch host (docs/slurm.md).
 
 Rank placement: torch elastic's rendezvous numbers nodes afresh every round, so after a node is
-replaced a rank can land on another node than its snapshot; restore moves it (shardsafe.placement).
+replaced a rank can land on another node than its snapshot; restore moves it (shardsafe.parity.placement).
 
 Nothing here imports torch at module level.
 """
@@ -37,7 +37,7 @@ from typing import Any
 from ..fatal import describe as describe_fatal, read_fatal
 from .controller import Controller
 from .errors import LaunchError
-from .faults import NODE_FAULTS, FaultKind, for_attempt, parse as parse_faults
+from ..faults import NODE_FAULTS, FaultKind, for_attempt, parse as parse_faults
 from .incidents import Evidence
 from .markers import LOG_DIR
 
@@ -61,7 +61,7 @@ class ElasticConfig:
     max_restarts: int = 3
     """torchrun --max-restarts: worker-group restarts before the job gives up."""
     inject: str = ""
-    """Fault spec (shardsafe.launch.faults); fault j applies to attempt j. kill-node is done by the launcher."""
+    """Fault spec (shardsafe.faults); fault j applies to attempt j. kill-node is done by the launcher."""
     hang_timeout_s: float = 600.0
     """No iteration event for this long = a hang (0 = no watchdog)."""
     grace_s: float = 1.0
@@ -277,6 +277,56 @@ class ElasticLauncher:
         log.warning("injected holder kill: %s at step %d of attempt %d (its workers run on)", fault.target,
                     fault.step, attempt)
 
+    def _fatal_of(self, a: int | None) -> str:
+        """The description of the error that ended attempt ``a`` if no restart can fix it (a ConfigError /
+        RestoreError: every restart would end the same way), reported to the controller; else ""."""
+        records = read_fatal(self.cfg.run_dir, a) if a is not None else []
+        if not records:
+            return ""
+        fatal = describe_fatal(records)
+        log.error("attempt %s failed with %s", a, fatal)
+        ctl = self.controller
+        ctl.book.max_restarts = -1   # no "restart" event: there is none
+        r = records[0]
+        ctl.report(Evidence(t=float(r.get("t") or time.time()), cause="fatal_error", rank=r.get("rank"),
+                            node=r.get("node")), a)
+        return fatal
+
+    def _inject(self, a: int | None, injected: set) -> None:
+        """The injected holder kills and node losses of attempt ``a`` whose step the workers reached (once each)."""
+        ctl = self.controller
+        for hf in self._holder_faults(a):
+            if (a, str(hf)) not in injected and ctl.tail.max_iter.get(a, 0) >= hf.step and ctl.book.is_open(a):
+                injected.add((a, str(hf)))
+                self.kill_holder(hf, a)
+        fault = self._node_fault(a)
+        if fault is not None and a not in injected and ctl.tail.max_iter.get(a, 0) >= fault.step \
+                and ctl.book.is_open(a):
+            injected.add(a)
+            nodes = fault.target.split("+")
+            t_fault = time.time()
+            ctl.report(Evidence(t=t_fault, cause="node_loss", node="+".join(nodes), t_fault=t_fault), a)
+            for n in nodes:
+                self.kill_node(n)
+            log.warning("injected node loss: %s at step %d of attempt %d", "+".join(nodes), fault.step, a)
+            for _ in nodes:
+                self.replace_node()
+
+    def _agents_done(self, t0: float) -> bool | None:
+        """True when every live agent finished, False when one gave up or the job timed out, None while running."""
+        live = {n: p for n, p in self.agents.items() if n not in self.lost}
+        codes = {n: p.poll() for n, p in live.items()}
+        bad = {n: rc for n, rc in codes.items() if rc not in (None, 0)}
+        if bad:
+            log.error("agent(s) %s gave up (exit codes %s): the job failed", sorted(bad), bad)
+            return False
+        if codes and all(rc == 0 for rc in codes.values()):
+            return True
+        if self.cfg.timeout_s and time.time() - t0 > self.cfg.timeout_s:
+            log.error("timeout after %.0f s: killing the job", self.cfg.timeout_s)
+            return False
+        return None
+
     def run(self, script: list[str]) -> LaunchResult:
         """Run the job to the end: every agent done, one gave up, the timeout, an error no restart can fix
         (shardsafe.fatal: stops at once, ``LaunchResult.fatal``), or SIGTERM/SIGINT/SIGHUP
@@ -298,49 +348,17 @@ class ElasticLauncher:
                 for i in range(c.nodes):
                     if stop.received is None:
                         self.start_agent(f"node{i}")
-                ctl = self.controller
                 while stop.received is None:
                     time.sleep(0.05)
-                    ctl.poll()
-                    a = ctl.attempt
-                    records = read_fatal(c.run_dir, a) if a is not None else []
-                    if records:
-                        # A ConfigError / RestoreError ended a worker: every restart would end the same way.
-                        fatal = describe_fatal(records)
-                        log.error("attempt %s failed with %s", a, fatal)
-                        ctl.book.max_restarts = -1   # no "restart" event: there is none
-                        r = records[0]
-                        ctl.report(Evidence(t=float(r.get("t") or time.time()), cause="fatal_error", rank=r.get("rank"),
-                                            node=r.get("node")), a)
+                    self.controller.poll()
+                    a = self.controller.attempt
+                    fatal = self._fatal_of(a)
+                    if fatal:
                         break
-                    for hf in self._holder_faults(a):
-                        if (a, str(hf)) not in injected and ctl.tail.max_iter.get(a, 0) >= hf.step \
-                                and ctl.book.is_open(a):
-                            injected.add((a, str(hf)))
-                            self.kill_holder(hf, a)
-                    fault = self._node_fault(a)
-                    if fault is not None and a not in injected and ctl.tail.max_iter.get(a, 0) >= fault.step \
-                            and ctl.book.is_open(a):
-                        injected.add(a)
-                        nodes = fault.target.split("+")
-                        t_fault = time.time()
-                        ctl.report(Evidence(t=t_fault, cause="node_loss", node="+".join(nodes), t_fault=t_fault), a)
-                        for n in nodes:
-                            self.kill_node(n)
-                        log.warning("injected node loss: %s at step %d of attempt %d", "+".join(nodes), fault.step, a)
-                        for _ in nodes:
-                            self.replace_node()
-                    live = {n: p for n, p in self.agents.items() if n not in self.lost}
-                    codes = {n: p.poll() for n, p in live.items()}
-                    bad = {n: rc for n, rc in codes.items() if rc not in (None, 0)}
-                    if bad:
-                        log.error("agent(s) %s gave up (exit codes %s): the job failed", sorted(bad), bad)
-                        break
-                    if codes and all(rc == 0 for rc in codes.values()):
-                        ok = True
-                        break
-                    if c.timeout_s and time.time() - t0 > c.timeout_s:
-                        log.error("timeout after %.0f s: killing the job", c.timeout_s)
+                    self._inject(a, injected)
+                    done = self._agents_done(t0)
+                    if done is not None:
+                        ok = done
                         break
             finally:
                 for node, p in self.agents.items():

@@ -22,11 +22,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import ConfigError
 from ..fatal import describe as describe_fatal, read_fatal
 from ..holder.client import holder_command, stop_holders
 from ..holder.paths import HolderPaths
 from ..tor.events import JsonlTail, NullEventLog
-from .faults import FaultKind, for_attempt, parse
+from ..faults import FaultKind, for_attempt, parse
+from .errors import LaunchError
 from .holders import budget_problem, holder_budget_env, holder_env, holder_failure, holder_running, kill_serving_holder
 from .prewarm import ForkServer, PrewarmError
 from .signals import SignalStop
@@ -67,7 +69,7 @@ class LaunchConfig:
     max_restarts: int = 3
     """Restarts of the worker group before giving up."""
     inject: str = ""
-    """Fault spec (see shardsafe.launch.faults); fault j applies to attempt j."""
+    """Fault spec (see shardsafe.faults); fault j applies to attempt j."""
     start_holders: bool = True
     """Start one holder per node before the first attempt."""
     env: dict[str, str] = field(default_factory=dict)
@@ -80,13 +82,13 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.nproc_per_node < 1:
-            raise ValueError(f"need nodes >= 1 and nproc_per_node >= 1, got {self.nodes} and {self.nproc_per_node}")
+            raise ConfigError(f"need nodes >= 1 and nproc_per_node >= 1, got {self.nodes} and {self.nproc_per_node}")
         if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+            raise ConfigError(f"max_restarts must be >= 0, got {self.max_restarts}")
         parse(self.inject)  # fail fast on a malformed spec
         problem = budget_problem(self.memory_budget_gb)
         if problem:
-            raise ValueError(problem.replace("--memory-budget-gb", "LaunchConfig.memory_budget_gb"))
+            raise ConfigError(problem.replace("--memory-budget-gb", "LaunchConfig.memory_budget_gb"))
         if not self.holder_dir:
             from ..config import default_holder_dir
             self.holder_dir = default_holder_dir()
@@ -119,7 +121,7 @@ class LocalLauncher:
         after the job (several jobs on one host share its imports; the caller closes it). Its preload
         and environment are the caller's business: a trainer it does not accept starts cold."""
         if fork_server is not None and cfg.preload:
-            raise ValueError("LocalLauncher: pass either LaunchConfig.preload (the launcher starts its own fork "
+            raise ConfigError("LocalLauncher: pass either LaunchConfig.preload (the launcher starts its own fork "
                              "server) or fork_server (a shared one), not both")
         self.cfg = cfg
         os.makedirs(cfg.run_dir, exist_ok=True)
@@ -143,7 +145,7 @@ class LocalLauncher:
         p = self.paths(node)
         p.ensure_dir()
         if holder_running(p):
-            raise RuntimeError(f"a holder for job id {self.cfg.job_id!r} on {node} is already running ({p.socket}): "
+            raise LaunchError(f"a holder for job id {self.cfg.job_id!r} on {node} is already running ({p.socket}): "
                                "another job uses this id. Give this job its own job_id, or stop the other one")
         cmd = holder_command(p, budget_gb=self.cfg.memory_budget_gb, run_dir=self.cfg.run_dir)
         log_path = os.path.join(self.cfg.run_dir, f"holder_{node}.log")
@@ -153,7 +155,7 @@ class LocalLauncher:
         line = proc.stdout.readline()  # "holder ready: ..." once the socket is bound
         if not line.startswith(b"holder ready"):
             proc.kill()
-            raise RuntimeError(holder_failure(node, proc.wait(), log_path))
+            raise LaunchError(holder_failure(node, proc.wait(), log_path))
         self.holders[node] = proc
 
     def kill_node_holder(self, node: str) -> None:
@@ -268,46 +270,11 @@ class LocalLauncher:
         attempt = 0
         with SignalStop() as stop:
             try:
-                if c.preload:
-                    self._launch_fork_server()
-                if c.start_holders:
-                    for i in range(c.nodes):
-                        if stop.received is None:
-                            self.start_holder(c.node_name(i))
-                if c.preload:
-                    self._fork_server_ready()
+                self._start_node_services(stop)
                 while stop.received is None:
                     self.events.emit("attempt_start", attempt=attempt)
                     procs = self._spawn(cmd, attempt)
-                    started = time.monotonic()
-                    failed: dict[str, Any] | None = None
-                    node_fault = self._node_fault(attempt)
-                    holder_faults = for_attempt(parse(c.inject), attempt, {FaultKind.KILL_HOLDER})
-                    watch = _EventTail(os.path.join(c.run_dir, "events.jsonl"), attempt) \
-                        if node_fault or holder_faults else None
-                    while True:
-                        if stop.received is not None:
-                            self._kill_all(procs)
-                            self.events.emit("attempt_end", attempt=attempt, rc=None, cause="terminated")
-                            break
-                        while holder_faults and watch.reached(holder_faults[0].step):
-                            self._kill_holder(holder_faults.pop(0), attempt)
-                        if node_fault and watch.reached(node_fault.step):
-                            failed = self._kill_nodes(procs, node_fault, attempt)
-                            break
-                        codes = [p.poll() for p in procs]
-                        bad = [(r, rc) for r, rc in enumerate(codes) if rc not in (None, 0)]
-                        if bad:
-                            r, rc = bad[0]
-                            failed = {"cause": "rank_exit", "rank": r, "rc": rc, "attempt": attempt,
-                                      "node": c.node_name(r // c.nproc_per_node)}
-                            break
-                        if all(rc == 0 for rc in codes):
-                            break
-                        if time.monotonic() - started > c.attempt_timeout_s:
-                            failed = {"cause": "hang", "attempt": attempt}
-                            break
-                        time.sleep(0.05)
+                    failed = self._watch(procs, attempt, stop)
                     if stop.received is not None:
                         break
                     if failed:
@@ -342,6 +309,48 @@ class LocalLauncher:
         return LaunchResult(ok=ok, attempts=attempt + 1, failures=failures, wall_s=time.time() - t0,
                             forked_starts=self.starts["forked"], cold_starts=self.starts["cold"],
                             signal=stop.received, fatal=fatal)
+
+    def _start_node_services(self, stop: SignalStop) -> None:
+        """The fork server (its preload overlaps the holders' start) and one holder per simulated node."""
+        c = self.cfg
+        if c.preload:
+            self._launch_fork_server()
+        if c.start_holders:
+            for i in range(c.nodes):
+                if stop.received is None:
+                    self.start_holder(c.node_name(i))
+        if c.preload:
+            self._fork_server_ready()
+
+    def _watch(self, procs: list, attempt: int, stop: SignalStop) -> dict[str, Any] | None:
+        """Poll one attempt's trainers until they all finish (None), one fails, hangs past the attempt timeout
+        or is killed by an injected node fault (the failure record), or a signal stops the job (None, after
+        killing them). Injected holder kills happen here too, at their step."""
+        c = self.cfg
+        started = time.monotonic()
+        node_fault = self._node_fault(attempt)
+        holder_faults = for_attempt(parse(c.inject), attempt, {FaultKind.KILL_HOLDER})
+        watch = _EventTail(os.path.join(c.run_dir, "events.jsonl"), attempt) if node_fault or holder_faults else None
+        while True:
+            if stop.received is not None:
+                self._kill_all(procs)
+                self.events.emit("attempt_end", attempt=attempt, rc=None, cause="terminated")
+                return None
+            while holder_faults and watch.reached(holder_faults[0].step):
+                self._kill_holder(holder_faults.pop(0), attempt)
+            if node_fault and watch.reached(node_fault.step):
+                return self._kill_nodes(procs, node_fault, attempt)
+            codes = [p.poll() for p in procs]
+            bad = [(r, rc) for r, rc in enumerate(codes) if rc not in (None, 0)]
+            if bad:
+                r, rc = bad[0]
+                return {"cause": "rank_exit", "rank": r, "rc": rc, "attempt": attempt,
+                        "node": c.node_name(r // c.nproc_per_node)}
+            if all(rc == 0 for rc in codes):
+                return None
+            if time.monotonic() - started > c.attempt_timeout_s:
+                return {"cause": "hang", "attempt": attempt}
+            time.sleep(0.05)
 
 
 class _EventTail:

@@ -13,6 +13,8 @@ import os
 import time
 from typing import Any, Optional
 
+from ..errors import ConfigError
+
 CONTROL_DIR = "control"     # RUN_DIR/control: notifications from scripts to the controller
 MARKER_DIR = "markers"      # RUN_DIR/markers/rank{R}.done: written by a rank that finished
 LOG_DIR = "logs"
@@ -52,7 +54,7 @@ def done_ranks(run_dir: str) -> set[int]:
 def notify(run_dir: str, what: str, **fields: Any) -> str:
     """Leave a notification for the job's controller (``node_lost`` with ``node``; ``job_end`` with ``ok``)."""
     if what not in ("node_lost", "job_end"):
-        raise ValueError(f"unknown notification {what!r}: expected node_lost or job_end")
+        raise ConfigError(f"unknown notification {what!r}: expected node_lost or job_end")
     name = f"{what}.{time.time_ns()}.{os.getpid()}.json"
     path = os.path.join(run_dir, CONTROL_DIR, name)
     _atomic_write(path, {"what": what, "t": time.time(), **fields})

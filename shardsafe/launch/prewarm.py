@@ -50,6 +50,7 @@ import time
 from typing import Mapping, Optional, Sequence
 
 from ..errors import ShardsafeError
+from ..errors import ConfigError
 
 log = logging.getLogger("shardsafe.prewarm")   # the name it logged under before the move into shardsafe.launch
 
@@ -319,12 +320,12 @@ def _split_argv(argv: Sequence[str]) -> tuple[bool, list[str]]:
     while argv and argv[0] == "-u":
         unbuffered, argv = True, argv[1:]
     if not argv:
-        raise ValueError("no script or module to run")
+        raise ConfigError("no script or module to run")
     if argv[0] == "-m":
         if len(argv) < 2:
-            raise ValueError("'-m' without a module")
+            raise ConfigError("'-m' without a module")
     elif argv[0].startswith("-"):
-        raise ValueError(f"interpreter option {argv[0]!r} (only 'python [-u] SCRIPT ...' and "
+        raise ConfigError(f"interpreter option {argv[0]!r} (only 'python [-u] SCRIPT ...' and "
                          "'python [-u] -m MODULE ...' are forked)")
     return unbuffered, argv
 

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
 from ._checks import _is_num
+from .errors import TorError
 
 __all__ = ["CLASSES", "CLASS_TIER", "Rates", "Cluster", "Costs"]
 
@@ -35,13 +36,13 @@ CLASS_TIER = {"process": "memory", "node": "parity", "rack": "parity", "slow": "
 
 def _nonneg(owner: str, name: str, v: Any, *, positive: bool = False, unit: str = "") -> None:
     if not _is_num(v) or v < 0 or (positive and v == 0):
-        raise ValueError(f"{owner}({name}={v!r}): expected a finite number {'> 0' if positive else '>= 0'}"
+        raise TorError(f"{owner}({name}={v!r}): expected a finite number {'> 0' if positive else '>= 0'}"
                          f"{' ' + unit if unit else ''}")
 
 
 def _count(owner: str, name: str, v: Any, *, low: int) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise ValueError(f"{owner}({name}={v!r}): expected an int >= {low}")
+        raise TorError(f"{owner}({name}={v!r}): expected an int >= {low}")
 
 
 @dataclass(kw_only=True)
@@ -63,7 +64,7 @@ class Rates:
         for c in CLASSES:
             _nonneg("Rates", c, getattr(self, c), unit="failures per node-hour")
         if self.total() <= 0:
-            raise ValueError("Rates: every class rate is 0; expected at least one failure rate per node-hour > 0 "
+            raise TorError("Rates: every class rate is 0; expected at least one failure rate per node-hour > 0 "
                              "(pass --profile NAME, --rates FILE or --rate-node etc.)")
 
     def total(self) -> float:
@@ -80,10 +81,10 @@ class Rates:
         known = set(CLASSES) | {"per", "gpus_per_node", "source"}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"rates {source}: unknown key(s) {unknown}; expected {', '.join(CLASSES)} (failures "
+            raise TorError(f"rates {source}: unknown key(s) {unknown}; expected {', '.join(CLASSES)} (failures "
                              "per node-hour), optionally 'per': 'node-hour'|'gpu-hour' and 'gpus_per_node'")
         if per not in ("node-hour", "gpu-hour"):
-            raise ValueError(f"rates {source}: per={per!r}; expected 'node-hour' or 'gpu-hour'")
+            raise TorError(f"rates {source}: per={per!r}; expected 'node-hour' or 'gpu-hour'")
         scale = 1.0
         if per == "gpu-hour":
             gpn = data.get("gpus_per_node")
@@ -120,10 +121,10 @@ class Cluster:
         _count("Cluster", "parity_m", self.parity_m, low=0)
         _count("Cluster", "spares", self.spares, low=0)
         if self.group_nodes > self.nodes:
-            raise ValueError(f"Cluster(group_nodes={self.group_nodes}): a parity group cannot have more members "
+            raise TorError(f"Cluster(group_nodes={self.group_nodes}): a parity group cannot have more members "
                              f"than the job has nodes ({self.nodes}); pass a smaller --group-nodes")
         if self.parity_m >= self.group_nodes and self.parity_m > 0:
-            raise ValueError(f"Cluster(parity_m={self.parity_m}): expected m < group size {self.group_nodes} "
+            raise TorError(f"Cluster(parity_m={self.parity_m}): expected m < group size {self.group_nodes} "
                              "(RS(n-m, m) needs at least one data member); pass a smaller --parity-m")
 
     @property
@@ -185,7 +186,7 @@ class Costs:
             _nonneg("Costs", f.name, getattr(self, f.name), positive=positive,
                     unit="hours" if f.name == "repair_h" else "seconds")
         if not _is_num(self.slowdown) or not 0.0 <= self.slowdown < 1.0:
-            raise ValueError(f"Costs(slowdown={self.slowdown!r}): expected a fraction in [0, 1) of throughput "
+            raise TorError(f"Costs(slowdown={self.slowdown!r}): expected a fraction in [0, 1) of throughput "
                              "lost while a node is slow")
 
     def recovery_s(self, restore_s: float) -> float:

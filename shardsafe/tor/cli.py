@@ -15,6 +15,7 @@ from .inputs import costs_from_mapping, load_mapping, measured_costs, rates_from
 from .plot import plot_timeline
 from .project import DEFAULT_SIM_REPLICAS, DEFAULT_SWEEP_GPUS, SIM_FAILURES_PER_REPLICA, STRATEGIES
 from .report import report_dict, report_text
+from .errors import TorError
 
 __all__ = ["register_cli", "main"]
 
@@ -159,7 +160,7 @@ def _build_inputs(args: argparse.Namespace) -> tuple[Cluster, Rates, Costs, dict
     notes: list[str] = []
     profile = None
     if args.rates and args.profile:
-        raise ValueError("pass --profile or --rates, not both")
+        raise TorError("pass --profile or --rates, not both")
     if args.rates:
         rates = rates_from_file(args.rates)
         base = rates.as_dict()
@@ -181,7 +182,7 @@ def _build_inputs(args: argparse.Namespace) -> tuple[Cluster, Rates, Costs, dict
     rates = Rates(**{**base, **flagged}, source=source)
 
     if args.nodes is not None and args.gpus is not None:
-        raise ValueError("pass --gpus or --nodes, not both")
+        raise TorError("pass --gpus or --nodes, not both")
     nodes = args.nodes if args.nodes is not None else -(-(args.gpus or 16384) // args.gpus_per_node)
     cluster = Cluster(nodes=nodes, gpus_per_node=args.gpus_per_node, rack_nodes=args.rack_nodes,
                       group_nodes=args.group_nodes, parity_m=args.parity_m, spares=args.spares,
@@ -219,9 +220,9 @@ def _cmd_project(args: argparse.Namespace) -> int:
     try:
         cluster, rates, costs, measured, profile, notes = _build_inputs(args)
         if args.target_tor is not None and not 0 < args.target_tor < 1:
-            raise ValueError(f"--target-tor {args.target_tor}: expected a fraction in (0, 1), e.g. 0.95")
+            raise TorError(f"--target-tor {args.target_tor}: expected a fraction in (0, 1), e.g. 0.95")
         if args.no_simulate and (args.sim_replicas is not None or args.sim_seed is not None):
-            raise ValueError("pass --no-simulate or --sim-replicas/--sim-seed, not both")
+            raise TorError("pass --no-simulate or --sim-replicas/--sim-seed, not both")
         sweep_gpus = args.sweep if args.sweep is not None else (list(DEFAULT_SWEEP_GPUS) if args.plot else None)
         d = projection_dict(cluster, rates, costs, interval_s=args.interval_s, disk_interval_s=args.disk_interval_s,
                             sweep_gpus=sweep_gpus, target_tor=args.target_tor, measured=measured, profile=profile,

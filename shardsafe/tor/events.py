@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ._checks import _is_num
+from .errors import TorError
 
 # One logger for the whole package: operators filter on "shardsafe.tor" (tests assert it too).
 logger = logging.getLogger("shardsafe.tor")
@@ -133,7 +134,7 @@ class EventLog:
     def __init__(self, run_dir: str | os.PathLike, *, source: str, rank: int | None = None,
                  node: str | int | None = None, attempt: int | None = None) -> None:
         if source not in SOURCES:
-            raise ValueError(f"EventLog(source={source!r}): expected one of {', '.join(SOURCES)}; "
+            raise TorError(f"EventLog(source={source!r}): expected one of {', '.join(SOURCES)}; "
                              "pass the role of the emitting process")
         for name, v in (("rank", rank), ("attempt", attempt)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):

@@ -15,6 +15,7 @@ from ._checks import _is_num
 from .classes import Costs, Rates
 from .events import EVENTS_FILE, TIERS, read_events
 from .records import TorReport
+from .errors import TorError
 
 __all__ = ["load_mapping", "rates_from_file", "costs_from_mapping", "costs_from_report", "resolve_run_dir",
            "measured_costs", "PART_FIELD"]
@@ -33,24 +34,24 @@ def load_mapping(path: str | os.PathLike, what: str) -> dict[str, Any]:
     try:
         text = p.read_text()
     except OSError as e:
-        raise ValueError(f"{what} {p}: cannot read it ({e.strerror or e}); pass an existing JSON or YAML file") from None
+        raise TorError(f"{what} {p}: cannot read it ({e.strerror or e}); pass an existing JSON or YAML file") from None
     if p.suffix.lower() in (".yaml", ".yml"):
         try:
             import yaml  # optional: JSON needs nothing
         except ImportError:
-            raise ValueError(f"{what} {p}: reading YAML needs PyYAML (pip install pyyaml); or write the same "
+            raise TorError(f"{what} {p}: reading YAML needs PyYAML (pip install pyyaml); or write the same "
                              "keys as JSON") from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise ValueError(f"{what} {p}: not valid YAML ({e})") from None
+            raise TorError(f"{what} {p}: not valid YAML ({e})") from None
     else:
         try:
             data = json.loads(text)
         except ValueError as e:
-            raise ValueError(f"{what} {p}: not valid JSON ({e}); YAML files need a .yaml suffix") from None
+            raise TorError(f"{what} {p}: not valid JSON ({e}); YAML files need a .yaml suffix") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{what} {p}: expected a mapping (a JSON object), got {type(data).__name__}")
+        raise TorError(f"{what} {p}: expected a mapping (a JSON object), got {type(data).__name__}")
     return data
 
 
@@ -68,17 +69,17 @@ def costs_from_mapping(data: Mapping[str, Any], source: str) -> dict[str, float]
     if names & set(data):
         unknown = sorted(set(data) - names - {"source"})
         if unknown:
-            raise ValueError(f"costs {source}: unknown key(s) {unknown}; expected Costs fields "
+            raise TorError(f"costs {source}: unknown key(s) {unknown}; expected Costs fields "
                              f"{', '.join(sorted(names))} (seconds; repair_h in hours, slowdown a fraction)")
         out = {k: data[k] for k in data if k in names}
     elif set(_BENCH_KEYS) & set(data):
         out = {f: data[k] * scale for k, (f, scale) in _BENCH_KEYS.items() if k in data and _is_num(data[k])}
     else:
-        raise ValueError(f"costs {source}: none of the expected keys; expected Costs fields ({', '.join(sorted(names))}) "
+        raise TorError(f"costs {source}: none of the expected keys; expected Costs fields ({', '.join(sorted(names))}) "
                          f"or a bench/snapshot_bench.py JSON ({', '.join(_BENCH_KEYS)})")
     for k, v in out.items():
         if not _is_num(v):
-            raise ValueError(f"costs {source}: {k}={v!r}; expected a finite number")
+            raise TorError(f"costs {source}: {k}={v!r}; expected a finite number")
     return {k: float(v) for k, v in out.items()}
 
 

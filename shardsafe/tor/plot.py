@@ -7,6 +7,7 @@ from typing import Any, Iterable, Mapping
 
 from ._checks import _is_num
 from .records import TorReport
+from .errors import TorError
 
 __all__ = ["plot_timeline", "plot_sweep"]
 
@@ -119,7 +120,7 @@ def plot_sweep(rows: list[Mapping[str, Any]], path: str | os.PathLike, *, title:
     except ImportError as e:
         raise ImportError("plot_sweep needs matplotlib: pip install 'shardsafe[plot]'") from e
     if not rows:
-        raise ValueError("plot_sweep: no rows to plot; pass at least one scale")
+        raise TorError("plot_sweep: no rows to plot; pass at least one scale")
     fig = Figure(figsize=(8, 5), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.subplots()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .classes import CLASSES, Rates
+from .errors import TorError
 
 __all__ = ["Profile", "PROFILES", "LLAMA3_CAUSES", "get_profile"]
 
@@ -127,5 +128,5 @@ def get_profile(name: str) -> Profile:
     try:
         return PROFILES[name]
     except KeyError:
-        raise ValueError(f"--profile {name!r}: expected one of {', '.join(PROFILES)} "
+        raise TorError(f"--profile {name!r}: expected one of {', '.join(PROFILES)} "
                          "(or pass --rates FILE.json with rates per node-hour)") from None

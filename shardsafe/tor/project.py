@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .classes import CLASSES, Cluster, Costs, Rates
+from .errors import TorError
 
 __all__ = ["STRATEGIES", "PARTS", "ClassCost", "Projection", "node_loss_rate", "away_distribution", "p_no_spare", "p_beyond_m",
            "class_costs", "flush_every", "tor_at", "project", "optimal_interval", "at_scale", "sweep", "recommend",
@@ -223,7 +224,7 @@ def class_costs(strategy: str, cluster: Cluster, rates: Rates, costs: Costs, *, 
     """Expected cost of one event of each class under ``strategy`` at snapshot interval ``interval_s`` (for
     ``disk``: the checkpoint interval) with ``stall_s`` per snapshot (docs/tor.md, table of recovery paths)."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r}: expected one of {', '.join(STRATEGIES)}")
+        raise TorError(f"strategy={strategy!r}: expected one of {', '.join(STRATEGIES)}")
     tau, c = interval_s, stall_s
     lost_snap = (tau + c) / 2.0                      # wall time since the last committed snapshot, on average
     m = cluster.parity_m if strategy == "shardsafe" else 0
@@ -332,7 +333,7 @@ def project(strategy: str, cluster: Cluster, rates: Rates, costs: Costs, *, inte
     tau = interval_s if interval_s is not None else optimal_interval(strategy, cluster, rates, costs,
                                                                       min_interval_s=min_interval_s)
     if not (tau > 0 and math.isfinite(tau)):
-        raise ValueError(f"interval_s={interval_s!r}: expected a finite number of seconds > 0")
+        raise TorError(f"interval_s={interval_s!r}: expected a finite number of seconds > 0")
     c = _stall(strategy, costs)
     cc = class_costs(strategy, cluster, rates, costs, interval_s=tau, stall_s=c)
     fail = math.fsum(x.fraction for x in cc.values())
@@ -410,7 +411,7 @@ def recommend(cluster: Cluster, rates: Rates, costs: Costs, target_tor: float, *
     :data:`FIRST_ORDER_LIMIT` whose optimistic bound (:attr:`Projection.tor_upper_bound`) can reach the target,
     and for the setup returned when it is past the limit. Without it every candidate is (P) alone."""
     if not 0 < target_tor < 1:
-        raise ValueError(f"target_tor={target_tor!r}: expected a fraction in (0, 1)")
+        raise TorError(f"target_tor={target_tor!r}: expected a fraction in (0, 1)")
     best: tuple[dict[str, Any], Cluster, Projection] | None = None
     cap = _spares_for(cluster, rates, costs, 1e-3)
 

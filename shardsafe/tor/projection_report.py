@@ -13,6 +13,7 @@ from .classes import CLASSES, Cluster, Costs, Rates
 from .project import (DEFAULT_SIM_REPLICAS, FIRST_ORDER_LIMIT, PARTS, SIM_FAILURES_PER_REPLICA, STRATEGIES,
                       Projection, closed_point, first_order_note, project, recommend, sweep)
 from .simulate import simulate
+from .errors import TorError
 
 __all__ = ["PROJECT_SCHEMA", "SIMULATE_SCHEMA", "DEFAULT_SIM_REPLICAS", "SIM_FAILURES_PER_REPLICA", "Refiner",
            "projection_dict", "projection_text", "simulation_dict", "simulation_text"]
@@ -58,7 +59,7 @@ class Refiner:
     def __call__(self, cluster: Cluster, p: Projection) -> dict[str, Any]:
         """The point for projection ``p`` of ``cluster`` (with the rates and costs given at construction)."""
         if self.rates is None or self.costs is None:
-            raise ValueError("Refiner: pass rates= and costs= (the ones the projection used)")
+            raise TorError("Refiner: pass rates= and costs= (the ones the projection used)")
         return self.point(p.strategy, cluster, self.rates, self.costs, p)
 
     def point(self, strategy: str, cluster: Cluster, rates: Rates, costs: Costs, p: Projection) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._checks import _pos
+from .errors import TorError
 
 __all__ = ["CATEGORIES", "RECOVERY_PARTS", "TorOptions", "Failure", "Segment", "Attempt", "TorModel", "TorReport"]
 
@@ -48,7 +49,7 @@ class TorOptions:
         _pos("mtbf_s", self.mtbf_s)
         si = self.snapshot_interval
         if si is not None and (isinstance(si, bool) or not isinstance(si, int) or si < 1):
-            raise ValueError(f"snapshot_interval={si!r}: expected an int >= 1 (iterations between snapshots)")
+            raise TorError(f"snapshot_interval={si!r}: expected an int >= 1 (iterations between snapshots)")
 
 
 @dataclass(frozen=True, kw_only=True)

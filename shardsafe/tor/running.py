@@ -10,6 +10,7 @@ from typing import Callable
 
 from ._checks import _is_num, _pos
 from .events import ENV_JOB_START, EventLog, _int_field
+from .errors import TorError
 
 __all__ = ["RunningTor"]
 
@@ -60,7 +61,7 @@ class RunningTor:
                  job_start_t: float | None = None, first_iteration: int | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"RunningTor(every={every!r}): expected an int >= 1 (iterations between log lines)")
+            raise TorError(f"RunningTor(every={every!r}): expected an int >= 1 (iterations between log lines)")
         _pos("ideal_iteration_s", ideal_iteration_s)
         self.log, self.every, self.ideal, self.clock = log, every, ideal_iteration_s, clock
         if job_start_t is None:

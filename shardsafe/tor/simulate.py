@@ -28,6 +28,7 @@ import numpy as np
 
 from .classes import CLASSES, Cluster, Costs, Rates
 from .project import STRATEGIES, flush_every
+from .errors import TorError
 
 __all__ = ["SimResult", "simulate"]
 
@@ -192,13 +193,13 @@ def simulate(strategy: str, cluster: Cluster, rates: Rates, costs: Costs, *, int
     :func:`shardsafe.tor.project.project` to compare with the closed form at the same point.
     """
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r}: expected one of {', '.join(STRATEGIES)}")
+        raise TorError(f"strategy={strategy!r}: expected one of {', '.join(STRATEGIES)}")
     if not (interval_s > 0 and math.isfinite(interval_s)):
-        raise ValueError(f"interval_s={interval_s!r}: expected seconds > 0")
+        raise TorError(f"interval_s={interval_s!r}: expected seconds > 0")
     if not (horizon_s > 0 and math.isfinite(horizon_s)):
-        raise ValueError(f"horizon_s={horizon_s!r}: expected seconds > 0")
+        raise TorError(f"horizon_s={horizon_s!r}: expected seconds > 0")
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 2:
-        raise ValueError(f"replicas={replicas!r}: expected an int >= 2 (a confidence interval needs two)")
+        raise TorError(f"replicas={replicas!r}: expected an int >= 2 (a confidence interval needs two)")
     stall = costs.disk_save_s if strategy == "disk" else costs.snapshot_stall_s
     stats = SimResult(strategy=strategy, interval_s=interval_s, horizon_s=horizon_s, replicas=replicas, seed=seed,
                       tor=0.0, ci95=0.0)

@@ -5,7 +5,7 @@ parent's imports are reused), each joins a gloo group through a FileStore in a f
 with a short collective timeout, runs ``fn(rank, world, *args)`` and writes its JSON-able return
 value to a file. The parent kills every child when one fails or the deadline passes, and raises
 with the failing rank's traceback. Tensors travel through ``save_tensors``/``load_tensors``
-(shardsafe.manifest's JSON layout plus raw bytes, and a JSON file for metadata).
+(shardsafe.payload.manifest's JSON layout plus raw bytes, and a JSON file for metadata).
 """
 from __future__ import annotations
 
@@ -89,15 +89,15 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 90.0,
 # ---- tensors between processes: JSON index + raw bytes (no pickle) --------------------------------
 
 def save_tensors(path: str, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> None:
-    """``path.bin`` + ``path.json`` (shardsafe.manifest.save_tensors) and ``path.meta.json``."""
-    from shardsafe import manifest as mf
+    """``path.bin`` + ``path.json`` (shardsafe.payload.manifest.save_tensors) and ``path.meta.json``."""
+    from shardsafe.payload import manifest as mf
     mf.save_tensors(path, tensors)
     with open(path + ".meta.json", "w") as f:
         json.dump(meta or {}, f)
 
 
 def load_tensors(path: str) -> tuple[dict[str, torch.Tensor], dict]:
-    from shardsafe import manifest as mf
+    from shardsafe.payload import manifest as mf
     with open(path + ".meta.json") as f:
         meta = json.load(f)
     return mf.load_tensors(path), meta

@@ -44,8 +44,8 @@ def _changes(rank, world, root):
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     from shardsafe.adapters.deepspeed import DeepSpeedStateAdapter
-    from shardsafe.restore import Collectives, RestoreError, restore_from_holder
-    from shardsafe.snapshot import LocalAgreement, SnapshotPipeline
+    from shardsafe.snapshot.restore import Collectives, RestoreError, restore_from_holder
+    from shardsafe.snapshot.pipeline import LocalAgreement, SnapshotPipeline
     client = HolderClient(HolderPaths(root, "ljob", "n0"), timeout_s=10).connect()
     src = DeepSpeedStateAdapter(_engine(2, "bf16"))
     pipe = SnapshotPipeline(client, rank=0, world_size=1, node="n0", agreement=LocalAgreement())

@@ -35,6 +35,7 @@ import megatron.core.pipeline_parallel  # noqa: E402,F401
 
 import megatron_pretrain_gpt as ex  # noqa: E402
 from _fork_ranks import load_tensors, run_ranks, save_tensors  # noqa: E402
+from shardsafe.runtime import BaseRuntime  # noqa: E402
 
 N_BEFORE, M_AFTER = 3, 3
 
@@ -297,7 +298,7 @@ def test_persistent_buffers_are_copied_and_restored():
 
 # ---- the two-call core API: restore() once, snapshot() after every step, close() ----------------------
 
-class _RecordingRuntime:
+class _RecordingRuntime(BaseRuntime):
     """Stands in for the holder runtime (tests/fault/test_megatron_resume.py runs the real one through the
     same calls): keeps CPU copies of what the interval captures, and applies the newest one on restore."""
 
@@ -305,14 +306,14 @@ class _RecordingRuntime:
         self.cfg, self.saved, self.calls, self.restored = cfg, saved, [], None
 
     def try_restore(self, adapter):
-        from shardsafe.restore import RestoreResult
+        from shardsafe.snapshot.restore import RestoreResult
         if self.saved:
             version = max(self.saved)
             adapter.apply(*self.saved[version])
             self.restored = RestoreResult(version=version, tier="memory")
         else:
             self.restored = RestoreResult()
-        return self.restored.version if self.restored.version >= 0 else None
+        return self.restored
 
     def after_step(self, iteration, adapter):
         self.calls.append(("after_step", iteration))
@@ -375,10 +376,10 @@ def _run_core_functions(rank: int, world: int) -> dict:
 @pytest.mark.timeout(60)
 def test_core_functions_restore_snapshot_close_contract():
     r = run_ranks(1, _run_core_functions)[0]
-    assert r["before_restore"].startswith("RuntimeError") and "Call restore(model_chunks" in r["before_restore"]
+    assert r["before_restore"].startswith("UsageError") and "Call restore(model_chunks" in r["before_restore"]
     assert r["fresh"] == [None, {}, "none"]   # results come back through JSON: tuples are lists
-    assert r["twice"].startswith("RuntimeError") and "already protected" in r["twice"]
-    assert r["other_scheduler"].startswith("ValueError") and "not the objects restore() was given" in r["other_scheduler"]
+    assert r["twice"].startswith("UsageError") and "already protected" in r["twice"]
+    assert r["other_scheduler"].startswith("ConfigError") and "not the objects restore() was given" in r["other_scheduler"]
     # interval 2: iteration 2 is captured; 3 is the last one (final=True), sealed by on_exit
     assert r["taken"] == [False, True, True]
     assert r["calls"] == [["after_step", 1], ["after_step", 2], ["after_step", 3], ["on_exit", 3]]

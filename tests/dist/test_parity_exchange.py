@@ -2,52 +2,14 @@
 import pytest
 import torch
 
-from shardsafe.exchange import ParityExchange, gather_places, plan_parity
+from shardsafe.parity.exchange import ParityExchange, gather_places, plan_parity
 from shardsafe.holder.client import HolderClient
 from shardsafe.holder.paths import HolderPaths
-from shardsafe.restore import Collectives, RestoreError, restore_from_holder
-from shardsafe.snapshot import GlooAgreement, SnapshotPipeline
-from shardsafe.state import RankState
+from shardsafe.snapshot.restore import Collectives, RestoreError, restore_from_holder
+from shardsafe.snapshot.pipeline import GlooAgreement, SnapshotPipeline
 
 from ._fork_ranks import run_ranks
-
-WORLD = 3
-
-
-class Shard:
-    """A DP shard: equal-sized tensors whose content depends on (rank, version)."""
-
-    optional_prefixes = ()
-
-    def __init__(self, rank: int, version: int, n: int = 300_007):
-        g = torch.Generator().manual_seed(1000 * rank + version)
-        self.t = {"master": torch.randn(n, generator=g),
-                  "exp_avg": torch.randn(n, generator=g).to(torch.bfloat16),
-                  "step": torch.tensor(float(version))}
-        self.meta = {"version": version}
-
-    def capture(self):
-        return RankState(dict(self.t), dict(self.meta))
-
-    def apply(self, tensors, meta):
-        for k, v in self.t.items():
-            v.copy_(tensors[k])
-        self.meta = dict(meta)
-
-    def equals(self, other) -> bool:
-        return all(torch.equal(self.t[k], other.t[k]) for k in self.t) and self.meta == other.meta
-
-
-@pytest.fixture
-def holders(holder_factory):
-    """The root of WORLD holders of job pjob, nodes n0.. (tests/conftest.py's holder_factory)."""
-    return holder_factory(WORLD, job="pjob", budget_gb=0.1).root
-
-
-def _flip(client, rank, version, kind, offset):
-    slot = next(s["slot"] for s in client.list(rank)[str(rank)][kind] if s["version"] == version)
-    mm = client._maps[slot]   # the writable mapping the pipeline used
-    mm[offset] ^= 0x5A
+from ._shards import WORLD, Shard, flip
 
 
 def _scenario(rank, world, root, scenario):
@@ -83,9 +45,9 @@ def _scenario(rank, world, root, scenario):
         client.drop(rank=rank, kind="data")
         client.drop(rank=rank, kind="parity")
     if scenario == "parity_corrupt" and rank == 0:
-        _flip(client, 0, 2, "parity", 17)
+        flip(client, 0, 2, "parity", 17)
     if scenario == "data_corrupt" and rank == 2:
-        _flip(client, 2, 2, "data", 1234)
+        flip(client, 2, 2, "data", 1234)
     dist.barrier()
     live = Shard(rank, 0, n)
     coll = Collectives(None, world)

@@ -2,15 +2,15 @@
 snapshots after a restart get them moved there (and parity rebuilds what a lost node took)."""
 import pytest
 
-from shardsafe.exchange import ParityExchange, gather_places, plan_parity
+from shardsafe.parity.exchange import ParityExchange, gather_places, plan_parity
 from shardsafe.holder.client import HolderClient
 from shardsafe.holder.paths import HolderPaths
-from shardsafe.placement import migrate
-from shardsafe.restore import Collectives, restore_from_holder
-from shardsafe.snapshot import GlooAgreement, SnapshotPipeline
+from shardsafe.parity.placement import migrate
+from shardsafe.snapshot.restore import Collectives, restore_from_holder
+from shardsafe.snapshot.pipeline import GlooAgreement, SnapshotPipeline
 
 from ._fork_ranks import run_ranks
-from .test_parity_exchange import Shard
+from ._shards import Shard
 
 WORLD = 3
 

@@ -1,14 +1,14 @@
 """A flipped byte in one member's held payload: found by the holder's scrub, never loaded, and the
 member's payload rebuilt from its parity group (3 ranks on 3 'nodes', real holders, gloo)."""
 
-from shardsafe.exchange import ParityExchange, gather_places, plan_parity
+from shardsafe.parity.exchange import ParityExchange, gather_places, plan_parity
 from shardsafe.holder.client import HolderClient
 from shardsafe.holder.paths import HolderPaths
-from shardsafe.restore import Collectives, restore_from_holder
-from shardsafe.snapshot import GlooAgreement, SnapshotPipeline
+from shardsafe.snapshot.restore import Collectives, restore_from_holder
+from shardsafe.snapshot.pipeline import GlooAgreement, SnapshotPipeline
 
 from ._fork_ranks import run_ranks
-from .test_parity_exchange import WORLD, Shard, holders  # noqa: F401  (the fixture)
+from ._shards import WORLD, Shard
 
 
 def _scrub_then_restore(rank, world, root):

@@ -12,14 +12,14 @@
 """
 import logging
 
-from shardsafe.exchange import ParityExchange, gather_places, plan_parity
+from shardsafe.parity.exchange import ParityExchange, gather_places, plan_parity
 from shardsafe.holder.client import HolderClient
 from shardsafe.holder.paths import HolderPaths
-from shardsafe.restore import Collectives, RestoreError, restore_from_holder
-from shardsafe.snapshot import GlooAgreement, LocalAgreement, SnapshotPipeline
+from shardsafe.snapshot.restore import Collectives, RestoreError, restore_from_holder
+from shardsafe.snapshot.pipeline import GlooAgreement, LocalAgreement, SnapshotPipeline
 
 from ._fork_ranks import run_ranks
-from .test_parity_exchange import WORLD, Shard, _flip, holders  # noqa: F401  (the fixture)
+from ._shards import WORLD, Shard, flip
 
 
 def _seal(client, rank, world, version, shard, *, timeline, everyone=True, ex=None):
@@ -81,7 +81,7 @@ def _repair(rank, world, root, corrupt):
         _seal(client, rank, world, v, Shard(rank, v), timeline=5, ex=ex)
     dist.barrier()
     if rank in corrupt:   # bit rot in the newest copy; no scrub ran
-        _flip(client, rank, 2, "data", 4321)
+        flip(client, rank, 2, "data", 4321)
     dist.barrier()
     live = Shard(rank, 0)
     try:

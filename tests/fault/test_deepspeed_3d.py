@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from shardsafe.launch import PRELOAD_DEEPSPEED
-from shardsafe.manifest import load_tensors
+from shardsafe.payload.manifest import load_tensors
 from shardsafe.runcheck import compare_runs, effective_losses, read_jsonl
 
 from .helpers import restores, run_job, trainer_logs

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from shardsafe.launch import PRELOAD_DEEPSPEED
-from shardsafe.manifest import load_tensors
+from shardsafe.payload.manifest import load_tensors
 from shardsafe.runcheck import effective_losses
 
 from .helpers import ROOT, run_job, trainer_logs

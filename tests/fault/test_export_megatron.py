@@ -173,7 +173,7 @@ def test_megatron_export_fp16_optimizer_equals_plain_save_and_continues_bit_exac
     restores the RNGs and then builds the data iterators, whose DataLoader draws from the torch RNG,
     so with dropout its own resume is not bit-exact to an uninterrupted run (shardsafe's restore
     re-seats the RNGs right before the first step for that reason). Without dropout it is."""
-    from shardsafe.manifest import load_tensors
+    from shardsafe.payload.manifest import load_tensors
     args_file = tmp_path / "nodistopt.args"
     args_file.write_text(open(LM_ARGS).read().replace("--use-distributed-optimizer", "")
                          .replace("--hidden-dropout 0.1", "--hidden-dropout 0.0")

@@ -1,4 +1,4 @@
-"""The restore's peer-shard cast (``shardsafe.state.cast_like_owner``) on a GPU: a CPU fp32 shard cast
+"""The restore's peer-shard cast (``shardsafe.snapshot.state.cast_like_owner``) on a GPU: a CPU fp32 shard cast
 into a GPU bf16/fp16 buffer must equal the owner's GPU-side cast bit for bit, edge values included.
 
 Skipped (with the reason) without a GPU; ``scripts/gpu_check.sh`` runs tests/gpu with ``-rs``.
@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     pytest.skip(f"no CUDA device visible to torch {torch.__version__}: the GPU cast runs in scripts/gpu_check.sh",
                 allow_module_level=True)
 
-from shardsafe import state  # noqa: E402
+from shardsafe.snapshot import state  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

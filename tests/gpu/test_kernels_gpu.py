@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 from shardsafe.kernels import cuda as kcuda  # noqa: E402
 from shardsafe.kernels import reference as ref  # noqa: E402
-from shardsafe.parity import BackendUnavailable, InvalidFragment, get_codec  # noqa: E402
+from shardsafe.parity.codec import BackendUnavailable, InvalidFragment, get_codec  # noqa: E402
 
 SIZES = [1, 15, 16, 17, 255, 4097, (1 << 20) + 3]
 

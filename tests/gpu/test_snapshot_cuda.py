@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from shardsafe.holder.client import HolderClient
-from shardsafe.restore import Collectives, restore_from_holder
-from shardsafe.snapshot import LocalAgreement, SnapshotPipeline
-from shardsafe.state import RankState
+from shardsafe.snapshot.restore import Collectives, restore_from_holder
+from shardsafe.snapshot.pipeline import LocalAgreement, SnapshotPipeline
+from shardsafe.snapshot.state import RankState, StateAdapter
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -28,9 +28,7 @@ if not torch.cuda.is_available():
 N = int(os.environ.get("SNAPSHOT_GPU_MIB", "512")) * (1 << 20) // 4
 
 
-class GpuState:
-    optional_prefixes = ()
-
+class GpuState(StateAdapter):
     def __init__(self, seed: int):
         g = torch.Generator(device="cuda").manual_seed(seed)
         self.t = {"master": torch.randn(N, device="cuda", generator=g),
@@ -78,7 +76,7 @@ def test_gpu_snapshot_ordering_roundtrip_and_speed(client):
     assert pipe.flush(timeout=120), pipe.history[-1].error
     torch.cuda.synchronize()
     man, mm = client.open(rank=0, version=1)
-    from shardsafe import manifest as mf
+    from shardsafe.payload import manifest as mf
     views = mf.views(man, mm)
     for k in expected:
         assert torch.equal(views[k], expected[k].cpu()), k

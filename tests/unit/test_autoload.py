@@ -12,7 +12,7 @@ import sysconfig
 
 import pytest
 
-from shardsafe.adapters import autoload
+from shardsafe.adapters import autoload, ds_config
 
 
 def _py(code, **env):
@@ -57,16 +57,16 @@ def test_which_configs_ask_for_protection(tmp_path, block, want):
     ns = argparse.Namespace(deepspeed_config=str(path))
     for args, kwargs in (((), {"config": cfg}), ((), {"config": str(path)}), ((), {"config_params": cfg}),
                          ((ns,), {}), ((), {"args": ns})):
-        assert autoload.wants_protection(args, kwargs) is want, (args, kwargs)
+        assert ds_config.wants_protection(args, kwargs) is want, (args, kwargs)
 
 
 def test_hjson_config_and_unreadable_config(tmp_path):
     p = tmp_path / "ds.hjson"
     p.write_text('{\n  // a comment, as DeepSpeed allows\n  "shardsafe": {"enabled": true}\n}\n')
     pytest.importorskip("hjson", reason="hjson comes with deepspeed")
-    assert autoload.wants_protection((), {"config": str(p)}) is True
-    assert autoload.wants_protection((), {"config": str(tmp_path / "missing.json")}) is False   # DeepSpeed says so
-    assert autoload.wants_protection((), {}) is False
+    assert ds_config.wants_protection((), {"config": str(p)}) is True
+    assert ds_config.wants_protection((), {"config": str(tmp_path / "missing.json")}) is False   # DeepSpeed says so
+    assert ds_config.wants_protection((), {}) is False
 
 
 def test_the_deepspeed_wrapper_goes_straight_to_the_original_without_a_block():

@@ -1,12 +1,12 @@
-"""shardsafe/checksum.py: xxh3 off the GIL gives python-xxhash's digests, for every split and buffer kind."""
+"""shardsafe/payload/checksum.py: xxh3 off the GIL gives python-xxhash's digests, for every split and buffer kind."""
 import mmap
 
 import numpy as np
 import pytest
 import xxhash
 
-from shardsafe import checksum
-from shardsafe import manifest as mf
+from shardsafe.payload import checksum
+from shardsafe.payload import manifest as mf
 
 
 def _ref(buf, a, b):

@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardsafe import parity
+from shardsafe.parity import codec as parity
 from shardsafe.kernels import cuda as kcuda
 from shardsafe.kernels import isal as kisal
 from shardsafe.kernels import reference as ref
-from shardsafe.parity import (BackendUnavailable, InsufficientFragments, InvalidFragment, InvalidParameter,
+from shardsafe.parity.codec import (BackendUnavailable, InsufficientFragments, InvalidFragment, InvalidParameter,
                               ParityError, get_codec)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -446,7 +446,7 @@ def test_isal_missing_falls_back_to_reference_with_warning(monkeypatch, caplog):
     monkeypatch.setattr(parity, "_warned_fallback", False)
     with pytest.raises(BackendUnavailable, match="pip install 'shardsafe\\[parity\\]'.*SHARDSAFE_ISAL_LIB"):
         get_codec(k=3, m=1, backend="isal")
-    with caplog.at_level(logging.WARNING, logger="shardsafe.parity"):
+    with caplog.at_level(logging.WARNING, logger="shardsafe.parity.codec"):
         codec = get_codec(k=3, m=1, threads=4)
     assert codec.backend == "reference"
     assert "ISA-L unavailable" in caplog.text
@@ -462,7 +462,7 @@ def test_cuda_backend_unavailable_is_clear():
 
 
 def test_placement_and_codec_import_without_torch():
-    code = ("import sys; import shardsafe.topology, shardsafe.kernels.reference, shardsafe.kernels.isal, "
+    code = ("import sys; import shardsafe.parity.topology, shardsafe.kernels.reference, shardsafe.kernels.isal, "
             "shardsafe.kernels.cuda; bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; "
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)

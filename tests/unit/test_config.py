@@ -42,8 +42,8 @@ def test_device_parity_transport_without_a_gpu_is_refused_before_any_group_exist
     no rank of a job is left waiting in new_group for one that cannot take part."""
     import torch
 
-    from shardsafe.exchange import ExchangeError, ParityExchange
-    from shardsafe.topology import RankPlace, build_parity_groups
+    from shardsafe.parity.exchange import ExchangeError, ParityExchange
+    from shardsafe.parity.topology import RankPlace, build_parity_groups
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the device transport is usable here (tests/dist covers its CPU double)")
     plan = build_parity_groups([RankPlace(rank=r, dp=r, tp=0, pp=0, node=f"n{r}") for r in range(3)],

@@ -11,21 +11,21 @@ import shardsafe.adapters
 import shardsafe.kernels
 from shardsafe.adapters.megatron.state import SnapshotMismatch
 from shardsafe.config import ConfigError
-from shardsafe.errors import ShardsafeError
-from shardsafe.exchange import ExchangeError
-from shardsafe.export import ExportError
+from shardsafe.errors import DeviceError, InternalError, ShardsafeError, UsageError
+from shardsafe.parity.exchange import ExchangeError
+from shardsafe.export.sources import ExportError
 from shardsafe.holder.client import HolderUnavailable
 from shardsafe.holder.protocol import BadFrame, HolderError, ProtocolError
 from shardsafe.jobid import AmbiguousJobId, JobConflict
 from shardsafe.launch.discovery import DiscoveryError
 from shardsafe.launch.errors import LaunchError
 from shardsafe.launch.prewarm import PrewarmError
-from shardsafe.manifest import ManifestError
-from shardsafe.parity_errors import (BackendUnavailable, InsufficientFragments, InvalidFragment, InvalidParameter,
+from shardsafe.payload.manifest import ManifestError
+from shardsafe.errors import (BackendUnavailable, InsufficientFragments, InvalidFragment, InvalidParameter,
                                      KernelError, ParityError)
 from shardsafe.persist import PersistError
-from shardsafe.restore import RestoreError
-from shardsafe.topology import TopologyError, Unrecoverable
+from shardsafe.snapshot.restore import RestoreError
+from shardsafe.parity.topology import TopologyError, Unrecoverable
 from shardsafe.tor.errors import TorError
 
 # Every error class of the package and the builtin base that `except` clauses (ours and users') rely on.
@@ -38,7 +38,7 @@ ERRORS = {
     HolderUnavailable: RuntimeError, ExchangeError: RuntimeError, TorError: ValueError,
     ManifestError: ValueError, TopologyError: ValueError, Unrecoverable: ValueError,
     DiscoveryError: RuntimeError, LaunchError: RuntimeError, PrewarmError: RuntimeError,
-    SnapshotMismatch: ValueError,
+    SnapshotMismatch: ValueError, UsageError: RuntimeError, DeviceError: RuntimeError, InternalError: RuntimeError,
 }
 # Subclasses of another shardsafe error, beside their family's root.
 FAMILY = {InvalidParameter: ParityError, InvalidFragment: ParityError, InsufficientFragments: ParityError,
@@ -103,3 +103,16 @@ def test_every_exception_class_of_the_package_derives_from_the_root():
     missing = sorted(n for n, c in found.items() if not issubclass(c, ShardsafeError))
     assert not missing, f"error classes without shardsafe.errors.ShardsafeError among their bases: {missing}"
     assert set(ERRORS) <= set(found.values()), "the walk missed a module: " + str(set(ERRORS) - set(found.values()))
+
+
+def test_the_package_raises_no_bare_builtin_error():
+    """Only TypeError (a wrong Python type) and OSError (a failed system call, caught by shardsafe where it must)
+    stay builtins (shardsafe/errors.py says why); everything else raised on purpose is beneath the root."""
+    import re
+    from pathlib import Path
+    root = Path(shardsafe.__file__).resolve().parents[1]
+    bare = re.compile(r"raise (ValueError|RuntimeError|KeyError|IndexError|LookupError|Exception|AssertionError)\(")
+    found = [f"{f.relative_to(root)}:{i}: {line.strip()[:80]}"
+             for folder in ("shardsafe", "adapters", "kernels") for f in sorted((root / folder).rglob("*.py"))
+             for i, line in enumerate(f.read_text().splitlines(), 1) if bare.search(line)]
+    assert not found, found

@@ -7,7 +7,7 @@ import pytest
 from shardsafe.launch import agent, cli, controller, discovery, elastic, markers
 from shardsafe.launch.errors import LaunchError
 from shardsafe.launch.incidents import Evidence, IncidentBook, exit_evidence
-from shardsafe.placement import Move, inventory_of, plan_migration
+from shardsafe.parity.placement import Move, inventory_of, plan_migration
 
 
 # ---- incident book ---------------------------------------------------------------------------------------

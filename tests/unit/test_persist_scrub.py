@@ -10,8 +10,8 @@ import torch
 from shardsafe.holder.client import HolderClient, stop_holder
 from shardsafe.holder.paths import HolderPaths
 from shardsafe.persist import PersistentStore
-from shardsafe.restore import Collectives, RestoreError, restore_from_holder
-from shardsafe.snapshot import LocalAgreement, SnapshotPipeline
+from shardsafe.snapshot.restore import Collectives, RestoreError, restore_from_holder
+from shardsafe.snapshot.pipeline import LocalAgreement, SnapshotPipeline
 
 from .test_snapshot_restore import ToyAdapter
 
@@ -150,7 +150,7 @@ def test_disk_full_is_a_clear_error_and_memory_tiers_unaffected(holder, tiny_dis
 def test_export_source_reads_committed_versions_from_holders_and_refuses_corrupt_ones(holder, tmp_path):
     """`shardsafe export holder://JOB`: the newest version committed on every rank, every checksum
     verified, tensors equal to what was snapshotted; a flipped byte in holder memory is refused."""
-    from shardsafe.export import ExportError, open_holders, open_source
+    from shardsafe.export.sources import ExportError, open_holders, open_source
     client = holder()
     states = snapshots(client, [3, 5])
     version, ranks = open_holders(str(tmp_path / "h"), "job")
@@ -178,7 +178,7 @@ def test_peer_payloads_use_only_the_copy_its_owner_verified(holder):
     """The restore's peer-shard path reads a DP peer's payload from the node's holder only if it is the
     copy the peer verified (equal digest); a stale copy of the same version (an earlier timeline left
     on this node by an earlier placement of that rank) or a missing version makes every rank fall back."""
-    from shardsafe.restore import Collectives, PeerPayloads, manifest_digest
+    from shardsafe.snapshot.restore import Collectives, PeerPayloads, manifest_digest
     c = holder()
     for rank in (0, 1):
         pipe = SnapshotPipeline(c, rank=rank, world_size=1, node="n0", agreement=LocalAgreement())
@@ -294,7 +294,7 @@ def test_scrub_pins_one_slot_at_a_time(tmp_path, monkeypatch):
     no extra slot (pinning every slot for the whole scrub made each snapshot in that window need one)."""
     import threading
 
-    from shardsafe import manifest as mf
+    from shardsafe.payload import manifest as mf
     from shardsafe.holder.server import Holder
     h = Holder(HolderPaths(str(tmp_path / "h"), "job", "n0"), budget_bytes=64 << 20)
     slot_of = {}

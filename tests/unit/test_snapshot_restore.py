@@ -5,17 +5,16 @@ import numpy as np
 import pytest
 import torch
 
-from shardsafe import manifest as mf
+from shardsafe.payload import manifest as mf
 from shardsafe.holder.client import HolderClient
-from shardsafe.restore import Collectives, RestoreError, restore_from_holder
-from shardsafe.snapshot import LocalAgreement, SnapshotPipeline
-from shardsafe.state import RankState, apply_rng, capture_rng
+from shardsafe.snapshot.restore import Collectives, RestoreError, restore_from_holder
+from shardsafe.snapshot.pipeline import LocalAgreement, SnapshotPipeline
+from shardsafe.snapshot.state import RankState, StateAdapter, apply_rng, capture_rng
 
 
-class ToyAdapter:
+class ToyAdapter(StateAdapter):
     """A rank state with odd sizes, several dtypes, a 0-d tensor and RNG."""
 
-    optional_prefixes = ()
 
     def __init__(self, seed: int):
         g = torch.Generator().manual_seed(seed)

@@ -9,8 +9,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from shardsafe.parity import get_codec
-from shardsafe.topology import (ALIGN, STAGGER, STAGGER_FROM, ParityGroup, RankPlace, TopologyError, Unrecoverable,
+from shardsafe.parity.codec import get_codec
+from shardsafe.parity.topology import (ALIGN, STAGGER, STAGGER_FROM, ParityGroup, RankPlace, TopologyError, Unrecoverable,
                                 build_parity_groups, chunk_stride, grid_places, group_of)
 
 
@@ -265,7 +265,7 @@ def test_inconsistent_places_rejected():
 # ---- settings that cannot be honoured are errors, not silent downgrades (issue 15 item 8) ------------------
 
 def test_explicit_parity_shards_that_cannot_be_placed_is_an_error():
-    from shardsafe.exchange import plan_parity
+    from shardsafe.parity.exchange import plan_parity
     places = grid_places(world_size=4, ranks_per_node=2)           # 2 nodes: at most m=1
     assert plan_parity(places, group_size=0, parity_shards=1) is not None
     with pytest.raises(TopologyError, match="parity_shards=2 cannot be placed"):
@@ -274,8 +274,8 @@ def test_explicit_parity_shards_that_cannot_be_placed_is_an_error():
 
 def test_default_parity_on_one_node_is_off_with_a_warning(caplog):
     import logging
-    from shardsafe.exchange import plan_parity
-    with caplog.at_level(logging.WARNING, logger="shardsafe.parity"):
+    from shardsafe.parity.exchange import plan_parity
+    with caplog.at_level(logging.WARNING, logger="shardsafe.parity.codec"):
         assert plan_parity(grid_places(world_size=2, ranks_per_node=2), group_size=0, parity_shards=1) is None
     assert any("parity off" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 

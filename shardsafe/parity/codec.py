@@ -1,4 +1,4 @@
-"""Parity: the erasure codec contract (and, below it, the exchange of stripes over a process group).
+"""The erasure codec contract: Reed-Solomon over GF(2^8), one API over the backends in kernels/.
 
 The code is Reed-Solomon RS(k, m) over GF(2^8), field polynomial 0x11D, with ISA-L's systematic
 Cauchy generator (``gf_gen_cauchy1_matrix``); :mod:`shardsafe.kernels.reference` is its
@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
-log = logging.getLogger("shardsafe.parity")
+log = logging.getLogger("shardsafe.parity.codec")
 
 CODE_ID = "rs-cauchy1-gf256-0x11d"
 """Names the code (generator, field) in snapshot manifests; change it if the math ever changes."""
@@ -47,9 +47,11 @@ MAX_FRAGMENTS = 256
 BACKENDS = ("isal", "reference", "cuda")
 
 
-# The errors live in a module of their own so that kernels/ (the backends) import them without this module.
-from .parity_errors import (BackendUnavailable, InsufficientFragments, InvalidFragment,  # noqa: E402,F401
-                            InvalidParameter, KernelError, ParityError)
+# The errors and the rebuild rule live below this module (shardsafe.errors, the spec in kernels/reference.py) so that
+# the backends in kernels/ never import the codec: the codec uses the kernels, not the other way round.
+from ..errors import (BackendUnavailable, InsufficientFragments, InvalidFragment,  # noqa: E402,F401
+                      InvalidParameter, KernelError, ParityError)
+from ..kernels.reference import select_sources  # noqa: E402,F401
 
 
 def _check_km(k: Any, m: Any) -> tuple[int, int]:
@@ -67,26 +69,6 @@ def _check_km(k: Any, m: Any) -> tuple[int, int]:
             f"k + m must be <= {MAX_FRAGMENTS} (GF(2^8) Cauchy code); got k={k}, m={m} (n={k + m}). "
             "Use smaller parity groups.")
     return k, m
-
-
-def select_sources(k: int, m: int, missing: Sequence[int], unavailable: Sequence[int] = ()) -> list[int]:
-    """The k fragments a rebuild reads: the lowest surviving indices (data before parity).
-
-    Preferring data keeps the common case cheap: with every data fragment present a rebuild is a
-    re-encode with no matrix inversion. :class:`shardsafe.topology.ParityGroup` applies the same
-    rule when it plans which peer sends what, so both always agree.
-
-    Raises:
-        InsufficientFragments: fewer than k fragments survive.
-    """
-    gone = set(missing) | set(unavailable)
-    alive = [i for i in range(k + m) if i not in gone]
-    if len(alive) < k:
-        raise InsufficientFragments(
-            f"need k={k} surviving fragments to rebuild {sorted(set(missing))}, but only {len(alive)} survive "
-            f"({alive}; lost or unavailable: {sorted(gone)}). An RS(k={k}, m={m}) codeword survives at most "
-            f"{m} lost fragments; restore it from the persistent tier.")
-    return alive[:k]
 
 
 class _LRU:
@@ -572,11 +554,6 @@ def _construct(cls: type[Codec], k: int, m: int, options: dict[str, Any]) -> Cod
 
 
 @lru_cache(maxsize=256)
-def _shared_codec(backend: str, k: int, m: int) -> Codec:
-    """One codec per (backend, k, m) for the kernel modules' function API."""
-    return get_codec(k=k, m=m, backend=backend)
-
-
 def available_backends() -> dict[str, str | None]:
     """Backend name -> None when usable here, else the reason it is not."""
     out: dict[str, str | None] = {"reference": None}

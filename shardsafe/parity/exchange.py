@@ -32,14 +32,15 @@ import numpy as np
 import torch
 import xxhash
 
-from . import manifest as mf
-from .config import PARITY_TRANSPORTS
-from .errors import ShardsafeError
-from .holder.client import HolderClient
-from .parity import get_codec
+from ..collectives import min_reduce
+from ..config import PARITY_TRANSPORTS
+from ..errors import ShardsafeError
+from ..holder.client import HolderClient
+from ..payload import manifest as mf
+from .codec import get_codec
 from .topology import ParityGroup, ParityGroups, RankPlace, build_parity_groups
 
-log = logging.getLogger("shardsafe.parity")
+log = logging.getLogger("shardsafe.parity.codec")
 _MANIFEST_TAG = 1 << 20
 
 
@@ -127,7 +128,7 @@ class ParityExchange:
         self.timings: dict[str, float] = {}
         self._rebuilt: list[tuple[int, str]] = []   # (version, kind) slots sealed by the last rebuild
         # fault injection / tracing hook: on_phase(name, version) at "parity-before", "parity-block",
-        # "parity-after" and "restore-rebuild" (shardsafe.launch.faults.Injector.phase)
+        # "parity-after" and "restore-rebuild" (shardsafe.faults.Injector.phase)
         self.on_phase: Callable[[str, int], None] = lambda name, version: None
         self._version = -1   # the version being encoded (for on_phase inside the transfer)
 
@@ -136,10 +137,9 @@ class ParityExchange:
         return self.group.padded_nbytes(max(payload_nbytes, self.pmax_hint))
 
     def _vote(self, ok: bool, nbytes: int) -> tuple[bool, int]:
-        import torch.distributed as dist
-        t = torch.tensor([1 if ok else 0, -nbytes], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pg)
-        return bool(t[0] == 1), int(-t[1])
+        """(every member ok, the largest payload)."""
+        flag, neg = min_reduce([1 if ok else 0, -nbytes], self.pg, self.group.n)
+        return flag == 1, -neg
 
     def _gather_sizes(self, ok: bool, nbytes: int, blob_len: int) -> tuple[bool, int, int]:
         """One all-gather of (ok, payload bytes, manifest length): (all ok, largest payload, longest manifest)."""
@@ -270,7 +270,7 @@ class ParityExchange:
         Returns (ok, bytes rebuilt by this rank, reason). Never raises for a bad share: a survivor
         whose parity fails its checksum votes no before anything moves, and a rebuilt payload that
         does not verify against the replicated checksums is not sealed (ok=False on that rank)."""
-        g, me = self.group, self.rank
+        g = self.group
         lost = sorted(set(lost) & set(g.members))
         if not lost:
             return True, 0, ""
@@ -285,48 +285,66 @@ class ParityExchange:
                     pass
 
     def _rebuild(self, version: int, client: HolderClient | None, lost: list[int], handles: list) -> tuple[bool, int, str]:
-        import torch.distributed as dist
+        """Collective over the group: the survivors check and send their shares, the lost members decode, verify
+        and seal their payload of ``version``. Returns (ok, bytes rebuilt on this rank, why not)."""
         g, me = self.group, self.rank
         survivors = [r for r in g.members if r not in lost]
-        sender = survivors[0]
-        info: dict[str, Any] = {}
-        reason = ""
-        if me in survivors:
-            try:
-                pman, pmm = client.open(rank=me, version=version, kind="parity")
-                handles.append(pmm)
-                _, dmm = client.open(rank=me, version=version)
-                handles.append(dmm)
-                cs = pman["chunk_size"]
-                pv = memoryview(pmm)
-                bad = [j for j, s in enumerate(pman["xxh3"]) if mf.hash_bytes(pv[j * cs:(j + 1) * cs]) != s]
-                pv.release()
-                if bad:
-                    reason = f"rank {me}: parity share(s) {bad} of version {version} fail their checksum"
-                info = {"chunk_size": cs, "payload_max": pman["payload_max"], "manifests": pman["group_manifests"]}
-            except Exception as e:
-                reason = f"rank {me}: cannot read data/parity of version {version}: {e}"
+        info, reason = self._survivor_info(version, client, handles) if me in survivors else ({}, "")
         ok, _ = self._vote(not reason, 0)
         if not ok:
             return False, 0, reason or "a survivor of the parity group cannot serve its shares"
-        # The rebuilders learn the chunk size and their manifests from one survivor.
-        if me == sender:
+        info = self._share_info(info, survivors[0], lost)
+        cs = info["chunk_size"]
+        plan = g.recovery_plan(lost)
+        recv_bufs = self._transfer_sources(plan, handles if me in survivors else None, cs)
+        self.on_phase("restore-rebuild", version)
+        if me not in lost:
+            return True, 0, ""
+        return self._decode_mine(version, client, plan, recv_bufs, cs, info)
+
+    def _survivor_info(self, version: int, client: HolderClient, handles: list) -> tuple[dict[str, Any], str]:
+        """A survivor opens its data and parity of ``version`` (into ``handles``) and checks its parity shares.
+        Returns (what the lost members need: chunk size, payload size, the group's manifests; why not)."""
+        me = self.rank
+        try:
+            pman, pmm = client.open(rank=me, version=version, kind="parity")
+            handles.append(pmm)
+            _, dmm = client.open(rank=me, version=version)
+            handles.append(dmm)
+            cs = pman["chunk_size"]
+            pv = memoryview(pmm)
+            bad = [j for j, s in enumerate(pman["xxh3"]) if mf.hash_bytes(pv[j * cs:(j + 1) * cs]) != s]
+            pv.release()
+            info = {"chunk_size": cs, "payload_max": pman["payload_max"], "manifests": pman["group_manifests"]}
+            return info, (f"rank {me}: parity share(s) {bad} of version {version} fail their checksum" if bad else "")
+        except Exception as e:
+            return {}, f"rank {me}: cannot read data/parity of version {version}: {e}"
+
+    def _share_info(self, info: dict[str, Any], sender: int, lost: list[int]) -> dict[str, Any]:
+        """The rebuilders learn the chunk size and their manifests from one survivor (JSON, point to point)."""
+        import torch.distributed as dist
+        if self.rank == sender:
             blob = torch.frombuffer(bytearray(json.dumps(info).encode()), dtype=torch.uint8)
             for r in lost:
                 dist.send(torch.tensor([blob.numel()], dtype=torch.int64), dst=r, group=self.pg, tag=_MANIFEST_TAG)
                 dist.send(blob, dst=r, group=self.pg, tag=_MANIFEST_TAG + 1)
-        elif me in lost:
+        elif self.rank in lost:
             n = torch.zeros(1, dtype=torch.int64)
             dist.recv(n, src=sender, group=self.pg, tag=_MANIFEST_TAG)
             blob = torch.empty(int(n), dtype=torch.uint8)
             dist.recv(blob, src=sender, group=self.pg, tag=_MANIFEST_TAG + 1)
             info = json.loads(bytes(blob.numpy()))
-        cs = info["chunk_size"]
-        plan = g.recovery_plan(lost)
+        return info
+
+    def _transfer_sources(self, plan, handles: list | None, cs: int) -> dict[int, list]:
+        """Every codeword's k source fragments go from the survivors to the lost members (``handles``: this
+        survivor's parity and data mappings, None on a lost member). Returns codeword -> received buffers."""
+        import torch.distributed as dist
+        me = self.rank
         reqs, recv_bufs = [], {}
-        if me in survivors:
-            dv = _data_chunks(handles[1], g.k, cs)
-            pv_t = torch.frombuffer(handles[0], dtype=torch.uint8, count=g.m * cs)
+        if handles is not None:
+            dv = _data_chunks(handles[1], self.group.k, cs)
+            pv_t = torch.frombuffer(handles[0], dtype=torch.uint8, count=self.group.m * cs)
         for cw in plan:
             takers = sorted({t.rank for t in cw.targets})   # lost members: their data chunks and parity shares
             for f in cw.sources:
@@ -341,12 +359,16 @@ class ParityExchange:
                     reqs.append(dist.irecv(b, src=f.rank, group=self.pg, tag=cw.codeword))
         for r in reqs:
             r.wait()
-        self.on_phase("restore-rebuild", version)
-        if me not in lost:
-            return True, 0, ""
+        return recv_bufs
+
+    def _decode_mine(self, version: int, client: HolderClient, plan, recv_bufs: dict, cs: int,
+                     info: dict) -> tuple[bool, int, str]:
+        """A lost member decodes its chunks into a new slot, verifies them against its replicated manifest,
+        seals, and re-encodes its parity shares."""
+        me = self.rank
         my_man = info["manifests"][str(me)]
         try:
-            _, wmm = client.acquire(rank=me, version=version, nbytes=g.k * cs)
+            _, wmm = client.acquire(rank=me, version=version, nbytes=self.group.k * cs)
         except Exception as e:
             return False, 0, f"rank {me}: no slot to rebuild into: {e}"
         for cw in plan:

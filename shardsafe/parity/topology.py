@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
-from .errors import ShardsafeError
+from ..errors import ShardsafeError
 
 ALIGN = 64
 """Chunk alignment in bytes: a cache line and ISA-L's widest vector, so chunks of a shared-memory
@@ -143,7 +143,7 @@ class CodewordRecovery:
     """How to rebuild the lost fragments of one codeword.
 
     ``sources`` are the k fragments to read, ascending by fragment index (the rule of
-    :func:`shardsafe.parity.select_sources`, so their order matches
+    :func:`shardsafe.parity.codec.select_sources`, so their order matches
     ``Codec.reconstruct({s.fragment: ...}, [t.fragment for t in targets])``); ``targets`` the lost ones.
     """
 
@@ -295,7 +295,7 @@ class ParityGroup:
             targets = tuple(f for f in frags if f.member in gone)
             if not targets:
                 continue
-            # Same rule as shardsafe.parity.select_sources: lowest surviving fragment indices.
+            # Same rule as shardsafe.parity.codec.select_sources: lowest surviving fragment indices.
             sources = tuple(f for f in frags if f.member not in gone)[: self.k]
             plan.append(CodewordRecovery(s.codeword, sources, targets))
         return tuple(plan)
@@ -377,70 +377,9 @@ def build_parity_groups(places: Iterable[RankPlace], *, group_size: int | None =
             the largest feasible group_size (or what else to change).
     """
     m = parity_shards
-    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-        raise TopologyError(f"parity_shards must be an int >= 1 (member losses survived per group); got {m!r}")
-    if group_size is not None:
-        if isinstance(group_size, bool) or not isinstance(group_size, int):
-            raise TopologyError(f"group_size must be an int or None; got {group_size!r}")
-        if group_size <= m:
-            raise TopologyError(
-                f"group_size={group_size} must exceed parity_shards={m}: RS(k=n-m, m) needs k >= 1 data member. "
-                f"Use group_size >= {m + 1} (memory cost m/(n-m)), or fewer parity_shards.")
-
-    dp_groups: dict[tuple, list[RankPlace]] = defaultdict(list)
-    seen: dict[int, RankPlace] = {}
-    for p in places:
-        if not isinstance(p, RankPlace):
-            raise TopologyError(f"places must hold RankPlace objects; got {type(p).__name__}")
-        if p.rank in seen:
-            raise TopologyError(f"rank {p.rank} is listed twice ({seen[p.rank]} and {p}); give each rank one place")
-        seen[p.rank] = p
-        dp_groups[p.key].append(p)
-    if not dp_groups:
-        raise TopologyError("no ranks to place: pass one RankPlace per rank")
-
-    stats = []  # (key, members sorted by dp, distinct nodes, max ranks per node)
-    for key in sorted(dp_groups):
-        mem = sorted(dp_groups[key], key=lambda p: p.dp)
-        for a, b in zip(mem, mem[1:]):
-            if a.dp == b.dp:
-                raise TopologyError(f"ranks {a.rank} and {b.rank} share dp={a.dp} with tp={a.tp}, pp={a.pp}, "
-                                    f"extra={a.extra}; dp coordinates must be unique within a DP group")
-        per_node: dict[str, int] = defaultdict(int)
-        for p in mem:
-            per_node[p.node] += 1
-        stats.append((key, mem, len(per_node), max(per_node.values())))
-
-    def all_feasible(n: int) -> bool:
-        return all(_feasible(len(mem), mx, n, m) for _, mem, _, mx in stats)
-
-    d_min = min(len(mem) for _, mem, _, _ in stats)
-
-    def largest_feasible(upper: int) -> int | None:
-        return next((n for n in range(min(upper, d_min), m, -1) if all_feasible(n)), None)
-
-    if group_size is None:
-        n = largest_feasible(max(DEFAULT_MAX_GROUP_SIZE, m + 1))
-        if n is None:
-            raise TopologyError(_no_placement(stats, m, largest_feasible(d_min)))
-    else:
-        n = group_size
-        bad = [s for s in stats if not _feasible(len(s[1]), s[3], n, m)]
-        if bad:
-            key, mem, nodes, mx = bad[0]
-            best = largest_feasible(n - 1) if n - 1 > m else None
-            if best is not None:   # name the size the groups really get (n=3 over 4 ranks makes groups of 2)
-                best = max(-(-len(s[1]) // -(-len(s[1]) // best)) for s in stats)
-            why = (f"only {len(mem)} ranks" if n > len(mem) else
-                   f"a group can span at most {nodes} distinct nodes" if -(-len(mem) // n) < mx else
-                   f"splitting into {-(-len(mem) // n)} groups leaves one with fewer than {m + 1} members")
-            fix = (f"The largest feasible group_size is {best} (RS(k={best - m}, m={m}), parity = "
-                   f"{m / (best - m):.0%} of each payload)" if best else _no_placement(stats, m, None))
-            raise TopologyError(
-                f"group_size={n} with parity_shards={m} is infeasible: {_describe_dp(key, len(mem), nodes, mx)} "
-                f"({why}; each group needs {n} members on {n} distinct nodes). {fix}"
-                + (f"; {len(bad)} of {len(stats)} DP groups are affected" if len(bad) > 1 else ""))
-
+    _check_sizes(group_size, m)
+    stats = _dp_group_stats(places)
+    n = _choose_group_size(stats, group_size, m)
     groups: list[ParityGroup] = []
     for key, mem, _, _ in stats:
         d = len(mem)
@@ -457,6 +396,80 @@ def build_parity_groups(places: Iterable[RankPlace], *, group_size: int | None =
                                       nodes=tuple(p.node for p in part), k=len(part) - m, m=m, key=key,
                                       dp=tuple(p.dp for p in part)))
     return ParityGroups(groups, parity_shards=m, group_size=max(g.n for g in groups))
+
+
+def _check_sizes(group_size: int | None, m: Any) -> None:
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise TopologyError(f"parity_shards must be an int >= 1 (member losses survived per group); got {m!r}")
+    if group_size is not None:
+        if isinstance(group_size, bool) or not isinstance(group_size, int):
+            raise TopologyError(f"group_size must be an int or None; got {group_size!r}")
+        if group_size <= m:
+            raise TopologyError(
+                f"group_size={group_size} must exceed parity_shards={m}: RS(k=n-m, m) needs k >= 1 data member. "
+                f"Use group_size >= {m + 1} (memory cost m/(n-m)), or fewer parity_shards.")
+
+
+def _dp_group_stats(places: Iterable[RankPlace]) -> list[tuple[tuple, list[RankPlace], int, int]]:
+    """Per DP group (by key): (key, members sorted by dp, distinct nodes, most ranks on one node)."""
+    dp_groups: dict[tuple, list[RankPlace]] = defaultdict(list)
+    seen: dict[int, RankPlace] = {}
+    for p in places:
+        if not isinstance(p, RankPlace):
+            raise TopologyError(f"places must hold RankPlace objects; got {type(p).__name__}")
+        if p.rank in seen:
+            raise TopologyError(f"rank {p.rank} is listed twice ({seen[p.rank]} and {p}); give each rank one place")
+        seen[p.rank] = p
+        dp_groups[p.key].append(p)
+    if not dp_groups:
+        raise TopologyError("no ranks to place: pass one RankPlace per rank")
+    stats = []
+    for key in sorted(dp_groups):
+        mem = sorted(dp_groups[key], key=lambda p: p.dp)
+        for a, b in zip(mem, mem[1:]):
+            if a.dp == b.dp:
+                raise TopologyError(f"ranks {a.rank} and {b.rank} share dp={a.dp} with tp={a.tp}, pp={a.pp}, "
+                                    f"extra={a.extra}; dp coordinates must be unique within a DP group")
+        per_node: dict[str, int] = defaultdict(int)
+        for p in mem:
+            per_node[p.node] += 1
+        stats.append((key, mem, len(per_node), max(per_node.values())))
+    return stats
+
+
+def _choose_group_size(stats: list, group_size: int | None, m: int) -> int:
+    """The n every DP group is split by: the requested one if every group can take it, else TopologyError naming
+    the largest feasible; by default the largest feasible n <= DEFAULT_MAX_GROUP_SIZE."""
+    def all_feasible(n: int) -> bool:
+        return all(_feasible(len(mem), mx, n, m) for _, mem, _, mx in stats)
+
+    d_min = min(len(mem) for _, mem, _, _ in stats)
+
+    def largest_feasible(upper: int) -> int | None:
+        return next((n for n in range(min(upper, d_min), m, -1) if all_feasible(n)), None)
+
+    if group_size is None:
+        n = largest_feasible(max(DEFAULT_MAX_GROUP_SIZE, m + 1))
+        if n is None:
+            raise TopologyError(_no_placement(stats, m, largest_feasible(d_min)))
+        return n
+    n = group_size
+    bad = [s for s in stats if not _feasible(len(s[1]), s[3], n, m)]
+    if bad:
+        key, mem, nodes, mx = bad[0]
+        best = largest_feasible(n - 1) if n - 1 > m else None
+        if best is not None:   # name the size the groups really get (n=3 over 4 ranks makes groups of 2)
+            best = max(-(-len(s[1]) // -(-len(s[1]) // best)) for s in stats)
+        why = (f"only {len(mem)} ranks" if n > len(mem) else
+               f"a group can span at most {nodes} distinct nodes" if -(-len(mem) // n) < mx else
+               f"splitting into {-(-len(mem) // n)} groups leaves one with fewer than {m + 1} members")
+        fix = (f"The largest feasible group_size is {best} (RS(k={best - m}, m={m}), parity = "
+               f"{m / (best - m):.0%} of each payload)" if best else _no_placement(stats, m, None))
+        raise TopologyError(
+            f"group_size={n} with parity_shards={m} is infeasible: {_describe_dp(key, len(mem), nodes, mx)} "
+            f"({why}; each group needs {n} members on {n} distinct nodes). {fix}"
+            + (f"; {len(bad)} of {len(stats)} DP groups are affected" if len(bad) > 1 else ""))
+    return n
 
 
 def _no_placement(stats: list, m: int, best: int | None) -> str:

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 import xxhash
 
-log = logging.getLogger("shardsafe.checksum")
+log = logging.getLogger("shardsafe.payload.checksum")
 
 MAX_AUTO_THREADS = 8
 _lib_lock = threading.Lock()

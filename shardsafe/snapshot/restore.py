@@ -18,13 +18,14 @@ from typing import Callable, Optional
 import torch
 import xxhash
 
-from . import manifest as mf
-from .errors import ShardsafeError
-from .holder.client import HolderClient, HolderUnavailable
-from .holder.protocol import HolderError
+from .. import collectives
+from ..errors import ShardsafeError
+from ..holder.client import HolderClient, HolderUnavailable
+from ..holder.protocol import HolderError
+from ..payload import manifest as mf
 from .state import StateAdapter
 
-log = logging.getLogger("shardsafe.restore")
+log = logging.getLogger("shardsafe.snapshot.restore")
 MAX_VERSIONS = 4
 
 
@@ -57,35 +58,16 @@ class Collectives:
     def all_gather_versions(self, *lists: list[int]) -> list[list[list[int]]]:
         """For each rank, each of ``lists`` (newest MAX_VERSIONS versions each), as plain ints."""
         rows = [(sorted(v, reverse=True) + [-1] * MAX_VERSIONS)[:MAX_VERSIONS] for v in lists]
-        flat = [x for r in rows for x in r]
-        if self.world_size == 1:
-            outs = [flat]
-        else:
-            import torch.distributed as dist
-            t = torch.tensor(flat, dtype=torch.int64)
-            got = [torch.empty_like(t) for _ in range(self.world_size)]
-            dist.all_gather(got, t, group=self.group)
-            outs = [g.tolist() for g in got]
+        outs = self.gather_ints([x for r in rows for x in r])
         return [[[x for x in o[i * MAX_VERSIONS:(i + 1) * MAX_VERSIONS] if x >= 0] for i in range(len(lists))]
                 for o in outs]
 
     def gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (the same length on every rank), in rank order."""
-        if self.world_size == 1:
-            return [list(values)]
-        import torch.distributed as dist
-        t = torch.tensor(values, dtype=torch.int64)
-        got = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(got, t, group=self.group)
-        return [g.tolist() for g in got]
+        return collectives.gather_ints(values, self.group, self.world_size)
 
     def all_true(self, flag: bool) -> bool:
-        if self.world_size == 1:
-            return flag
-        import torch.distributed as dist
-        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(t.item() == 1)
+        return collectives.all_true(flag, self.group, self.world_size)
 
 
 def manifest_digest(manifest: dict) -> int:
@@ -181,7 +163,7 @@ def _unrecoverable_message(data: list[list[int]], nodes: list[str] | None, excha
             msg += (f" Parity group {gi} lost {len(lost)} members {lost} but parity_shards={m} covers {m}; "
                     f"rebuilding needs parity_shards >= {len(lost)}.")
     return (msg + " Resume from your last disk checkpoint (engine.load_checkpoint / Megatron --load) with a new "
-                  "shardsafe job_id, or set shardsafe.restore=false to start from scratch.")
+                  "shardsafe job_id, or set shardsafe.snapshot.restore=false to start from scratch.")
 
 
 # Per-rank outcome of opening and verifying one copy, voted on with the copy's timeline.
@@ -367,7 +349,7 @@ def _apply(adapter: StateAdapter, client, coll: Collectives, st: _Attempt, versi
     t2 = time.perf_counter()
     views = _HalfwayHook(mf.views(manifest, mm), lambda: st.on_phase("restore-apply", version))
     try:
-        if getattr(adapter, "uses_peer_payloads", False):
+        if adapter.uses_peer_payloads:
             digests = [e[0] for e in coll.gather_ints([manifest_digest(manifest)])]
             peers = PeerPayloads(client, version, coll, digests)
             try:
@@ -384,7 +366,7 @@ def _apply(adapter: StateAdapter, client, coll: Collectives, st: _Attempt, versi
                         message=f"restored version {version} from holder memory")
     res.rebuilt_bytes, res.rebuild_seconds = st.rebuilt_bytes, st.rebuild_s
     res.phases = {k: round(v, 6) for k, v in st.phases.items()}
-    res.notes = dict(getattr(adapter, "restore_notes", {}) or {})
+    res.notes = dict(adapter.restore_notes)
     return res
 
 
@@ -430,7 +412,7 @@ def _refusal_message(st: _Attempt, data, nodes, exchange, persist, disk_refusals
     elif st.tried:
         msg = (f"none of the in-memory versions {st.tried} could be restored on every rank ("
                + " | ".join(r.rstrip(". ") for r in st.refusals[:6]) + "); nothing was loaded and nothing was deleted.")
-        msg += (" Resume from your last disk checkpoint with a new shardsafe job_id, or set shardsafe.restore=false to "
+        msg += (" Resume from your last disk checkpoint with a new shardsafe job_id, or set shardsafe.snapshot.restore=false to "
                 "start from scratch.")
     else:
         msg = "no in-memory snapshot of this job is held."
@@ -451,10 +433,10 @@ def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live) -> 
     try:
         manifest, mm = opener()
         try:
-            mf.check_matches(manifest, live, getattr(adapter, "optional_prefixes", ()))
+            mf.check_matches(manifest, live, tuple(adapter.optional_prefixes))
         except ValueError as e:
             # Another layout: the adapter can usually say which setting changed (ZeRO stage, DP size, ...).
-            said = _adapter_problems(adapter, manifest, mm) if hasattr(adapter, "validate") else []
+            said = _adapter_problems(adapter, manifest, mm)
             return manifest, mm, said or [str(e)], False
         buf = memoryview(mm)
         try:
@@ -462,7 +444,7 @@ def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live) -> 
         finally:
             buf.release()
         corrupt = bool(bad)
-        if not bad and hasattr(adapter, "validate"):
+        if not bad:
             bad = _adapter_problems(adapter, manifest, mm)
     except (HolderError, HolderUnavailable, OSError, ValueError, KeyError, AttributeError) as e:
         bad = [str(e) or type(e).__name__]

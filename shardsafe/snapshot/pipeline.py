@@ -21,13 +21,15 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from . import checksum
-from . import manifest as mf
-from .holder.client import HolderClient, HolderUnavailable
-from .holder.protocol import HolderError
+from ..collectives import min_reduce
+from ..errors import DeviceError
+from ..holder.client import HolderClient, HolderUnavailable
+from ..holder.protocol import HolderError
+from ..payload import checksum
+from ..payload import manifest as mf
 from .state import RankState
 
-log = logging.getLogger("shardsafe.snapshot")
+log = logging.getLogger("shardsafe.snapshot.pipeline")
 
 
 class Agreement(Protocol):
@@ -42,10 +44,8 @@ class GlooAgreement:
         self.group = group
 
     def all_ok(self, version: int, ok: bool) -> bool:
-        import torch.distributed as dist
-        t = torch.tensor([1 if ok else 0, version, -version], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(t[0] == 1 and t[1] == version and -t[2] == version)
+        flag, lo, neg_hi = min_reduce([1 if ok else 0, version, -version], self.group)
+        return flag == 1 and lo == version and -neg_hi == version
 
 
 class LocalAgreement:
@@ -95,7 +95,7 @@ class SnapshotPipeline:
                  on_event: Callable[..., None] | None = None, reconnect: Callable[[], HolderClient] | None = None,
                  parity: Any = None, flush: Callable[[int], None] | None = None, hasher: Any = None):
         self.client = client
-        # Checksums are computed on these threads (off the GIL) while the copy goes on: shardsafe/checksum.py.
+        # Checksums are computed on these threads (off the GIL) while the copy goes on: shardsafe/payload/checksum.py.
         self.hasher = hasher if hasher is not None else checksum.shared()
         self.rank, self.world_size, self.node = rank, world_size, node
         self.agreement = agreement
@@ -349,7 +349,7 @@ class SnapshotPipeline:
             rc = cudart.cudaHostRegister(dst_all.data_ptr(), len(mm), 0)
             code = int(getattr(rc, "value", rc))
             if code != 0:
-                raise RuntimeError(f"cudaHostRegister of the {len(mm)}-byte holder slot failed (cudaError {code})")
+                raise DeviceError(f"cudaHostRegister of the {len(mm)}-byte holder slot failed (cudaError {code})")
             self._registered.add(slot)
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream()

@@ -32,6 +32,8 @@ import signal
 import time
 from dataclasses import dataclass
 
+from .errors import ConfigError
+
 
 class FaultKind(enum.Enum):
     KILL_RANK = "kill-rank"
@@ -80,7 +82,7 @@ def parse(spec: str) -> list[Fault]:
                 target, step = rest.rsplit("@", 1)
                 out.append(Fault(FaultKind(kind), target, int(step), attempt))
             except ValueError:
-                raise ValueError(f"bad fault spec {part!r}: expected KIND:TARGET@STEP with KIND in "
+                raise ConfigError(f"bad fault spec {part!r}: expected KIND:TARGET@STEP with KIND in "
                                  f"{[k.value for k in FaultKind]}, e.g. kill-rank:1@30 (entries for successive "
                                  "attempts separated by ';', faults of one attempt joined by '&')") from None
     return out
@@ -100,7 +102,7 @@ def _record(kind: str, rank: int, step: int) -> None:
     run_dir = os.environ.get("SHARDSAFE_RUN_DIR")
     if run_dir:
         try:
-            from shardsafe.tor import EventLog
+            from shardsafe.tor.events import EventLog
             EventLog(run_dir, source="trainer", rank=rank, attempt=current_attempt()).emit(
                 "fault_injected", fault=kind, step=step, t_fault=time.time())
         except Exception:
@@ -154,7 +156,7 @@ def kill_self_in_flush(fault: "Fault", run_dir: str, version: int) -> None:
     """A holder's flush reached the fault's point: record it for TOR and die as a crashed host would."""
     if run_dir:
         try:
-            from shardsafe.tor import EventLog
+            from shardsafe.tor.events import EventLog
             EventLog(run_dir, source="holder", node=fault.target).emit(
                 "holder_killed", fault=str(fault), version=version)
         except Exception:

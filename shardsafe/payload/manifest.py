@@ -14,8 +14,8 @@ from typing import Any, Iterable, Mapping
 import torch
 import xxhash
 
-from shardsafe import checksum
-from shardsafe.errors import ShardsafeError
+from . import checksum
+from ..errors import ShardsafeError
 
 FORMAT = "shardsafe/1"
 ALIGN = 64
@@ -67,7 +67,7 @@ def build(*, version: int, rank: int, world_size: int, node: str, entries: list[
 
 def verify(manifest: Mapping[str, Any], buf: memoryview) -> list[str]:
     """Return a description of every segment whose bytes do not match its checksum (empty = good). Every
-    segment is hashed (on the process's checksum threads, shardsafe/checksum.py), also after a bad one."""
+    segment is hashed (on the process's checksum threads, shardsafe/payload/checksum.py), also after a bad one."""
     if manifest.get("format") != FORMAT:
         return [f"unknown manifest format {manifest.get('format')!r} (expected {FORMAT!r})"]
     bad, cb = [], manifest["chunk_bytes"]

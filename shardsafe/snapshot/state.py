@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, runtime_checkable
+from abc import ABC, abstractmethod
+from types import MappingProxyType
+from typing import Any, ClassVar, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -33,15 +35,63 @@ class RankState:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-@runtime_checkable
-class StateAdapter(Protocol):
-    """What the runtime needs from an engine adapter."""
+class Peers(Protocol):
+    """Other ranks' verified payloads of the version being restored, as :meth:`StateAdapter.apply` sees them
+    (the restore's ``PeerPayloads`` over the node's holder implements it)."""
 
+    def available(self, ranks: Sequence[int], *, usable: bool = True) -> bool:
+        """Collective (every rank calls it, at most once per apply): True on every rank iff every rank's holder
+        has the verified payloads of all its ``ranks`` and every rank found this path ``usable``."""
+
+    def tensors(self, rank: int) -> Mapping[str, torch.Tensor]:
+        """Views of ``rank``'s payload (valid until apply returns)."""
+
+    def meta(self, rank: int) -> Mapping[str, Any]:
+        """``rank``'s snapshot metadata."""
+
+
+class StateAdapter(ABC):
+    """The contract between one framework adapter and the snapshot/restore layer.
+
+    Subclasses implement :meth:`capture` and :meth:`apply`; the other members have the defaults below, and
+    an adapter overrides only what its framework needs. The runtime, the snapshot pipeline and the restore
+    use exactly these members, nothing else of an adapter.
+    """
+
+    uses_peer_payloads: ClassVar[bool] = False
+    """True when :meth:`apply` reads other ranks' payloads of the same version from the node's holder (the
+    ZeRO-1/2 and distributed-optimizer low-precision params, which would otherwise be all-gathered): the
+    restore then passes ``peers`` and verifies first that every rank restores the same payloads."""
+
+    optional_prefixes: tuple[str, ...] = ()
+    """Tensor-name prefixes that may exist in a snapshot but not (yet) in the live state: state a fresh
+    engine creates lazily at its first step (optimizer moments). A class attribute or a property."""
+
+    restore_notes: Mapping[str, Any] = MappingProxyType({})
+    """Set by :meth:`apply`: how the state was put back (e.g. ``{"lp_params": "all-gather"}``); copied into
+    the restore's result and its log line. Adapters assign their own dict."""
+
+    @abstractmethod
     def capture(self) -> RankState:
         """Return references to the live state tensors plus synchronous metadata (no copies)."""
 
-    def apply(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
-        """Copy a verified snapshot (CPU tensors, same names/shapes/dtypes as ``capture``) into the live state."""
+    @abstractmethod
+    def apply(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
+              peers: Peers | None = None) -> None:
+        """Copy a verified snapshot (CPU tensors, same names/shapes/dtypes as ``capture``) into the live state.
+
+        Args:
+            tensors: name -> CPU tensor viewing the verified payload (read-only memory: copy out of it).
+            meta: the snapshot's metadata as ``capture`` returned it (after a JSON round trip).
+            peers: other ranks' verified payloads of the same version, only when :attr:`uses_peer_payloads`.
+        """
+
+    def validate(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> list[str]:
+        """Problems that make this verified snapshot unusable for the live job (another ZeRO stage, another
+        optimizer, another LR schedule...), one readable sentence each; empty when it fits. Must not touch
+        live state: every rank's answer joins one vote before any rank applies. Default: no checks beyond the
+        layout and checksums the restore does itself."""
+        return []
 
 
 # --- RNG: every generator a training step can draw from -------------------------------------------

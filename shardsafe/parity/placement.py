@@ -26,7 +26,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
-log = logging.getLogger("shardsafe.placement")
+from ..collectives import all_true, gather_json
+
+log = logging.getLogger("shardsafe.parity.placement")
 
 KINDS = ("data", "parity")
 _TAG = 1 << 22
@@ -132,29 +134,6 @@ def plan_migration(rank_nodes: list[str], inventories: Mapping[str, Inventory]) 
 
 # ---- the collective ------------------------------------------------------------------------------------
 
-def _all_gather_json(obj: Any, world_size: int, group) -> list[Any]:
-    import torch
-    import torch.distributed as dist
-    blob = json.dumps(obj, separators=(",", ":")).encode()
-    n = torch.tensor([len(blob)], dtype=torch.int64)
-    lens = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-    dist.all_gather(lens, n, group=group)
-    mx = max(int(x) for x in lens)
-    buf = torch.zeros(mx, dtype=torch.uint8)
-    buf[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    outs = [torch.empty(mx, dtype=torch.uint8) for _ in range(world_size)]
-    dist.all_gather(outs, buf, group=group)
-    return [json.loads(bytes(o[: int(ln)].numpy())) for o, ln in zip(outs, lens)]
-
-
-def _all_true(flag: bool, group) -> bool:
-    import torch
-    import torch.distributed as dist
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return bool(t.item() == 1)
-
-
 def migrate(client, *, rank: int, world_size: int, node: str, rank_nodes: Optional[list[str]] = None,
             group=None) -> MigrationResult:
     """Run on every rank before restore (a collective over ``group``, every rank must call it).
@@ -187,12 +166,12 @@ def migrate(client, *, rank: int, world_size: int, node: str, rank_nodes: Option
         xfer.close()
     if xfer.why:
         log.error("[rank %d] placement: %s", rank, xfer.why)
-    res.ok = _all_true(xfer.ok, group)
+    res.ok = all_true(xfer.ok, group)
     res.moves = plan.moves
     if res.ok and client is not None and rank_nodes.index(node) == rank:   # the node's lowest rank drops
         _drop_stale(client, plan.drop_after.get(node, []), rank=rank, res=res)
     res.deferred = len(xfer.deferred)
-    if res.ok and _all_true(not xfer.deferred, group) is False:   # someone waits for room: the drops are done now
+    if res.ok and all_true(not xfer.deferred, group) is False:   # someone waits for room: the drops are done now
         xfer.store_deferred()
     res.seconds = time.perf_counter() - t0
     where = sorted({(m.rank, m.src, m.dst) for m in plan.moves})
@@ -209,8 +188,8 @@ def migrate(client, *, rank: int, world_size: int, node: str, rank_nodes: Option
 def _gather_inventories(client, *, rank: int, world_size: int, node: str, group) -> tuple[list[str], dict[str, dict]]:
     """(every rank's node, node -> what its holder has) from one JSON all-gather; the ranks of one node share
     its holder, and its lowest rank speaks for it."""
-    from .holder.client import HolderUnavailable
-    from .holder.protocol import HolderError
+    from ..holder.client import HolderUnavailable
+    from ..holder.protocol import HolderError
     listing: dict = {}
     if client is not None:
         try:
@@ -219,7 +198,7 @@ def _gather_inventories(client, *, rank: int, world_size: int, node: str, group)
             log.warning("[rank %d] cannot list the holder's slots for placement: %s", rank, e)
     mine = {"node": node, "slots": [[r, k, v, i["nbytes"], i["capacity"], i["committed"]]
                                     for (r, k), vs in inventory_of(listing).items() for v, i in vs.items()]}
-    everyone = _all_gather_json(mine, world_size, group)
+    everyone = gather_json(mine, group, world_size)
     inventories: dict[str, dict] = {}
     for e in everyone:
         if e["node"] in inventories:
@@ -232,8 +211,8 @@ def _gather_inventories(client, *, rank: int, world_size: int, node: str, group)
 
 
 def _drop_stale(client, stale: list[int], *, rank: int, res: MigrationResult) -> None:
-    from .holder.client import HolderUnavailable
-    from .holder.protocol import HolderError
+    from ..holder.client import HolderUnavailable
+    from ..holder.protocol import HolderError
     for kind in KINDS:
         if stale:
             try:
@@ -287,8 +266,8 @@ class _Transfer:
         a fresh slot instead of reusing the one just written."""
         import torch
         import torch.distributed as dist
-        from .holder.client import HolderUnavailable
-        from .holder.protocol import HolderError
+        from ..holder.client import HolderUnavailable
+        from ..holder.protocol import HolderError
         rank, group, client = self.rank, self.group, self.client
         if any(m.rank == rank for m in self.plan.moves) and client is not None:
             for r, kind in self.plan.clear_first:
@@ -331,8 +310,8 @@ class _Transfer:
         """(a tensor over the holder slot to receive into, or None; whether to keep the bytes in RAM until the
         stale copies are dropped, when the budget has no room yet)."""
         import torch
-        from .holder.client import HolderUnavailable
-        from .holder.protocol import HolderError
+        from ..holder.client import HolderUnavailable
+        from ..holder.protocol import HolderError
         if self.client is None or man is None:
             return None, False
         try:
@@ -350,8 +329,8 @@ class _Transfer:
 
     def store_deferred(self) -> None:
         import torch
-        from .holder.client import HolderUnavailable
-        from .holder.protocol import HolderError
+        from ..holder.client import HolderUnavailable
+        from ..holder.protocol import HolderError
         for m, man, buf in self.deferred:
             try:
                 _, wmm = self.client.acquire(rank=self.rank, version=m.version, nbytes=m.nbytes, kind=m.kind)

@@ -1,0 +1,47 @@
+"""`shardsafe export`: write a committed snapshot as the framework's own checkpoint.
+
+Modules: :mod:`.sources` (open one verified version of every rank from the persistent tier or the live holders),
+:mod:`.replay` (the job's own command run once more so that the framework writes the export itself; the
+``shardsafe export`` command), and, framework glue, :mod:`shardsafe.adapters.ds_export` (DeepSpeed's checkpoint
+files assembled offline, and ``apply_client_state``).
+
+The way back from shardsafe to plain DeepSpeed: ``shardsafe export --format deepspeed SRC DST``
+reads one committed version of every rank (from the persistent tier or from the live holders),
+verifies every checksum, and writes the directory ``engine.save_checkpoint(DST)`` would have
+written at that iteration (``latest``, ``global_stepN/`` with the model-states and per-rank ZeRO
+optimizer files) -- so a vanilla ``engine.load_checkpoint(DST)`` resumes from it.
+
+The files are assembled without an engine from what the adapter records in every manifest
+(``meta["ds_checkpoint"]``: parameter names, shapes and offsets in the flat ZeRO groups, buffer
+names, the optimizer's bookkeeping, the DeepSpeed config). DeepSpeed checkpoints are pickles by
+DeepSpeed's own design; they are written here for the user's own framework to read, never read by
+shardsafe.
+
+What DeepSpeed's checkpoint has no place for -- the per-rank RNG states, the engine's
+``micro_steps`` and module buffers that differ between ranks (DeepSpeed keeps rank 0's) -- goes into the client state under ``"shardsafe"``; :func:`apply_client_state`
+puts it back after ``load_checkpoint`` (plain DeepSpeed restores neither for its own checkpoints).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# The names of the former single module, importable from here as before (loaded on first use: the DeepSpeed
+# writer is framework glue, in adapters/, and imports this package's sources).
+_WHERE = {
+    **{n: "shardsafe.export.sources" for n in ("ExportError", "RankSnapshot", "open_persistent", "open_holders",
+                                               "open_source")},
+    **{n: "shardsafe.export.replay" for n in ("export_deepspeed_replay", "export_megatron", "cmd_export")},
+    **{n: "shardsafe.adapters.ds_export" for n in ("EXPORT_FORMAT", "export_deepspeed", "apply_client_state",
+                                                   "rank_side_file", "save_rank_side_file")},
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'shardsafe.export' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
