@@ -23,8 +23,9 @@ from .persist import PersistentStore
 from .parity.exchange import ExchangeError, ParityExchange, gather_places, plan_parity
 from .parity.topology import TopologyError
 from .faults import Injector, current_attempt
-from .holder.client import HolderClient, HolderError, HolderUnavailable, connect_or_start
+from .holder.client import HolderClient, HolderUnavailable, connect_or_start
 from .holder.paths import HolderPaths
+from .holder.protocol import HolderFailure
 from .jobid import claim
 from .snapshot.restore import Collectives, RestoreResult, new_timeline, restore_from_holder
 from .snapshot.pipeline import GlooAgreement, LocalAgreement, SnapshotPipeline
@@ -268,7 +269,7 @@ class Runtime(BaseRuntime):
             return   # already requested by the commit
         try:
             self._request_flush(step)
-        except (HolderError, HolderUnavailable) as e:
+        except HolderFailure as e:
             log.warning("[rank %d] final snapshot %d not flushed to %s: %s", self.rank, step, self.cfg.persist_dir, e)
 
     def flush(self, timeout: Optional[float] = None) -> bool:

@@ -12,14 +12,14 @@ import threading
 import time
 from typing import Any
 
-from ..errors import ShardsafeError
 from .paths import HolderPaths
-from .protocol import DEFAULT_IDLE_EXIT_S, FLUSH_DRAIN_S, HolderError, ProtocolError, close_fds, recv_msg, send_msg
+from .protocol import (DEFAULT_IDLE_EXIT_S, FLUSH_DRAIN_S, HolderError, HolderFailure, ProtocolError, close_fds, recv_msg,
+                       send_msg)
 
 log = logging.getLogger("shardsafe.holder")
 
 
-class HolderUnavailable(RuntimeError, ShardsafeError):
+class HolderUnavailable(HolderFailure):
     """No holder answers for this job and node."""
 
 
@@ -193,7 +193,7 @@ def stop_holder(paths: HolderPaths, proc: "subprocess.Popen", *, grace_s: float 
             pending = c.shutdown()
         finally:
             c.close()
-    except (HolderUnavailable, HolderError, OSError):
+    except (HolderFailure, OSError):
         proc.kill()
     wait_s = grace_s + (FLUSH_DRAIN_S if pending else 0.0)
     if pending:

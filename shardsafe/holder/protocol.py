@@ -37,7 +37,13 @@ MAX_BODY = 64 << 20   # manifests of huge models stay far below this
 MAX_FDS = 16
 
 
-class ProtocolError(RuntimeError, ShardsafeError):
+class HolderFailure(RuntimeError, ShardsafeError):
+    """Base of what the holder tier fails at: a refused request (:class:`HolderError`), no holder answering
+    (``HolderUnavailable``), a broken connection (:class:`ProtocolError`). Snapshot and restore paths catch this
+    one class: whichever it was, the holder cannot serve now."""
+
+
+class ProtocolError(HolderFailure):
     """The peer closed the connection or sent something that is not a shardsafe frame."""
 
 
@@ -45,7 +51,7 @@ class BadFrame(ProtocolError):
     """The peer sent a frame that is not a shardsafe message (the connection cannot be trusted after it)."""
 
 
-class HolderError(RuntimeError, ShardsafeError):
+class HolderError(HolderFailure):
     """The holder refused a request; ``code`` says why (``budget``, ``state``, ``not_found``, ...)."""
 
     def __init__(self, code: str, message: str):

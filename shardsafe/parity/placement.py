@@ -188,13 +188,12 @@ def migrate(client, *, rank: int, world_size: int, node: str, rank_nodes: Option
 def _gather_inventories(client, *, rank: int, world_size: int, node: str, group) -> tuple[list[str], dict[str, dict]]:
     """(every rank's node, node -> what its holder has) from one JSON all-gather; the ranks of one node share
     its holder, and its lowest rank speaks for it."""
-    from ..holder.client import HolderUnavailable
-    from ..holder.protocol import HolderError
+    from ..holder.protocol import HolderFailure
     listing: dict = {}
     if client is not None:
         try:
             listing = client.list()
-        except (HolderError, HolderUnavailable) as e:
+        except HolderFailure as e:
             log.warning("[rank %d] cannot list the holder's slots for placement: %s", rank, e)
     mine = {"node": node, "slots": [[r, k, v, i["nbytes"], i["capacity"], i["committed"]]
                                     for (r, k), vs in inventory_of(listing).items() for v, i in vs.items()]}
@@ -211,13 +210,12 @@ def _gather_inventories(client, *, rank: int, world_size: int, node: str, group)
 
 
 def _drop_stale(client, stale: list[int], *, rank: int, res: MigrationResult) -> None:
-    from ..holder.client import HolderUnavailable
-    from ..holder.protocol import HolderError
+    from ..holder.protocol import HolderFailure
     for kind in KINDS:
         if stale:
             try:
                 res.dropped += client.drop(ranks=stale, kind=kind)
-            except (HolderError, HolderUnavailable) as e:
+            except HolderFailure as e:
                 log.warning("[rank %d] placement: cannot drop stale slots of ranks %s: %s", rank, stale, e)
 
 
@@ -266,15 +264,14 @@ class _Transfer:
         a fresh slot instead of reusing the one just written."""
         import torch
         import torch.distributed as dist
-        from ..holder.client import HolderUnavailable
-        from ..holder.protocol import HolderError
+        from ..holder.protocol import HolderFailure
         rank, group, client = self.rank, self.group, self.client
         if any(m.rank == rank for m in self.plan.moves) and client is not None:
             for r, kind in self.plan.clear_first:
                 if r == rank:
                     try:
                         client.drop(rank=rank, kind=kind)
-                    except (HolderError, HolderUnavailable) as e:
+                    except HolderFailure as e:
                         self._fail(f"rank {rank}: cannot clear stale {kind} slots: {e}")
         for i, m in enumerate(self.plan.moves):
             if m.rank != rank:
@@ -303,15 +300,14 @@ class _Transfer:
                 client.seal(rank=rank, version=m.version, manifest=man, kind=m.kind)
                 client.commit(ranks=[rank], version=m.version, kind=m.kind)
                 self.res.nbytes += n_pay
-            except (HolderError, HolderUnavailable) as e:
+            except HolderFailure as e:
                 self._fail(f"rank {rank}: cannot seal {m.kind} v{m.version}: {e}")
 
     def _slot_for(self, m: Move, man: Optional[dict], n_pay: int) -> tuple[Any, bool]:
         """(a tensor over the holder slot to receive into, or None; whether to keep the bytes in RAM until the
         stale copies are dropped, when the budget has no room yet)."""
         import torch
-        from ..holder.client import HolderUnavailable
-        from ..holder.protocol import HolderError
+        from ..holder.protocol import HolderError, HolderFailure
         if self.client is None or man is None:
             return None, False
         try:
@@ -323,14 +319,13 @@ class _Transfer:
             if e.code == "budget":   # room comes when the stale copies are dropped: keep it in RAM till then
                 return None, True
             self._fail(f"rank {self.rank}: cannot store {m.kind} v{m.version} on {self.node}: {e}")
-        except (HolderUnavailable, OSError) as e:
+        except (HolderFailure, OSError) as e:
             self._fail(f"rank {self.rank}: cannot store {m.kind} v{m.version} on {self.node}: {e}")
         return None, False
 
     def store_deferred(self) -> None:
         import torch
-        from ..holder.client import HolderUnavailable
-        from ..holder.protocol import HolderError
+        from ..holder.protocol import HolderFailure
         for m, man, buf in self.deferred:
             try:
                 _, wmm = self.client.acquire(rank=self.rank, version=m.version, nbytes=m.nbytes, kind=m.kind)
@@ -338,7 +333,7 @@ class _Transfer:
                 self.client.seal(rank=self.rank, version=m.version, manifest=man, kind=m.kind)
                 self.client.commit(ranks=[self.rank], version=m.version, kind=m.kind)
                 self.res.nbytes += buf.numel()
-            except (HolderError, HolderUnavailable, OSError, ValueError) as e:
+            except (HolderFailure, OSError, ValueError) as e:
                 log.error("[rank %d] placement: %s v%d of rank %d could not be stored even after dropping stale "
                           "copies (%s): raise memory_budget_gb; restore falls back to parity", self.rank, m.kind,
                           m.version, self.rank, e)

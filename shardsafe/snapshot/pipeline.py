@@ -24,7 +24,7 @@ import torch
 from ..collectives import min_reduce
 from ..errors import DeviceError
 from ..holder.client import HolderClient, HolderUnavailable
-from ..holder.protocol import HolderError
+from ..holder.protocol import HolderError, HolderFailure
 from ..payload import checksum
 from ..payload import manifest as mf
 from .state import RankState
@@ -215,7 +215,7 @@ class SnapshotPipeline:
         try:
             man, mm = self._write(job)
             ok = True
-        except (HolderError, HolderUnavailable, OSError, RuntimeError) as e:
+        except (HolderFailure, OSError, RuntimeError) as e:
             job.stats.error = str(e)
             key = "budget" if isinstance(e, HolderError) and e.code == "budget" else type(e).__name__
             self._warn_once(key, f"snapshot {job.version} skipped, training continues: {e}")
@@ -251,14 +251,14 @@ class SnapshotPipeline:
                 self.client.commit(ranks=[self.rank], version=job.version, kind="parity")
             job.stats.committed = True
             self.last_committed = job.version
-        except (HolderError, HolderUnavailable) as e:
+        except HolderFailure as e:
             job.stats.error = f"commit failed: {e}"
             self._warn_once("commit", f"commit of snapshot {job.version} failed: {e}")
             return
         if self.flush_to_disk is not None:
             try:
                 self.flush_to_disk(job.version)
-            except (HolderError, HolderUnavailable) as e:
+            except HolderFailure as e:
                 self._warn_once("flush", f"flush of snapshot {job.version} to disk not queued: {e}")
 
     def _ensure_client(self) -> HolderClient:

@@ -20,8 +20,8 @@ import xxhash
 
 from .. import collectives
 from ..errors import ShardsafeError
-from ..holder.client import HolderClient, HolderUnavailable
-from ..holder.protocol import HolderError
+from ..holder.client import HolderClient
+from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
 from .state import StateAdapter
 
@@ -104,7 +104,7 @@ class PeerPayloads:
                 ok = all(any(s["version"] == self.version and s["state"] == "sealed"
                              for s in held.get(str(r), {}).get("data", [])) for r in ranks)
                 ok = ok and all(manifest_digest(self._get(r)[0]) == self.digests[r] for r in ranks)
-            except (HolderError, HolderUnavailable, OSError, KeyError) as e:
+            except (HolderFailure, OSError, KeyError) as e:
                 log.info("peer payloads not available from the holder: %s", e)
                 ok = False
         return self.coll.all_true(ok)
@@ -242,7 +242,7 @@ def _held_versions(client: Optional[HolderClient], rank: int, exchange) -> tuple
     try:
         return (client.sealed_versions(rank),
                 client.sealed_versions(rank, kind="parity") if exchange is not None else [])
-    except (HolderError, HolderUnavailable) as e:
+    except HolderFailure as e:
         log.warning("[rank %d] cannot list snapshots from the holder: %s", rank, e)
         return [], []
 
@@ -255,7 +255,7 @@ def _check_world_size(client: Optional[HolderClient], rank: int, coll: Collectiv
             man, mm = client.open(rank=rank, version=max(mine), populate=False)
             mm.close()
             seen = int(man.get("world_size", -1))
-        except (HolderError, HolderUnavailable, OSError, ValueError):
+        except (HolderFailure, OSError, ValueError):
             seen = -1
     sizes = {w for (w,) in coll.gather_ints([seen]) if w >= 0}
     if sizes and sizes != {coll.world_size}:
@@ -401,7 +401,7 @@ def _fence_and_keep(client: Optional[HolderClient], rank: int, version: int, min
         client.commit(ranks=[rank], version=version)
         if exchange is not None and client.sealed_versions(rank, kind="parity").count(version):
             client.commit(ranks=[rank], version=version, kind="parity")
-    except (HolderError, HolderUnavailable, OSError) as e:
+    except (HolderFailure, OSError) as e:
         # The timeline id still keeps an abandoned copy from ever being combined with a new one.
         log.warning("[rank %d] could not fence newer versions / keep version %d in the holder: %s", rank, version, e)
 
@@ -446,7 +446,7 @@ def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live) -> 
         corrupt = bool(bad)
         if not bad:
             bad = _adapter_problems(adapter, manifest, mm)
-    except (HolderError, HolderUnavailable, OSError, ValueError, KeyError, AttributeError) as e:
+    except (HolderFailure, OSError, ValueError, KeyError, AttributeError) as e:
         bad = [str(e) or type(e).__name__]
     return manifest, mm, bad, corrupt
 

@@ -15,7 +15,7 @@ from shardsafe.errors import DeviceError, InternalError, ShardsafeError, UsageEr
 from shardsafe.parity.exchange import ExchangeError
 from shardsafe.export.sources import ExportError
 from shardsafe.holder.client import HolderUnavailable
-from shardsafe.holder.protocol import BadFrame, HolderError, ProtocolError
+from shardsafe.holder.protocol import BadFrame, HolderError, HolderFailure, ProtocolError
 from shardsafe.jobid import AmbiguousJobId, JobConflict
 from shardsafe.launch.discovery import DiscoveryError
 from shardsafe.launch.errors import LaunchError
@@ -38,11 +38,12 @@ ERRORS = {
     HolderUnavailable: RuntimeError, ExchangeError: RuntimeError, TorError: ValueError,
     ManifestError: ValueError, TopologyError: ValueError, Unrecoverable: ValueError,
     DiscoveryError: RuntimeError, LaunchError: RuntimeError, PrewarmError: RuntimeError,
-    SnapshotMismatch: ValueError, UsageError: RuntimeError, DeviceError: RuntimeError, InternalError: RuntimeError,
+    HolderFailure: RuntimeError, SnapshotMismatch: ValueError, UsageError: RuntimeError, DeviceError: RuntimeError, InternalError: RuntimeError,
 }
 # Subclasses of another shardsafe error, beside their family's root.
 FAMILY = {InvalidParameter: ParityError, InvalidFragment: ParityError, InsufficientFragments: ParityError,
           BackendUnavailable: ParityError, KernelError: ParityError, BadFrame: ProtocolError,
+          HolderError: HolderFailure, HolderUnavailable: HolderFailure, ProtocolError: HolderFailure,
           Unrecoverable: TopologyError}
 
 
