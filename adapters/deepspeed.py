@@ -20,7 +20,8 @@ from shardsafe.snapshot.state import RankState, StateAdapter, apply_rng, capture
 from . import rng_trackers
 from .cpu_adam_powers import AdamPowersTracker
 from .ds_config import config_source, read_config
-from .ds_client_state import DS_CHECKPOINT_KEYS, client_state_at, disk_checkpoint, live_rng
+from .ds_client_state import (DS_CHECKPOINT_KEYS, client_state_at, client_state_without_checkpoint, disk_checkpoint,
+                              live_rng, program_layout)
 from .ds_layout import coords as parallel_coords
 from .ds_layout import describe, is_pipeline, parallel_layout
 
@@ -363,10 +364,11 @@ def scheduler_state(sched: Any) -> Any:
 class ShardsafeEngineHook:
     """What ``initialize`` attaches to the engine as ``engine.shardsafe``."""
 
-    def __init__(self, engine: Any, cfg: ShardsafeConfig, *, auto: str = ""):
+    def __init__(self, engine: Any, cfg: ShardsafeConfig, *, auto: str = "", program_args: Any = None):
         from shardsafe.runtime import Runtime
         import torch.distributed as dist
         self.cfg, self.auto = cfg, auto
+        self._program_args = program_args   # the args given to deepspeed.initialize (GPT-NeoX, Megatron-DeepSpeed)
         self._stepped = False   # load_checkpoint calls before the first step are the program's resume
         self.adapter = DeepSpeedStateAdapter(engine)
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -441,10 +443,7 @@ class ShardsafeEngineHook:
         rank0 = self.runtime.rank == 0
         tag, states = disk_checkpoint(engine, load_dir, tag)
         if states is None:
-            if rank0:
-                log.warning("shardsafe: load_checkpoint(%r): no checkpoint there; the engine continues from snapshot "
-                            "version %d (restored at initialize)", str(load_dir), v)
-            return None, None
+            return self._no_checkpoint(load_dir, v)
         step = int(states.get("global_steps", -1))
         if step > v:
             if rank0:
@@ -462,6 +461,28 @@ class ShardsafeEngineHook:
             log.warning("shardsafe: the checkpoint's client state is returned as of the snapshot: %s",
                         ", ".join(changed))
         return os.path.join(str(load_dir), str(tag)), client
+
+    def _no_checkpoint(self, load_dir: Any, v: int) -> tuple[Any, Any]:
+        """``load_checkpoint`` found no checkpoint, but the engine holds snapshot v: DeepSpeed's (None, None) for a
+        program that loops from ``engine.global_steps``; for GPT-NeoX and Megatron-DeepSpeed (cfg
+        ``resume_client_state``) the client state they would have saved at v, so that they continue at v instead
+        of counting from 0 (ds_client_state.client_state_without_checkpoint)."""
+        layout = program_layout(self.cfg.resume_client_state, self._program_args)
+        engine = self.adapter.engine
+        client = client_state_without_checkpoint(layout, v=v, program_args=self._program_args,
+                                                 live_samples=int(engine.global_samples), rng=self._restored_rng,
+                                                 dp_world=int(engine.dp_world_size))
+        rank0 = self.runtime.rank == 0
+        if client is None:
+            if rank0:
+                log.warning("shardsafe: load_checkpoint(%r): no checkpoint there; the engine continues from snapshot "
+                            "version %d (restored at initialize)", str(load_dir), v)
+            return None, None
+        if rank0:
+            log.warning("shardsafe: load_checkpoint(%r): no checkpoint there; the engine continues from snapshot "
+                        "version %d, and the call returns a %s client state as of it (%s) so the program continues "
+                        "at iteration %d", str(load_dir), v, layout, ", ".join(sorted(client)), v)
+        return os.path.join(str(load_dir), f"shardsafe-snapshot-v{v}"), client
 
     def _export_and_exit(self, export_dir: str) -> None:
         """The export run (``shardsafe export --format deepspeed SRC DST -- COMMAND``): the restored state written by
@@ -520,7 +541,8 @@ def protect(ds_initialize: Any, args: tuple, kwargs: dict, *, auto: str = ""):
     cfg = config_from_ds(read_config(config_source(args, kwargs)))
     ret = ds_initialize(*args, **kwargs)
     engine = ret[0]
-    engine.shardsafe = ShardsafeEngineHook(engine, cfg, auto=auto) if cfg.enabled else None
+    program_args = kwargs.get("args", args[0] if args else None)
+    engine.shardsafe = ShardsafeEngineHook(engine, cfg, auto=auto, program_args=program_args) if cfg.enabled else None
     if engine.shardsafe is not None and engine.shardsafe.runtime.rank == 0:
         how = (f"the \"shardsafe\" block of the DeepSpeed config (automatic activation; {auto} turns the "
                "activation off)") if auto else "shardsafe.adapters.deepspeed.initialize"

@@ -94,3 +94,50 @@ def disk_checkpoint(engine: Any, load_dir: Any, tag: Any) -> tuple[Any, dict | N
     if not os.path.isfile(path):
         return tag, None
     return tag, torch.load(path, map_location="cpu", weights_only=False)
+
+
+# --- no disk checkpoint yet: the client state the program would have saved at v -------------------------------
+
+def program_layout(setting: str, program_args: Any) -> str:
+    """Whose client state a program keeps: the ``resume_client_state`` setting, or for "auto" the kind of the
+    ``args`` it gave deepspeed.initialize: GPT-NeoX passes its ``NeoXArgs``; Megatron-DeepSpeed its argparse
+    namespace, which holds the data position (``consumed_train_samples``) beside ``deepspeed``. Anything else:
+    "none" (a program that loops from ``engine.global_steps``)."""
+    if setting != "auto":
+        return setting
+    if program_args is None:
+        return "none"
+    if type(program_args).__name__ == "NeoXArgs":
+        return "neox"
+    if all(hasattr(program_args, k) for k in ("deepspeed", "consumed_train_samples", "consumed_valid_samples")):
+        return "megatron-deepspeed"
+    return "none"
+
+
+def client_state_without_checkpoint(layout: str, *, v: int, program_args: Any, live_samples: int,
+                                    rng: Mapping[str, Any] | None, dp_world: int) -> dict | None:
+    """The client state ``layout``'s program saves with its checkpoints, as of snapshot version v, for a
+    ``load_checkpoint`` that finds no checkpoint: without it GPT-NeoX and Megatron-DeepSpeed take DeepSpeed's
+    (None, None) for a fresh start and count their iterations (and Megatron-DeepSpeed its data position) from 0
+    while the engine holds v. None for "none".
+
+    - neox (megatron/checkpointing.py ``save_ds_checkpoint``): ``iteration`` and the RNG states at top level
+      (no ``args``: GPT-NeoX then skips its argument check, as for a checkpoint without them);
+    - megatron-deepspeed (``save_checkpoint``/``generate_state_dict``): ``iteration``, ``checkpoint_version``,
+      ``args`` (a copy of the program's own, so ``check_checkpoint_args`` agrees, with ``consumed_train_samples``
+      the engine's restored ``global_samples``), and ``rng_state``, one entry per data-parallel rank, each this
+      rank's restored RNG (Megatron-DeepSpeed reads the entry at its DP rank or at 0: either way the RNG this
+      rank had at v). ``consumed_valid_samples`` and
+      ``consumed_train_tokens`` keep the program's start values: no snapshot holds them (docs/deepspeed.md).
+    """
+    if layout == "none":
+        return None
+    states = dict(rng or {})
+    if layout == "neox":
+        return {"iteration": v, **states}
+    import copy
+    args = copy.copy(program_args)
+    if args is not None and hasattr(args, "consumed_train_samples"):
+        args.consumed_train_samples = live_samples
+    per_rank = [states] * max(1, dp_world)
+    return {"iteration": v, "checkpoint_version": 3.0, "args": args, "rng_state": per_rank}

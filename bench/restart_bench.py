@@ -1,6 +1,8 @@
-"""Restart cost: trainers forked from a pre-warmed fork server vs started cold (shardsafe.launch.prewarm).
+"""Restart cost: trainers forked from a pre-warmed fork server vs started cold (shardsafe.launch.prewarm), and
+kill -> next iteration under ``shardsafe launch`` (torch elastic), torch's rendezvous polling vs shardsafe's.
 
     .venv/bin/python bench/restart_bench.py [--engine deepspeed|megatron] [--runs 5] [--steps 20] [--json]
+    .venv/bin/python bench/restart_bench.py --launcher elastic [--runs 5]
 
 One job per run under the local launcher (2 simulated nodes x 2 ranks, one holder each, a snapshot every
 step): rank 3 SIGKILLs itself at step --kill-at, the group restarts and restores from the holders, and
@@ -17,6 +19,15 @@ from the event log:
 * wall: the whole job, fork server included.
 
 Medians over --runs of each mode; ratios are forked / cold (the baseline) of the same run of the script.
+
+``--launcher elastic``: the same job under ``shardsafe launch``'s launcher (ElasticLauncher: one torchrun agent
+per simulated node, c10d rendezvous, forked workers). Runs alternate between torch's own rendezvous polling
+(``rendezvous_poll_s=1``, the baseline) and shardsafe's (the default, by job size: 50 ms here). Per run, from the
+event log, the time from the SIGKILL (the injector's ``t_fault``) to the end of the restarted attempt's first
+iteration, and its parts: detection (-> ``failure_detected``), re-rendezvous (-> the new round's
+``attempt_start``), worker start and set-up (-> the last rank's ``restore_start``), restore (-> the last
+``restore_end``), to the first step (-> the last ``train_ready``), the first iteration (-> the last rank's first
+``iteration`` event).
 """
 from __future__ import annotations
 
@@ -33,6 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from shardsafe.launch import PRELOAD_DEEPSPEED, PRELOAD_MEGATRON, LaunchConfig, LocalLauncher  # noqa: E402
+from shardsafe.launch.elastic import ElasticConfig, ElasticLauncher  # noqa: E402
 from shardsafe.runcheck import read_jsonl  # noqa: E402
 
 
@@ -67,6 +79,72 @@ def one_run(a: argparse.Namespace, preload: tuple[str, ...], k: int) -> dict:
         shutil.rmtree(d, ignore_errors=True)
 
 
+PHASES = (("detect", "failure_detected"), ("rendezvous", "attempt_start"), ("worker start", "restore_start"),
+          ("restore", "restore_end"), ("to the first step", "train_ready"), ("first iteration", "iteration"))
+
+
+def one_elastic_run(a: argparse.Namespace, poll: float, k: int) -> dict:
+    d = tempfile.mkdtemp(prefix="restart-bench-elastic-")
+    try:
+        cmd = [os.path.join(ROOT, "examples", "ds_pretrain_gpt.py"), "--steps", str(a.steps), "--zero-stage", "2",
+               "--dtype", "bf16", "--out", d] if a.engine == "deepspeed" else \
+              [os.path.join(ROOT, "examples", "megatron_pretrain_gpt.py"), "--steps", str(a.steps), "--tp", "2",
+               "--bf16", "--shardsafe", "--out", d]
+        preload = PRELOAD_DEEPSPEED if a.engine == "deepspeed" else PRELOAD_MEGATRON
+        cfg = ElasticConfig(nodes=2, nproc_per_node=2, run_dir=d, job_id=f"rbe{os.getpid()}x{k}", max_restarts=1,
+                            inject=f"kill-rank:3@{a.kill_at}", memory_budget_gb=1.0, preload=preload,
+                            rendezvous_poll_s=poll, timeout_s=600)
+        res = ElasticLauncher(cfg).run(cmd)
+        if not res.ok or res.attempts != 2:
+            raise SystemExit(f"run failed ({res}); see {d}")
+        ev = read_jsonl(os.path.join(d, "events.jsonl"))
+        t_fault = next(e["t_fault"] for e in ev if e["kind"] == "fault_injected")
+        marks = {"kill": t_fault}
+        for name, kind in PHASES:
+            if kind in ("failure_detected", "attempt_start"):
+                marks[name] = min(e["t"] for e in ev if e["kind"] == kind and int(e.get("attempt") or 0) ==
+                                  (0 if kind == "failure_detected" else 1))
+            else:   # the last rank to get there (all of them must before the group trains)
+                by_rank: dict = {}
+                for e in ev:
+                    if e["kind"] == kind and int(e.get("attempt") or 0) == 1:
+                        by_rank.setdefault(e.get("rank"), e["t"])   # the rank's first such event of attempt 1
+                marks[name] = max(by_rank.values())
+        out, prev = {}, t_fault
+        for name, _ in PHASES:
+            out[name] = marks[name] - prev
+            prev = marks[name]
+        out["kill -> next iteration"] = marks["first iteration"] - t_fault
+        return out
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def main_elastic(a: argparse.Namespace) -> None:
+    got: dict[str, list[dict]] = {"torch poll 1 s": [], "shardsafe poll": []}
+    for k in range(a.runs):
+        for mode in (list(got) if k % 2 == 0 else list(got)[::-1]):
+            r = one_elastic_run(a, 1.0 if mode.startswith("torch") else -1.0, 2 * k + (mode != "torch poll 1 s"))
+            got[mode].append(r)
+            print(f"run {k} {mode:15s}: kill -> next iteration {r['kill -> next iteration']:.2f} s", file=sys.stderr,
+                  flush=True)
+    med = {m: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for m, rs in got.items()}
+    base, tuned = med["torch poll 1 s"], med["shardsafe poll"]
+    out = {"engine": a.engine, "launcher": "shardsafe launch (torch elastic)", "runs": a.runs, "ranks": 4,
+           "medians": med, "ratio": tuned["kill -> next iteration"] / base["kill -> next iteration"],
+           "load_average": os.getloadavg()[0]}
+    if a.json:
+        print(json.dumps(out))
+        return
+    print(f"kill -> next iteration under shardsafe launch: {a.engine}, 2 nodes x 2 ranks, forked workers, rank 3 "
+          f"SIGKILLed at step {a.kill_at}; medians of {a.runs} runs per mode (alternating); baseline = torch's "
+          "rendezvous polling (1 s) in the same run")
+    print(f"  {'phase':26s} {'torch poll 1 s':>15s} {'shardsafe poll':>15s}")
+    for key in [n for n, _ in PHASES] + ["kill -> next iteration"]:
+        print(f"  {key:26s} {base[key]:13.3f} s {tuned[key]:13.3f} s")
+    print(f"  shardsafe / torch: {out['ratio']:.2f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=["deepspeed", "megatron"], default="deepspeed")
@@ -74,8 +152,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kill-at", type=int, default=8)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--launcher", choices=["local", "elastic"], default="local",
+                   help="local: forked vs cold restarts under the local launcher; elastic: kill -> next iteration "
+                        "under shardsafe launch, torch's rendezvous polling vs shardsafe's")
     a = p.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if a.launcher == "elastic":
+        main_elastic(a)
+        return
     preload = PRELOAD_DEEPSPEED if a.engine == "deepspeed" else PRELOAD_MEGATRON
     got: dict[str, list[dict]] = {"cold": [], "forked": []}
     for k in range(a.runs):

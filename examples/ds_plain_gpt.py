@@ -6,6 +6,9 @@
 
 It is written the way user scripts are: ``deepspeed.initialize(...)``, then ``engine.load_checkpoint(ckpt_dir)``
 to resume, a loop from ``engine.global_steps``, and ``engine.save_checkpoint`` every ``--save-every`` steps.
+With ``--client-state neox|megatron-deepspeed`` it behaves as those programs do: it gives deepspeed.initialize
+their kind of ``args``, saves their client state, and counts its own iterations from the client state that
+``load_checkpoint`` returns (from 0 when it returns none).
 There is no ``import shardsafe`` below: with shardsafe installed, a ``"shardsafe"`` block in the config switches
 protection on (adapters/autoload.py), and after a crash the restarted script continues from the newest
 snapshot (its ``load_checkpoint`` of an older checkpoint keeps the snapshot).
@@ -45,6 +48,23 @@ def client_state(kind: str, step: int, consumed: int) -> dict:
             "args": argparse.Namespace(consumed_train_samples=consumed, consumed_valid_samples=0)}
 
 
+class NeoXArgs(argparse.Namespace):
+    """GPT-NeoX passes its arguments object, a NeoXArgs, to deepspeed.initialize (``args=neox_args``)."""
+
+
+def program_args(kind: str, a: argparse.Namespace) -> argparse.Namespace | None:
+    """The ``args`` this script gives deepspeed.initialize, as the program ``kind`` stands for does: GPT-NeoX its
+    NeoXArgs, Megatron-DeepSpeed its argparse namespace (with the data position beside ``deepspeed``), a plain
+    script none unless the config travels in it (--config-as args)."""
+    local = {"local_rank": int(os.environ.get("LOCAL_RANK", 0))}
+    cfg = {"deepspeed_config": a.config} if a.config_as == "args" else {}
+    if kind == "neox":
+        return NeoXArgs(**local, **cfg)
+    if kind == "megatron-deepspeed":
+        return argparse.Namespace(deepspeed=True, consumed_train_samples=0, consumed_valid_samples=0, **local, **cfg)
+    return argparse.Namespace(**local, **cfg) if cfg else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="DeepSpeed JSON config")
@@ -77,11 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     with open(a.config) as f:
         cfg = json.load(f)
     kw = {"path": {"config": a.config}, "dict": {"config": cfg}, "config_params": {"config_params": cfg},
-          "args": {"args": argparse.Namespace(deepspeed_config=a.config, local_rank=int(os.environ.get("LOCAL_RANK", 0)))}}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), **kw[a.config_as])
+          "args": {}}[a.config_as]
+    pargs = program_args(a.client_state, a)
+    if pargs is not None:
+        kw["args"] = pargs
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), **kw)
     consumed = 0   # samples trained (all ranks): the data position in the megatron-deepspeed layout
+    # GPT-NeoX and Megatron-DeepSpeed count their own iterations, from the client state's (0 without a checkpoint);
+    # a plain script loops from the engine's counter
+    own_counter = a.client_state != "step"
+    iteration = 0
     if a.ckpt_dir:
         path, client = engine.load_checkpoint(a.ckpt_dir)
+        if path is not None and own_counter:
+            iteration = client["iteration"]
         if client and a.client_state != "step":   # these programs set their counters and RNG from it
             # Megatron-DeepSpeed with --data-parallel-random-init (this script seeds every rank differently)
             rng = client if a.client_state == "neox" else client["rng_state"][rank % engine.dp_world_size]
@@ -97,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     losses = open(os.path.join(a.out, f"losses_rank{rank}.jsonl"), "a") if a.out else None
     gas = engine.gradient_accumulation_steps()
     dp_rank = rank % engine.dp_world_size
-    while engine.global_steps < a.steps:
+    if not own_counter:
+        iteration = engine.global_steps
+    while iteration < a.steps:
         total = 0.0
         mb = engine.train_micro_batch_size_per_gpu()
         for i in range(gas):
@@ -109,13 +140,13 @@ def main(argv: list[str] | None = None) -> int:
             engine.backward(loss)
             total += loss.item()
             if losses and i == gas - 1:
-                losses.write(json.dumps({"step": engine.global_steps + 1, "loss": float(total).hex(),
+                losses.write(json.dumps({"step": iteration + 1, "loss": float(total).hex(),
                                          "attempt": attempt}) + "\n")
                 losses.flush()
             engine.step()
-        if a.ckpt_dir and a.save_every and engine.global_steps % a.save_every == 0:
-            engine.save_checkpoint(a.ckpt_dir, client_state=client_state(a.client_state, engine.global_steps,
-                                                                         consumed))
+        iteration = iteration + 1 if own_counter else engine.global_steps
+        if a.ckpt_dir and a.save_every and iteration % a.save_every == 0:
+            engine.save_checkpoint(a.ckpt_dir, client_state=client_state(a.client_state, iteration, consumed))
     if a.out:
         with open(os.path.join(a.out, f"modules_rank{rank}.json"), "w") as f:
             json.dump(sorted(m for m in sys.modules if m == "shardsafe" or m.startswith("shardsafe.")), f)

@@ -52,6 +52,7 @@ def default_holder_dir() -> str:
 
 
 PARITY_TRANSPORTS = ("host", "device")
+RESUME_CLIENT_STATES = ("auto", "neox", "megatron-deepspeed", "none")
 
 
 @dataclass(kw_only=True)
@@ -102,6 +103,13 @@ class ShardsafeConfig:
     hash_threads: int = 0
     """Threads per rank that compute the snapshot checksums and verify a restore (xxh3 off the GIL,
     shardsafe/payload/checksum.py); 0 = the node's usable cores over its local ranks, at most 8."""
+    resume_client_state: str = "auto"
+    """DeepSpeed programs that resume through ``engine.load_checkpoint(dir)`` and take their iteration, data
+    position and RNG from the client state it returns: when a snapshot was restored and the directory holds no
+    checkpoint yet (a crash before the first save), load_checkpoint returns the client state such a program would
+    have saved at the snapshot's step, in its layout: "neox" (GPT-NeoX), "megatron-deepspeed", "none" (DeepSpeed's
+    own answer, (None, None): for programs that loop from ``engine.global_steps``), or "auto" (recognised from the
+    ``args`` given to deepspeed.initialize; else "none"). docs/deepspeed.md "Resume contract"."""
     export_dir: str = ""
     """Export run: right after the restore at start, write the restored state with the framework's own checkpoint
     writer into this directory and exit before training. Set by `shardsafe export ... -- COMMAND` through
@@ -121,6 +129,9 @@ class ShardsafeConfig:
         if self.parity_transport not in PARITY_TRANSPORTS:
             raise ConfigError(f"shardsafe.parity_transport must be one of {', '.join(map(repr, PARITY_TRANSPORTS))}; "
                               f"got {self.parity_transport!r}.")
+        if self.resume_client_state not in RESUME_CLIENT_STATES:
+            raise ConfigError(f"shardsafe.resume_client_state must be one of {', '.join(map(repr, RESUME_CLIENT_STATES))}; "
+                              f"got {self.resume_client_state!r}.")
         if self.persist_every < 1 or self.persist_keep < 1:
             raise ConfigError(f"shardsafe.persist_every and persist_keep must be >= 1; got {self.persist_every} and "
                               f"{self.persist_keep}.")

@@ -449,7 +449,7 @@ class Holder(BackgroundWork):
             return {"ok": False, "code": "bad_request", "error": f"malformed request {str(req.get('op'))[:60]!r}: {e!r}"}, []
         except OSError as e:  # fallocate ENOSPC/ENOMEM: the node is out of memory
             return {"ok": False, "code": "budget", "error": f"holder on node {self.paths.node} could not allocate: {e}"}, []
-        except Exception as e:
+        except Exception as e:   # a bug costs this request, never the holder and the snapshots it keeps
             log.exception("request %r failed", str(req.get("op"))[:60])
             return {"ok": False, "code": "internal", "error": f"holder bug on {str(req.get('op'))[:60]!r}: "
                                                              f"{type(e).__name__}: {e} (see the holder log)"}, []

@@ -50,6 +50,9 @@ class AgentOptions:
     max_restarts: int = 3
     local_addr: str = ""
     monitor_interval_s: float = 0.1
+    rendezvous_poll_s: float = -1.0
+    """How often a waiting agent re-reads the rendezvous state (torch's own: 1 s); < 0 = by job size
+    (:func:`rendezvous_poll_s`)."""
     keep_alive_s: int = 2
     keep_alive_misses: int = 3
     join_timeout_s: float = 600.0
@@ -202,9 +205,53 @@ class _AgentHooks:
                 pass
 
 
+def rendezvous_poll_s(nnodes: str, requested: float = -1.0) -> float:
+    """The rendezvous poll interval: ``requested`` when >= 0, else 50 ms per 50 nodes of the job's maximum
+    (``--nnodes N`` or ``MIN:MAX``), between 50 ms and torch's own 1 s. Every waiting agent reads the round's
+    state from the store once per poll, so the store sees about nodes / poll reads per second while a round
+    forms: 40/s for 2 nodes, 1000/s for 1,000 nodes (at 1 s), the load torch's default puts on it there."""
+    if requested >= 0:
+        return float(requested)
+    n = int(str(nnodes).split(":")[-1])
+    return min(1.0, max(0.05, 0.05 * n / 50))
+
+
+def tune_rendezvous_poll(poll_s: float) -> bool:
+    """Make torch's c10d rendezvous re-read the store every ``poll_s`` instead of every second while it waits.
+
+    torch.distributed.elastic's DynamicRendezvousHandler, in its op executor's SYNC action, sleeps a fixed
+    ``_delay(seconds=1)`` between reads of the round's state while it waits for the other nodes. After a
+    failure every agent joins the next round; the one that joined first finds the round complete only at its
+    next read, so each restart pays up to a second of that sleep (measured: bench/RESULTS.md "Kill to the next
+    iteration"). Only that call is changed (its argument is exactly 1): the random 0-0.3 s skew of a job's
+    first round stays. In this agent process only; workers are not touched. Returns False (and torch keeps its
+    own polling) if this torch's rendezvous has no such hook."""
+    try:
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    except ImportError:
+        return False
+    orig = getattr(dr, "_delay", None)
+    if not callable(orig):
+        log.warning("torch's dynamic rendezvous has no _delay to tune (torch changed it); it polls at its own rate")
+        return False
+    if getattr(orig, "__shardsafe_poll__", None) is not None:
+        orig = orig.__wrapped__
+
+    def _delay(seconds):
+        orig(poll_s if seconds == 1 else seconds)
+
+    _delay.__wrapped__ = orig
+    _delay.__shardsafe_poll__ = poll_s
+    dr._delay = _delay
+    return True
+
+
 def run_agent(opts: AgentOptions, script: list[str]) -> int:
     """Run torchrun's agent in this process with shardsafe's hooks; returns its exit code."""
     os.environ.update(opts.worker_env())
+    poll = rendezvous_poll_s(opts.nnodes, opts.rendezvous_poll_s)
+    if poll != 1.0 and tune_rendezvous_poll(poll):
+        log.info("[agent %s] rendezvous polls every %.2f s (torch's own: 1 s)", opts.node, poll)
     import torch.distributed.launcher.api as launcher_api
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent

@@ -72,6 +72,8 @@ class ElasticConfig:
     join_timeout_s: float = 300.0
     """How long a rendezvous round may take to form."""
     monitor_interval_s: float = 0.1
+    rendezvous_poll_s: float = -1.0
+    """How often a waiting agent re-reads the rendezvous state (< 0: by job size; shardsafe.launch.agent)."""
     start_holders: bool = True
     """Start one holder per node before the agents (else trainers start detached ones themselves)."""
     env: dict[str, str] = field(default_factory=dict)
@@ -210,7 +212,8 @@ class ElasticLauncher:
                "--job-id", c.job_id, "--run-dir", c.run_dir, "--holder-dir", c.holder_dir,
                "--max-restarts", str(c.max_restarts), "--monitor-interval", str(c.monitor_interval_s),
                "--keep-alive-s", str(c.keep_alive_s), "--keep-alive-misses", str(c.keep_alive_misses),
-               "--join-timeout-s", str(c.join_timeout_s), "--job-start-t", repr(self.t_start)]
+               "--join-timeout-s", str(c.join_timeout_s), "--job-start-t", repr(self.t_start),
+               "--rendezvous-poll-s", repr(c.rendezvous_poll_s)]
         if c.inject:
             cmd += ["--inject", c.inject]
         if c.preload:

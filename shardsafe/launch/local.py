@@ -128,7 +128,7 @@ class LocalLauncher:
         try:
             from ..tor import EventLog
             self.events = EventLog(cfg.run_dir, source="launcher")
-        except Exception:
+        except Exception:   # accounting never stops a launch
             self.events = NullEventLog()
         self.holders: dict[str, subprocess.Popen] = {}
         self.t_start = time.time()

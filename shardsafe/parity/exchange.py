@@ -36,6 +36,7 @@ from ..collectives import min_reduce
 from ..config import PARITY_TRANSPORTS
 from ..errors import ShardsafeError
 from ..holder.client import HolderClient
+from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
 from .codec import get_codec
 from .topology import ParityGroup, ParityGroups, RankPlace, build_parity_groups
@@ -214,7 +215,14 @@ class ParityExchange:
             sums, t_wait = self._move_and_encode_host(data, pview, cs)
         t_xfer = time.perf_counter()
         man = self._parity_manifest(version, cs, pmax, sums, {str(r): json.loads(b) for r, b in zip(g.members, blobs)})
-        client.seal(rank=me, version=version, manifest=man, kind="parity")
+        try:
+            client.seal(rank=me, version=version, manifest=man, kind="parity")
+        except HolderFailure as e:
+            # The holder died after the transfer (a holder kill landing here): this version goes without its
+            # parity on this member, which the pipeline's commit vote tells every rank. Raising instead would
+            # leave this rank out of that vote and end its snapshots for the run.
+            self.last_error = f"parity seal: {e}"
+            return False
         self.on_phase("parity-after", version)
         t_end = time.perf_counter()
         # Where parity time goes: votes + manifests + slot (prepare), blocks moving while earlier ones are
@@ -317,7 +325,7 @@ class ParityExchange:
             pv.release()
             info = {"chunk_size": cs, "payload_max": pman["payload_max"], "manifests": pman["group_manifests"]}
             return info, (f"rank {me}: parity share(s) {bad} of version {version} fail their checksum" if bad else "")
-        except Exception as e:
+        except Exception as e:   # said in the vote: every survivor must reach it, whatever failed here
             return {}, f"rank {me}: cannot read data/parity of version {version}: {e}"
 
     def _share_info(self, info: dict[str, Any], sender: int, lost: list[int]) -> dict[str, Any]:
@@ -369,7 +377,7 @@ class ParityExchange:
         my_man = info["manifests"][str(me)]
         try:
             _, wmm = client.acquire(rank=me, version=version, nbytes=self.group.k * cs)
-        except Exception as e:
+        except Exception as e:   # budget, holder gone: this rank's rebuild fails and says why, the restore goes on
             return False, 0, f"rank {me}: no slot to rebuild into: {e}"
         for cw in plan:
             mine = [t for t in cw.targets if t.rank == me and not t.is_parity]
@@ -410,7 +418,7 @@ class ParityExchange:
             man = self._parity_manifest(version, cs, info["payload_max"], sums, info["manifests"])
             client.seal(rank=me, version=version, manifest=dict(man, rebuilt=True), kind="parity")
             self._rebuilt.append((version, "parity"))
-        except Exception as e:
+        except Exception as e:   # the payload is restored already: re-protecting it is best effort
             log.warning("[rank %d] rebuilt payload of version %d restored, but its parity shares could not be "
                         "re-encoded (%s): the group is protected again from the next committed snapshot", me, version, e)
 
@@ -488,7 +496,7 @@ class DevicePath:
                                 "use parity_transport 'host'")
         try:
             get_codec(k=k, m=m, backend="cuda")
-        except Exception as e:
+        except Exception as e:   # any reason the kernels cannot load becomes one ExchangeError naming the fix
             raise ExchangeError(f"parity_transport 'device' encodes with the CUDA kernels, which cannot be used "
                                 f"here ({e}); build them (pip install without SHARDSAFE_SKIP_CUDA_BUILD, nvcc on "
                                 "PATH) or use parity_transport 'host'") from None

@@ -235,7 +235,7 @@ class SnapshotPipeline:
                                               f"{self.parity.last_error}")
                 ok = ok and pok
             agreed = self.agreement.all_ok(job.version, ok)
-        except Exception as e:
+        except Exception as e:   # a failed vote (peer gone, gloo timeout) must end snapshots, never training
             self._broken = True
             job.stats.error = f"agreement failed: {e}"
             self._warn_once("agree", f"snapshot agreement failed ({e}); snapshots disabled for this run")

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.slow
 PLAIN = os.path.join(ROOT, "examples", "ds_plain_gpt.py")
 BASE = os.path.join(ROOT, "configs", "deepspeed", "plain_zero2_bf16.json")
 STEPS = 10
-HOOK_ONLY = ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload"]
+# The hook: the activation (imported at interpreter start) and, once the program calls deepspeed.initialize, the
+# reader that looks for the block in its config (adapters/ds_config.py, standard library only).
+HOOK_ONLY = ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload", "shardsafe.adapters.ds_config"]
 
 
 def config(path, *, block=True, **shardsafe):
@@ -126,6 +128,35 @@ def test_an_older_disk_checkpoint_loses_to_the_newer_snapshot(tmp_path, plain_re
     assert f"continuing after step {v}" in logs
     _resumed_once(tmp_path, v)
     # the reference never saved a checkpoint; saving changes nothing in the training, so the runs agree bit for bit
+    cmp = compare_runs(str(tmp_path), str(plain_reference), 2, STEPS)
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
+                                                           cmp.state_mismatches)
+
+
+@pytest.mark.parametrize("client_state", ["neox", "megatron-deepspeed"])
+def test_a_crash_before_the_first_disk_checkpoint_resumes_the_programs_own_counters(tmp_path, plain_reference,
+                                                                                  client_state):
+    """GPT-NeoX and Megatron-DeepSpeed count their iterations (and Megatron-DeepSpeed its data position) from the
+    client state load_checkpoint returns, and from 0 when it returns none. Killed at step 5 before any disk
+    checkpoint: the restarted script's load_checkpoint finds an empty directory, and shardsafe answers with the
+    client state that program would have saved at the snapshot (recognised from the ``args`` it gave
+    deepspeed.initialize), so it continues at the snapshot's iteration instead of counting from 0 (which would
+    train steps 1..10 once more on the restored weights: more losses than the reference, and other ones)."""
+    ckpt = tmp_path / "ckpt"
+    res = plain_job(tmp_path, config(tmp_path / "ds.json"), inject="kill-rank:1@5", ckpt=str(ckpt),
+                    client_state=client_state)
+    assert res.ok and res.attempts == 2, (res, trainer_logs(str(tmp_path))[-3000:])
+    v = restores(tmp_path)[1]
+    assert v in (3, 4), restores(tmp_path)
+    logs = trainer_logs(str(tmp_path))
+    keys = {"neox": "iteration, np_rng_state, random_rng_state, torch_rng_state",
+            "megatron-deepspeed": "args, checkpoint_version, iteration, rng_state"}[client_state]
+    assert (f"no checkpoint there; the engine continues from snapshot version {v}, and the call returns a "
+            f"{client_state} client state as of it ({keys}) so the program continues at iteration {v}") in logs, \
+        logs[-3000:]
+    assert f"iteration {v} from the client state" in logs, logs[-3000:]
+    assert not ckpt.exists() or not os.listdir(ckpt)   # no disk checkpoint was ever written
+    _resumed_once(tmp_path, v)
     cmp = compare_runs(str(tmp_path), str(plain_reference), 2, STEPS)
     assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
                                                            cmp.state_mismatches)

@@ -165,6 +165,29 @@ def test_agent_hook_points_exist_in_this_torch():
     assert all(hasattr(wg, a) for a in ("store", "group_rank", "workers"))
 
 
+def test_the_rendezvous_poll_follows_the_job_size():
+    assert agent.rendezvous_poll_s("2:2") == 0.05 and agent.rendezvous_poll_s("4") == 0.05
+    assert agent.rendezvous_poll_s("100") == pytest.approx(0.1) and agent.rendezvous_poll_s("16:1000") == 1.0
+    assert agent.rendezvous_poll_s("20000") == 1.0 and agent.rendezvous_poll_s("2", 0.3) == 0.3
+
+
+def test_the_rendezvous_wait_polls_at_the_tuned_rate_and_keeps_the_first_rounds_skew(monkeypatch):
+    """torch's op executor sleeps _delay(seconds=1) between reads of the round's state while it waits (a
+    torch upgrade that drops that call fails here); the tuned poll replaces exactly that sleep."""
+    import inspect
+    import time as time_mod
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    assert "_delay(seconds=1)" in inspect.getsource(dr._DistributedRendezvousOpExecutor.run)
+    monkeypatch.setattr(dr, "_delay", dr._delay)   # restored after the test
+    slept = []
+    monkeypatch.setattr(time_mod, "sleep", slept.append)
+    assert agent.tune_rendezvous_poll(0.05) and agent.tune_rendezvous_poll(0.07)   # re-tuning wraps torch's once
+    dr._delay(seconds=1)
+    dr._delay(seconds=(0.2, 0.2))
+    assert slept == [0.07, 0.2], slept
+
+
 def _spec():
     from torch.distributed.elastic.agent.server.api import WorkerSpec
 
