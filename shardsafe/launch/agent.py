@@ -220,29 +220,38 @@ def tune_rendezvous_poll(poll_s: float) -> bool:
     """Make torch's c10d rendezvous re-read the store every ``poll_s`` instead of every second while it waits.
 
     torch.distributed.elastic's DynamicRendezvousHandler, in its op executor's SYNC action, sleeps a fixed
-    ``_delay(seconds=1)`` between reads of the round's state while it waits for the other nodes. After a
-    failure every agent joins the next round; the one that joined first finds the round complete only at its
-    next read, so each restart pays up to a second of that sleep (measured: bench/RESULTS.md "Kill to the next
-    iteration"). Only that call is changed (its argument is exactly 1): the random 0-0.3 s skew of a job's
-    first round stays. In this agent process only; workers are not touched. Returns False (and torch keeps its
-    own polling) if this torch's rendezvous has no such hook."""
+    ``_delay(seconds=1)`` between reads of the round's state while it waits for the other nodes, and its state
+    holder (``_BackendRendezvousStateHolder``, ``cache_duration=1``) serves a cached state for a second before it
+    reads the store again. After a failure every agent joins the next round; the round's completion is seen
+    only at a read, so each restart pays up to a second or two of these (measured: bench/RESULTS.md "Kill to the
+    next iteration"). Both become ``poll_s``: only the sleep whose argument is exactly 1 (the random 0-0.3 s
+    skew of a job's first round stays) and the cache of state holders created from now on. In this agent
+    process only; workers are not touched. Returns False (and torch keeps its own polling) if this torch's
+    rendezvous has neither hook."""
     try:
         from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
     except ImportError:
         return False
+    import inspect
     orig = getattr(dr, "_delay", None)
-    if not callable(orig):
-        log.warning("torch's dynamic rendezvous has no _delay to tune (torch changed it); it polls at its own rate")
+    holder = getattr(dr, "_BackendRendezvousStateHolder", None)
+    init = getattr(holder, "__init__", None)
+    if not callable(orig) or init is None or "cache_duration" not in inspect.signature(init).parameters:
+        log.warning("torch's dynamic rendezvous has no _delay / state cache to tune (torch changed them); it polls at "
+                    "its own rate")
         return False
-    if getattr(orig, "__shardsafe_poll__", None) is not None:
-        orig = orig.__wrapped__
+    orig = getattr(orig, "__wrapped__", orig)
+    init = getattr(init, "__wrapped__", init)
 
     def _delay(seconds):
         orig(poll_s if seconds == 1 else seconds)
 
-    _delay.__wrapped__ = orig
-    _delay.__shardsafe_poll__ = poll_s
+    def __init__(self, backend, settings, cache_duration=1):
+        init(self, backend, settings, cache_duration=min(cache_duration, poll_s))
+
+    _delay.__wrapped__, __init__.__wrapped__ = orig, init
     dr._delay = _delay
+    holder.__init__ = __init__
     return True
 
 

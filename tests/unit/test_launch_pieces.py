@@ -179,13 +179,17 @@ def test_the_rendezvous_wait_polls_at_the_tuned_rate_and_keeps_the_first_rounds_
 
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
     assert "_delay(seconds=1)" in inspect.getsource(dr._DistributedRendezvousOpExecutor.run)
+    assert "_BackendRendezvousStateHolder(backend, settings)" in inspect.getsource(dr.DynamicRendezvousHandler)
     monkeypatch.setattr(dr, "_delay", dr._delay)   # restored after the test
+    monkeypatch.setattr(dr._BackendRendezvousStateHolder, "__init__", dr._BackendRendezvousStateHolder.__init__)
     slept = []
     monkeypatch.setattr(time_mod, "sleep", slept.append)
     assert agent.tune_rendezvous_poll(0.05) and agent.tune_rendezvous_poll(0.07)   # re-tuning wraps torch's once
     dr._delay(seconds=1)
     dr._delay(seconds=(0.2, 0.2))
     assert slept == [0.07, 0.2], slept
+    holder = dr._BackendRendezvousStateHolder(backend=None, settings=None)
+    assert holder._cache_duration == 0.07   # torch's default 1 s cache of the round's state, shortened too
 
 
 def _spec():
