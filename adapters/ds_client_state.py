@@ -127,8 +127,8 @@ def client_state_without_checkpoint(layout: str, *, v: int, program_args: Any, l
       ``args`` (a copy of the program's own, so ``check_checkpoint_args`` agrees, with ``consumed_train_samples``
       the engine's restored ``global_samples``), and ``rng_state``, one entry per data-parallel rank, each this
       rank's restored RNG (Megatron-DeepSpeed reads the entry at its DP rank or at 0: either way the RNG this
-      rank had at v). ``consumed_valid_samples`` and
-      ``consumed_train_tokens`` keep the program's start values: no snapshot holds them (docs/deepspeed.md).
+      rank had at v). ``consumed_valid_samples`` and ``consumed_train_tokens`` keep the program's start values:
+      no snapshot holds them (docs/deepspeed.md).
     """
     if layout == "none":
         return None
