@@ -1,8 +1,8 @@
 """Snapshot and restore at real shard sizes: time per GiB from 0.25 to 2 GiB of state per rank.
 
-    .venv/bin/python bench/scale_bench.py [--sizes 0.25,0.5,1,2] [--repeats 5] [--hash-threads 0] [--json]
+    .venv/bin/python bench/scale_bench.py [--sizes 0.25,0.5,1,2] [--repeats 5] [--ranks 2] [--hash-threads 0] [--json]
 
-Two ranks on one simulated node, the real holder, snapshot pipeline and collective restore
+Two ranks (--ranks) on one simulated node, the real holder, snapshot pipeline and collective restore
 (restore_from_holder: vote, every xxh3 segment verified, copied in place). The rank state is synthetic:
 three fp32 tensors of equal size (an fp32 master and two Adam moments, as a ZeRO/DistOpt shard is) and a
 small one, filled with random bytes; what is measured is shardsafe's own path, independent of the engine
@@ -14,7 +14,9 @@ small one, filled with random bytes; what is measured is shardsafe's own path, i
     pre-faulted memory; its verify and apply phases apart;
   * checksums alone: xxh3 of the payload on 1 thread and on the configured threads.
 A cost that grows faster than the bytes shows as a rising s/GiB column. This machine has 2 cores for 2 ranks:
-one hash thread per rank is what auto-sizing picks here, so --hash-threads 2 oversubscribes.
+one hash thread per rank is what auto-sizing picks here, so --hash-threads 2 oversubscribes. --ranks 1 gives
+the one rank both cores (auto-sizing: 2 hash threads), the nearest this machine comes to a GPU node's
+8-16 cores per rank.
 """
 from __future__ import annotations
 
@@ -132,9 +134,9 @@ def worker(a: argparse.Namespace) -> None:
 def run_size(a: argparse.Namespace, size: float) -> dict:
     from shardsafe.launch import LaunchConfig, LocalLauncher
     tmp = tempfile.mkdtemp(prefix="shardsafe-scale-")
-    budget = a.budget_gb or max(1.0, 2 * 2 * size * 1.1 + 0.5)   # two versions of two ranks
+    budget = a.budget_gb or max(1.0, 2 * a.ranks * size * 1.1 + 0.5)   # two versions of every rank
     job = f"scale{os.getpid()}x{int(size * 100)}"
-    run = LocalLauncher(LaunchConfig(nodes=1, nproc_per_node=2, job_id=job, run_dir=tmp, max_restarts=0,
+    run = LocalLauncher(LaunchConfig(nodes=1, nproc_per_node=a.ranks, job_id=job, run_dir=tmp, max_restarts=0,
                                      memory_budget_gb=budget, attempt_timeout_s=3000))
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out", tmp, "--size", str(size),
             "--repeats", str(a.repeats), "--warmup", str(a.warmup), "--budget-gb", str(budget),
@@ -150,7 +152,8 @@ def run_size(a: argparse.Namespace, size: float) -> dict:
            "snapshot_s": med(res["snapshot_s"]), "copy_s": med(res["copy_s"]), "hash_tail_s": med(res["hash_tail_s"]),
            "memcpy_s": med(res["memcpy_s"]), "restore_s": med(res["restore_s"]),
            "verify_s": med([p["verify"] for p in res["phases"]]), "apply_s": med([p["apply"] for p in res["phases"]]),
-           "hash1_s": med(res["hash1_s"]), "hashN_s": med(res["hashN_s"]), "repeats": a.repeats}
+           "hash1_s": med(res["hash1_s"]), "hashN_s": med(res["hashN_s"]), "repeats": a.repeats,
+           "ranks": a.ranks}
     row["ratio_snapshot_vs_memcpy"] = row["snapshot_s"] / row["memcpy_s"]
     row["ratio_restore_vs_memcpy"] = row["restore_s"] / row["memcpy_s"]
     return row
@@ -163,7 +166,8 @@ def main() -> int:
     p.add_argument("--size", type=float, default=0.25, help=argparse.SUPPRESS)
     p.add_argument("--sizes", default="0.25,0.5,1,2", help="GiB of state per rank, comma-separated")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds: the holder rotates two slots, and a slot's first use faults in fresh memory")
+    p.add_argument("--ranks", type=int, default=2, help="ranks on the node (2 = one core each here)")
     p.add_argument("--hash-threads", type=int, default=0, help="shardsafe hash_threads (0 = auto)")
     p.add_argument("--budget-gb", type=float, default=0.0, help="holder budget (0 = sized to the run)")
     p.add_argument("--json", action="store_true")
@@ -175,7 +179,7 @@ def main() -> int:
     if a.json:
         print(json.dumps(rows))
         return 0
-    print(f"2 ranks, one node, synthetic fp32 shard; medians of {a.repeats}; s/GiB per rank; floor = memcpy of the "
+    print(f"{a.ranks} rank(s), one node, synthetic fp32 shard; medians of {a.repeats}; s/GiB per rank; floor = memcpy of the "
           f"same bytes into pre-faulted memory, same run; hash threads per rank: {rows[0]['hash_threads']} "
           f"({'off the GIL' if rows[0]['native_hash'] else 'python-xxhash, under the GIL'})")
     print(f"{'GiB':>5} | {'snapshot':>8} {'(copy':>7} {'+hash tail)':>11} {'memcpy':>7} {'ratio':>6} | "

@@ -12,6 +12,13 @@ the module), hashing falls back to python-xxhash on the calling thread, and says
 ``Hasher(threads)`` hashes lists of segments on a small thread pool (``threads`` from the config's
 ``hash_threads``; 0 picks the node's usable cores divided by its local ranks, at most 8); ``submit`` lets the
 snapshot copy hash the segments it has copied while it copies the next ones.
+
+A restore reads a slot it has just mapped: its page tables are empty. ``populate=True`` has every hash
+thread fill the page tables of its own segments (``madvise(MADV_POPULATE_READ)``, Linux 5.14+) before it
+hashes them, so that the population, single-threaded in the kernel under ``MAP_POPULATE``, is split over the
+threads like the hashing (measured here, 1 GiB of 4 KiB shmem pages: 20 ms to populate in one call, 45 ms
+more than that when the hash faults the pages in one by one). Where the advice is refused (older kernels)
+the hash faults the pages in as it reads.
 """
 from __future__ import annotations
 
@@ -28,6 +35,8 @@ import xxhash
 log = logging.getLogger("shardsafe.payload.checksum")
 
 MAX_AUTO_THREADS = 8
+MADV_POPULATE_READ = getattr(__import__("mmap"), "MADV_POPULATE_READ", 22)
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _lib_lock = threading.Lock()
 _xxh3: Any = None        # the ctypes function, False when unavailable, None before the first look
 _warned = False
@@ -55,6 +64,27 @@ def _native() -> Any:
                                     "%s exports no usable XXH3_64bits: %s); snapshots and restores verify "
                                     "slower", xxhash.VERSION, e)
     return _xxh3
+
+
+_madvise: Any = None     # libc madvise through ctypes (the call releases the GIL), False when unusable
+
+
+def _populate(addr: int, n: int) -> None:
+    """Fill the page tables for ``[addr, addr + n)`` of a shared mapping (best effort: a refusal only means
+    the hash takes the faults)."""
+    global _madvise
+    if _madvise is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+            fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _madvise = fn
+        except (OSError, AttributeError):
+            _madvise = False
+    if not _madvise or n <= 0:
+        return
+    start = addr - addr % PAGE
+    if _madvise(start, addr + n - start, MADV_POPULATE_READ) != 0:
+        _madvise = False   # EINVAL before Linux 5.14: stop asking
 
 
 def native_available() -> bool:
@@ -118,16 +148,18 @@ class Hasher:
                 self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="shardsafe-xxh3")
             return self._pool
 
-    def hash_ranges(self, buf: Any, ranges: Sequence[tuple[int, int]]) -> list[str]:
+    def hash_ranges(self, buf: Any, ranges: Sequence[tuple[int, int]], *, populate: bool = False) -> list[str]:
         ranges = list(ranges)
         if self.threads <= 1 or len(ranges) <= 1:
-            return _hash_serial(buf, ranges)
-        return self.submit(buf, ranges).result()
+            return _hash_serial(buf, ranges, populate)
+        return self.submit(buf, ranges, populate=populate).result()
 
-    def submit(self, buf: Any, ranges: Iterable[tuple[int, int]]) -> "Future[list[str]]":
+    def submit(self, buf: Any, ranges: Iterable[tuple[int, int]], *,
+               populate: bool = False) -> "Future[list[str]]":
         """The digests of ``ranges`` of ``buf``, computed on the pool (split into ``threads`` interleaved
         parts, so that neighbouring segments, which tend to be equally hot in the cache, go to different
-        threads). ``buf`` must stay mapped until the future is done."""
+        threads). ``buf`` must stay mapped until the future is done. ``populate``: a fresh mapping, each
+        thread fills the page tables of its segments first."""
         ranges = list(ranges)
         out: Future = Future()
         if not ranges:
@@ -136,9 +168,9 @@ class Hasher:
         n = min(self.threads, len(ranges))
         if n <= 1:
             pool = self._executor()
-            return pool.submit(_hash_serial, buf, ranges)
+            return pool.submit(_hash_serial, buf, ranges, populate)
         pool = self._executor()
-        parts = [pool.submit(_hash_serial, buf, ranges[i::n]) for i in range(n)]
+        parts = [pool.submit(_hash_serial, buf, ranges[i::n], populate) for i in range(n)]
 
         def _join(_f: Future) -> None:
             if not all(p.done() for p in parts) or out.done():
@@ -163,7 +195,7 @@ class Hasher:
             pool.shutdown(wait=True)
 
 
-def _hash_serial(buf: Any, ranges: Sequence[tuple[int, int]]) -> list[str]:
+def _hash_serial(buf: Any, ranges: Sequence[tuple[int, int]], populate: bool = False) -> list[str]:
     fn = _native()
     mv = memoryview(buf).cast("B")
     try:
@@ -171,7 +203,12 @@ def _hash_serial(buf: Any, ranges: Sequence[tuple[int, int]]) -> list[str]:
             return [format(xxhash.xxh3_64_intdigest(mv[a:b]), "016x") for a, b in ranges]
         base, keep = _base_address(mv)
         try:
-            return [format(fn(base + a, b - a), "016x") for a, b in ranges]
+            out = []
+            for a, b in ranges:
+                if populate:
+                    _populate(base + a, b - a)
+                out.append(format(fn(base + a, b - a), "016x"))
+            return out
         finally:
             del keep
     finally:

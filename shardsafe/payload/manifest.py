@@ -65,9 +65,10 @@ def build(*, version: int, rank: int, world_size: int, node: str, entries: list[
             "meta": dict(meta), "entries": entries, **(extra or {})}
 
 
-def verify(manifest: Mapping[str, Any], buf: memoryview) -> list[str]:
+def verify(manifest: Mapping[str, Any], buf: memoryview, *, populate: bool = False) -> list[str]:
     """Return a description of every segment whose bytes do not match its checksum (empty = good). Every
-    segment is hashed (on the process's checksum threads, shardsafe/payload/checksum.py), also after a bad one."""
+    segment is hashed (on the process's checksum threads, shardsafe/payload/checksum.py), also after a bad one.
+    ``populate``: ``buf`` is a fresh mapping; the hash threads fill its page tables, each for its segments."""
     if manifest.get("format") != FORMAT:
         return [f"unknown manifest format {manifest.get('format')!r} (expected {FORMAT!r})"]
     bad, cb = [], manifest["chunk_bytes"]
@@ -81,7 +82,7 @@ def verify(manifest: Mapping[str, Any], buf: memoryview) -> list[str]:
             bad.append(f"{e['name']}: {len(sums)} checksums for {len(ranges)} segments")
             continue
         todo.extend((e["name"], i, a, b, want) for i, ((a, b), want) in enumerate(zip(ranges, sums)))
-    got = checksum.shared().hash_ranges(buf, [(a, b) for _, _, a, b, _ in todo])
+    got = checksum.shared().hash_ranges(buf, [(a, b) for _, _, a, b, _ in todo], populate=populate)
     for (name, i, a, b, want), have in zip(todo, got):
         if have != want:
             bad.append(f"{name} segment {i} (bytes {a}-{b}) fails its xxh3 checksum")

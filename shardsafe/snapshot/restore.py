@@ -285,7 +285,9 @@ def _try_version(version: int, adapter: StateAdapter, client, coll: Collectives,
         if tier == "parity" and not _rebuild(version, client, coll, st, exchange, lost):
             return None
         t1 = time.perf_counter()
-        manifest, mm, bad, is_corrupt = _open_verified(lambda: client.open(rank=rank, version=version), adapter, live)
+        # Mapped without MAP_POPULATE: the hash threads fill the page tables, each for its own segments.
+        manifest, mm, bad, is_corrupt = _open_verified(
+            lambda: client.open(rank=rank, version=version, populate=False), adapter, live, populate=True)
         status = _OK if not bad else (_CORRUPT if is_corrupt else _REFUSED)
         st.on_phase("restore-verify", version)
         if bad:
@@ -425,7 +427,7 @@ def _refusal_message(st: _Attempt, data, nodes, exchange, persist, disk_refusals
     return msg + f" The persistent tier {persist.dir} holds no version of this job complete on every rank."
 
 
-def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live) -> tuple:
+def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live, *, populate: bool = False) -> tuple:
     """Open a payload (holder slot or file) and check it: layout against the live tensors, every xxh3
     segment, then the adapter's own checks. Returns (manifest, mapping or None, problems, corrupt) where
     corrupt says the problems are bytes that fail their checksums (repairable from parity)."""
@@ -440,7 +442,7 @@ def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live) -> 
             return manifest, mm, said or [str(e)], False
         buf = memoryview(mm)
         try:
-            bad = mf.verify(manifest, buf)
+            bad = mf.verify(manifest, buf, populate=populate)
         finally:
             buf.release()
         corrupt = bool(bad)

@@ -104,3 +104,32 @@ def test_the_configured_thread_count_is_kept_by_callers_without_a_config(monkeyp
     assert checksum.shared() is configured and configured.threads == 3
     assert checksum.shared(2) is not configured and checksum.shared().threads == 2
     checksum.shared().close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_hash_threads_populate_a_fresh_read_only_mapping(threads, monkeypatch):
+    # A restore maps the slot without MAP_POPULATE; each hash thread fills the page tables of its own
+    # segments first. The digests must not change, also at unaligned starts and where the kernel refuses.
+    import os
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, size=(6 << 20) + 4321, dtype=np.uint8).tobytes()
+    fd = os.memfd_create("shardsafe-test")
+    try:
+        os.write(fd, data)
+        ranges = [(0, 4 << 20), (4 << 20, (6 << 20) + 4321), (17, 5000), (4095, 4097)]
+        want = [_ref(data, a, b) for a, b in ranges]
+        for refuse in (False, True):
+            if refuse:   # an old kernel: madvise fails, hashing faults the pages in itself
+                monkeypatch.setattr(checksum, "MADV_POPULATE_READ", 12345)
+                monkeypatch.setattr(checksum, "_madvise", None)
+            m = mmap.mmap(fd, len(data), mmap.MAP_SHARED, mmap.PROT_READ)
+            h = checksum.Hasher(threads)
+            try:
+                assert h.hash_ranges(m, ranges, populate=True) == want
+            finally:
+                h.close()
+                m.close()
+            if refuse:
+                assert checksum._madvise is False   # asked once, then no more
+    finally:
+        os.close(fd)
