@@ -3,6 +3,7 @@ kill -> next iteration under ``shardsafe launch`` (torch elastic), torch's rende
 
     .venv/bin/python bench/restart_bench.py [--engine deepspeed|megatron] [--runs 5] [--steps 20] [--json]
     .venv/bin/python bench/restart_bench.py --launcher elastic [--runs 5]
+    .venv/bin/python bench/restart_bench.py --launcher all [--runs 5]     # sbatch rows need root (local SLURM)
 
 One job per run under the local launcher (2 simulated nodes x 2 ranks, one holder each, a snapshot every
 step): rank 3 SIGKILLs itself at step --kill-at, the group restarts and restores from the holders, and
@@ -22,12 +23,16 @@ Medians over --runs of each mode; ratios are forked / cold (the baseline) of the
 
 ``--launcher elastic``: the same job under ``shardsafe launch``'s launcher (ElasticLauncher: one torchrun agent
 per simulated node, c10d rendezvous, forked workers). Runs alternate between torch's own rendezvous polling
-(``rendezvous_poll_s=1``, the baseline) and shardsafe's (the default, by job size: 50 ms here). Per run, from the
+(``rendezvous_poll_s=1``, the baseline) and shardsafe's (the default, by job size: 10 ms here). Per run, from the
 event log, the time from the SIGKILL (the injector's ``t_fault``) to the end of the restarted attempt's first
 iteration, and its parts: detection (-> ``failure_detected``), re-rendezvous (-> the new round's
 ``attempt_start``), worker start and set-up (-> the last rank's ``restore_start``), restore (-> the last
 ``restore_end``), to the first step (-> the last ``train_ready``), the first iteration (-> the last rank's first
 ``iteration`` event).
+
+``--launcher all``: kill -> next iteration with the same phases per launcher, shardsafe's defaults everywhere:
+the local launcher (forked trainers), ``shardsafe launch``, and scripts/slurm/pretrain_deepspeed.sbatch on the
+tests' local SLURM cluster (2 slurmd "nodes" on this host, scripts/slurm/local_cluster.sh; root only).
 """
 from __future__ import annotations
 
@@ -83,41 +88,168 @@ PHASES = (("detect", "failure_detected"), ("rendezvous", "attempt_start"), ("wor
           ("restore", "restore_end"), ("to the first step", "train_ready"), ("first iteration", "iteration"))
 
 
+def kill_phases(ev: list[dict]) -> dict:
+    """From a run's event log: the SIGKILL (the injector's ``t_fault``) to the end of the restarted attempt's first
+    iteration, and its parts (PHASES), each from the end of the previous one."""
+    t_fault = next(e["t_fault"] for e in ev if e["kind"] == "fault_injected")
+    marks = {"kill": t_fault}
+    for name, kind in PHASES:
+        if kind in ("failure_detected", "attempt_start"):
+            marks[name] = min(e["t"] for e in ev if e["kind"] == kind and int(e.get("attempt") or 0) ==
+                              (0 if kind == "failure_detected" else 1))
+        else:   # the last rank to get there (all of them must before the group trains)
+            by_rank: dict = {}
+            for e in ev:
+                if e["kind"] == kind and int(e.get("attempt") or 0) == 1:
+                    by_rank.setdefault(e.get("rank"), e["t"])   # the rank's first such event of attempt 1
+            marks[name] = max(by_rank.values())
+    out, prev = {}, t_fault
+    for name, _ in PHASES:
+        out[name] = marks[name] - prev
+        prev = marks[name]
+    out["kill -> next iteration"] = marks["first iteration"] - t_fault
+    return out
+
+
+def _train_cmd(a: argparse.Namespace, d: str) -> list[str]:
+    if a.engine == "deepspeed":
+        return [os.path.join(ROOT, "examples", "ds_pretrain_gpt.py"), "--steps", str(a.steps), "--zero-stage", "2",
+                "--dtype", "bf16", "--out", d]
+    return [os.path.join(ROOT, "examples", "megatron_pretrain_gpt.py"), "--steps", str(a.steps), "--tp", "2",
+            "--bf16", "--shardsafe", "--out", d]
+
+
 def one_elastic_run(a: argparse.Namespace, poll: float, k: int) -> dict:
     d = tempfile.mkdtemp(prefix="restart-bench-elastic-")
     try:
-        cmd = [os.path.join(ROOT, "examples", "ds_pretrain_gpt.py"), "--steps", str(a.steps), "--zero-stage", "2",
-               "--dtype", "bf16", "--out", d] if a.engine == "deepspeed" else \
-              [os.path.join(ROOT, "examples", "megatron_pretrain_gpt.py"), "--steps", str(a.steps), "--tp", "2",
-               "--bf16", "--shardsafe", "--out", d]
         preload = PRELOAD_DEEPSPEED if a.engine == "deepspeed" else PRELOAD_MEGATRON
         cfg = ElasticConfig(nodes=2, nproc_per_node=2, run_dir=d, job_id=f"rbe{os.getpid()}x{k}", max_restarts=1,
                             inject=f"kill-rank:3@{a.kill_at}", memory_budget_gb=1.0, preload=preload,
                             rendezvous_poll_s=poll, timeout_s=600)
-        res = ElasticLauncher(cfg).run(cmd)
+        res = ElasticLauncher(cfg).run(_train_cmd(a, d))
         if not res.ok or res.attempts != 2:
             raise SystemExit(f"run failed ({res}); see {d}")
-        ev = read_jsonl(os.path.join(d, "events.jsonl"))
-        t_fault = next(e["t_fault"] for e in ev if e["kind"] == "fault_injected")
-        marks = {"kill": t_fault}
-        for name, kind in PHASES:
-            if kind in ("failure_detected", "attempt_start"):
-                marks[name] = min(e["t"] for e in ev if e["kind"] == kind and int(e.get("attempt") or 0) ==
-                                  (0 if kind == "failure_detected" else 1))
-            else:   # the last rank to get there (all of them must before the group trains)
-                by_rank: dict = {}
-                for e in ev:
-                    if e["kind"] == kind and int(e.get("attempt") or 0) == 1:
-                        by_rank.setdefault(e.get("rank"), e["t"])   # the rank's first such event of attempt 1
-                marks[name] = max(by_rank.values())
-        out, prev = {}, t_fault
-        for name, _ in PHASES:
-            out[name] = marks[name] - prev
-            prev = marks[name]
-        out["kill -> next iteration"] = marks["first iteration"] - t_fault
-        return out
+        return kill_phases(read_jsonl(os.path.join(d, "events.jsonl")))
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def one_local_kill_run(a: argparse.Namespace, k: int) -> dict:
+    """The local launcher (forked trainers): kill -> next iteration, same phases."""
+    d = tempfile.mkdtemp(prefix="restart-bench-local-")
+    try:
+        preload = PRELOAD_DEEPSPEED if a.engine == "deepspeed" else PRELOAD_MEGATRON
+        cfg = LaunchConfig(nodes=2, nproc_per_node=2, job_id=f"rbl{os.getpid()}x{k}", run_dir=d, max_restarts=1,
+                           inject=f"kill-rank:3@{a.kill_at}", memory_budget_gb=1.0, preload=preload)
+        res = LocalLauncher(cfg).run([sys.executable] + _train_cmd(a, d))
+        if not res.ok or res.attempts != 2:
+            raise SystemExit(f"run failed ({res}); see {d}")
+        return kill_phases(read_jsonl(os.path.join(d, "events.jsonl")))
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+class LocalSlurm:
+    """The local SLURM cluster of the tests (scripts/slurm/local_cluster.sh): 2 slurmd "nodes" on this host."""
+
+    def __init__(self) -> None:
+        import subprocess
+        self.sp = subprocess
+        self.base = tempfile.mkdtemp(prefix="restart-bench-slurm-", dir="/tmp")
+        os.chmod(self.base, 0o755)   # munged wants every parent of its socket world-executable
+        d = os.path.join(self.base, "c")
+        self.env = {**os.environ, "SLURM_CI_DIR": d, "SLURM_CI_NODES": "2",
+                    "SLURM_CI_PORT": str(17600 + os.getpid() % 300 * 3)}
+        up = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm", "local_cluster.sh"), "up"], env=self.env,
+                            capture_output=True, text=True, timeout=900)
+        if up.returncode != 0:
+            raise SystemExit(f"local SLURM cluster did not come up:\n{up.stderr[-2000:]}")
+        self.env["SLURM_CONF"] = f"{d}/etc/slurm.conf"
+
+    def run(self, a: argparse.Namespace, k: int) -> dict:
+        d = tempfile.mkdtemp(prefix="job-", dir=self.base)
+        os.makedirs(os.path.join(d, "out"))
+        preload = PRELOAD_DEEPSPEED if a.engine == "deepspeed" else PRELOAD_MEGATRON
+        script = "pretrain_deepspeed.sbatch" if a.engine == "deepspeed" else "pretrain_megatron.sbatch"
+        env = {**self.env, "SS_PYTHON": sys.executable, "SS_RUN_DIR": os.path.join(d, "run"),
+               "SS_HOLDER_DIR": os.path.join(d, "holders"), "SS_MEMORY_BUDGET_GB": "1.0", "SS_SPARES": "0",
+               "SS_NPROC_PER_NODE": "2", "SS_INJECT": f"kill-rank:3@{a.kill_at}", "SS_PRELOAD": ",".join(preload),
+               "SS_SCRIPT_ARGS": " ".join(_train_cmd(a, os.path.join(d, "out"))[1:]), "DS_ACCELERATOR": "cpu",
+               "OMP_NUM_THREADS": "1"}
+        sub = self.sp.run(["sbatch", "--parsable", "-N2", f"--output={d}/job.out",
+                           os.path.join(ROOT, "scripts", "slurm", script)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+        if sub.returncode != 0:
+            raise SystemExit(f"sbatch failed: {sub.stderr}")
+        jid, deadline, state = sub.stdout.strip().split(";")[0], time.time() + 600, ""
+        while time.time() < deadline:
+            out = self.sp.run(["scontrol", "show", "job", "-o", jid], env=env, capture_output=True, text=True,
+                              timeout=30).stdout
+            state = (out.split("JobState=", 1)[1].split()[0] if "JobState=" in out else "")
+            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+                break
+            time.sleep(0.3)
+        if state != "COMPLETED":
+            try:
+                with open(f"{d}/job.out", errors="replace") as f:
+                    tail = f.read()[-3000:]
+            except OSError:
+                tail = "(no job output)"
+            logs = os.path.join(d, "run", "logs")
+            for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
+                with open(os.path.join(logs, name), errors="replace") as f:
+                    tail += f"\n==== {name}\n" + f.read()[-1500:]
+            raise SystemExit(f"sbatch job {jid} ended {state or 'never'}:\n{tail}")
+        ev = read_jsonl(os.path.join(d, "run", "events.jsonl"))
+        if sum(1 for e in ev if e["kind"] == "attempt_start") != 2:
+            raise SystemExit(f"sbatch job {jid}: expected 2 attempts; see {d}")
+        shutil.rmtree(d, ignore_errors=True)
+        return kill_phases(ev)
+
+    def close(self) -> None:
+        self.sp.run(["bash", os.path.join(ROOT, "scripts", "slurm", "local_cluster.sh"), "down"], env=self.env,
+                    capture_output=True, text=True, timeout=180)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def main_launchers(a: argparse.Namespace) -> None:
+    """kill -> next iteration per launcher: local (forked), shardsafe launch, sbatch on the local SLURM cluster."""
+    slurm = None
+    if os.geteuid() == 0 and (shutil.which("sbatch") or shutil.which("apt-get")):
+        slurm = LocalSlurm()
+    else:
+        print("sbatch: not measured (the local SLURM cluster needs root and slurm packages or apt-get)", file=sys.stderr)
+    runners = {"local launcher": lambda k: one_local_kill_run(a, k),
+               "shardsafe launch": lambda k: one_elastic_run(a, -1.0, 1000 + k)}
+    if slurm is not None:
+        runners["sbatch (local SLURM)"] = lambda k: slurm.run(a, k)
+    got: dict[str, list[dict]] = {m: [] for m in runners}
+    try:
+        for k in range(a.runs):
+            order = list(runners) if k % 2 == 0 else list(runners)[::-1]
+            for mode in order:
+                r = runners[mode](k)
+                got[mode].append(r)
+                print(f"run {k} {mode:22s}: kill -> next iteration {r['kill -> next iteration']:.2f} s", file=sys.stderr,
+                      flush=True)
+    finally:
+        if slurm is not None:
+            slurm.close()
+    med = {m: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for m, rs in got.items()}
+    spread = {m: [round(r["kill -> next iteration"], 3) for r in rs] for m, rs in got.items()}
+    out = {"engine": a.engine, "runs": a.runs, "ranks": 4, "medians": med, "per_run": spread,
+           "load_average": os.getloadavg()[0]}
+    if a.json:
+        print(json.dumps(out))
+        return
+    print(f"kill -> next iteration per launcher: {a.engine}, 2 nodes x 2 ranks, forked workers, rank 3 SIGKILLed at "
+          f"step {a.kill_at}; medians of {a.runs} runs per launcher (alternating order)")
+    modes = list(med)
+    print(f"  {'phase':26s} " + " ".join(f"{m:>22s}" for m in modes))
+    for key in [n for n, _ in PHASES] + ["kill -> next iteration"]:
+        print(f"  {key:26s} " + " ".join(f"{med[m][key]:20.3f} s" for m in modes))
+    for m in modes:
+        print(f"  {m}: " + " / ".join(f"{x:.2f}" for x in spread[m]) + " s")
 
 
 def main_elastic(a: argparse.Namespace) -> None:
@@ -152,13 +284,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kill-at", type=int, default=8)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--launcher", choices=["local", "elastic"], default="local",
+    p.add_argument("--launcher", choices=["local", "elastic", "all"], default="local",
                    help="local: forked vs cold restarts under the local launcher; elastic: kill -> next iteration "
-                        "under shardsafe launch, torch's rendezvous polling vs shardsafe's")
+                        "under shardsafe launch, torch's rendezvous polling vs shardsafe's; all: kill -> next "
+                        "iteration per launcher (local, shardsafe launch, sbatch on the local SLURM cluster)")
     a = p.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if a.launcher == "elastic":
         main_elastic(a)
+        return
+    if a.launcher == "all":
+        main_launchers(a)
         return
     preload = PRELOAD_DEEPSPEED if a.engine == "deepspeed" else PRELOAD_MEGATRON
     got: dict[str, list[dict]] = {"cold": [], "forked": []}

@@ -72,6 +72,11 @@ class Keys:
     def kill(self, attempt: int) -> str:
         return f"{self.p}/kill/{attempt}"
 
+    def failed(self, attempt: int) -> str:
+        """Set by the agent whose workers of ``attempt`` failed, read by the others (agent.py: they restart
+        theirs at once instead of when that agent re-joins the rendezvous)."""
+        return f"{self.p}/failed/{attempt}"
+
     ROUND_ATTEMPT = "shardsafe/attempt"   # in each rendezvous round's own (prefixed) store
 
 

@@ -166,19 +166,21 @@ def test_agent_hook_points_exist_in_this_torch():
 
 
 def test_the_rendezvous_poll_follows_the_job_size():
-    assert agent.rendezvous_poll_s("2:2") == 0.05 and agent.rendezvous_poll_s("4") == 0.05
+    assert agent.rendezvous_poll_s("2:2") == 0.01 and agent.rendezvous_poll_s("4") == 0.01
     assert agent.rendezvous_poll_s("100") == pytest.approx(0.1) and agent.rendezvous_poll_s("16:1000") == 1.0
     assert agent.rendezvous_poll_s("20000") == 1.0 and agent.rendezvous_poll_s("2", 0.3) == 0.3
 
 
-def test_the_rendezvous_wait_polls_at_the_tuned_rate_and_keeps_the_first_rounds_skew(monkeypatch):
+def test_the_rendezvous_wait_polls_at_the_tuned_rate_and_scales_the_first_rounds_skew(monkeypatch):
     """torch's op executor sleeps _delay(seconds=1) between reads of the round's state while it waits (a
-    torch upgrade that drops that call fails here); the tuned poll replaces exactly that sleep."""
+    torch upgrade that drops that call fails here); the tuned poll replaces exactly that sleep, and the random
+    skew before a first-round join shrinks with the poll."""
     import inspect
     import time as time_mod
 
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
     assert "_delay(seconds=1)" in inspect.getsource(dr._DistributedRendezvousOpExecutor.run)
+    assert "_delay(seconds=(0, 0.3))" in inspect.getsource(dr.DynamicRendezvousHandler.next_rendezvous)
     assert "_BackendRendezvousStateHolder(backend, settings)" in inspect.getsource(dr.DynamicRendezvousHandler)
     monkeypatch.setattr(dr, "_delay", dr._delay)   # restored after the test
     monkeypatch.setattr(dr._BackendRendezvousStateHolder, "__init__", dr._BackendRendezvousStateHolder.__init__)
@@ -186,8 +188,9 @@ def test_the_rendezvous_wait_polls_at_the_tuned_rate_and_keeps_the_first_rounds_
     monkeypatch.setattr(time_mod, "sleep", slept.append)
     assert agent.tune_rendezvous_poll(0.05) and agent.tune_rendezvous_poll(0.07)   # re-tuning wraps torch's once
     dr._delay(seconds=1)
-    dr._delay(seconds=(0.2, 0.2))
-    assert slept == [0.07, 0.2], slept
+    dr._delay(seconds=(0.2, 0.2))   # torch draws uniformly from the range: a degenerate one is exact
+    dr._delay(seconds=0.2)
+    assert slept == [0.07, pytest.approx(0.2 * 0.07), 0.2], slept
     holder = dr._BackendRendezvousStateHolder(backend=None, settings=None)
     assert holder._cache_duration == 0.07   # torch's default 1 s cache of the round's state, shortened too
 
@@ -415,3 +418,67 @@ def test_a_running_holder_for_the_job_id_stops_a_launcher_from_starting_its_own(
         with pytest.raises(LaunchError, match="already running.*another job uses this id"):
             launcher.start_holders(["node0"])
     assert not holder_running(p)   # a stale socket file is not a holder
+
+
+def test_a_forked_worker_waits_for_rank0s_store_before_torch_connects():
+    # torch's TCPStore client retries ~0.5 s after a refused connect; the probe lets its first try succeed.
+    import socket
+    import threading
+    import time
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "2"}
+    assert discovery.wait_for_store({**env, "RANK": "0"}) == 0.0        # rank 0 hosts it
+    assert discovery.wait_for_store({"RANK": "1"}) == 0.0               # no env:// variables: nothing to wait for
+    t0 = time.monotonic()
+    assert discovery.wait_for_store(env, timeout_s=0.1) >= 0.1          # nobody listening: gives up, torch waits
+    assert time.monotonic() - t0 < 1.0
+    threading.Timer(0.15, s.listen).start()                             # "rank 0" comes up 150 ms later
+    try:
+        waited = discovery.wait_for_store(env, timeout_s=10)
+        assert 0.1 < waited < 0.5, waited
+    finally:
+        s.close()
+
+
+def test_a_healthy_agent_sees_a_peer_failure_as_a_waiting_node():
+    # The failed node's agent marks the attempt failed in the controller's store; the others count it as a
+    # node waiting, torch elastic's own restart path for healthy workers (no restart counted).
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    ep = f"127.0.0.1:{server.port}"
+    failed = agent._AgentHooks(agent.AgentOptions(node="node1", control=ep, nnodes="2:2", job_id="jp"))
+    healthy = agent._AgentHooks(agent.AgentOptions(node="node0", control=ep, nnodes="2:2", job_id="jp"))
+    try:
+        healthy.peer_check_s = 0.0
+
+        class Handler:
+            calls = 0
+
+            def num_nodes_waiting(self):
+                Handler.calls += 1
+                return 0
+
+        h = Handler()
+        agent._restart_on_peer_failure(h, healthy)
+        assert h.num_nodes_waiting() == 0                         # no attempt yet
+        failed.attempt = healthy.attempt = 3
+        assert h.num_nodes_waiting() == 0 and Handler.calls == 2   # torch's own answer is still asked
+        failed._mark_failed(3)
+        deadline = time.monotonic() + 5   # a TCPStore set is not acknowledged: another client sees it soon after
+        while h.num_nodes_waiting() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert h.num_nodes_waiting() == 1
+        healthy.attempt = 4                                      # the next attempt is not failed
+        assert h.num_nodes_waiting() == 0
+        healthy.peer_check_s = 60.0                              # rate limit: one store read per interval
+        healthy._peer_checked = time.monotonic()
+        healthy.attempt = 3
+        assert not healthy.peer_failed()
+    finally:
+        failed.close()
+        healthy.close()
