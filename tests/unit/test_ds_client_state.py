@@ -38,3 +38,39 @@ def test_the_setting_is_checked():
     assert ShardsafeConfig(enabled=False).resume_client_state == "auto"
     with pytest.raises(ConfigError, match="resume_client_state must be one of 'auto', 'neox', 'megatron-deepspeed'"):
         ShardsafeConfig(enabled=False, resume_client_state="megatron")
+
+
+def test_an_old_checkpoints_tracker_states_become_the_snapshots_and_the_program_draws_on_from_there():
+    # Megatron-DeepSpeed keeps its model-parallel RNG tracker's states in rng_state[dp]['rng_tracker_states'] and
+    # sets them after load_checkpoint: the old checkpoint's (step 4) must be replaced by the restored ones (v).
+    import torch
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ck
+
+    from shardsafe.adapters.ds_client_state import client_state_at, live_rng
+    tracker = ck.get_cuda_rng_tracker()
+    tracker.reset()
+    try:
+        tracker.add("model-parallel-rng", 1234)
+        at_step4 = {k: v.clone() for k, v in tracker.get_states().items()}
+        with tracker.fork():
+            torch.rand(5)                                   # training from step 4 to v draws from the tracker
+        rng = live_rng()                                    # what the snapshot restored: the states at v
+        with tracker.fork():
+            want = torch.rand(8)                            # what an uninterrupted run draws next
+        old = {"random_rng_state": None, "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": at_step4}
+        client = {"iteration": 4, "rng_state": [dict(old), dict(old)]}
+        changed = client_state_at(client, step=4, v=9, samples=None, live_samples=0, rng=rng, dp_rank=1)
+        assert client["iteration"] == 9 and "rng_state[1].rng_tracker_states" in changed, changed
+        # the restarted program: a freshly seeded tracker, then its own set_states from the client state
+        tracker.reset()
+        tracker.add("model-parallel-rng", 1234)
+        tracker.set_states(client["rng_state"][1]["rng_tracker_states"])
+        with tracker.fork():
+            got = torch.rand(8)
+        assert torch.equal(got, want)
+        # the old checkpoint's states would have replayed steps 4..v instead
+        tracker.set_states(at_step4)
+        with tracker.fork():
+            assert not torch.equal(torch.rand(8), want)
+    finally:
+        tracker.reset()
