@@ -16,7 +16,8 @@ small one, filled with random bytes; what is measured is shardsafe's own path, i
 A cost that grows faster than the bytes shows as a rising s/GiB column. This machine has 2 cores for 2 ranks:
 one hash thread per rank is what auto-sizing picks here, so --hash-threads 2 oversubscribes. --ranks 1 gives
 the one rank both cores (auto-sizing: 2 hash threads), the nearest this machine comes to a GPU node's
-8-16 cores per rank.
+8-16 cores per rank. --device cuda puts the state on the rank's GPU (one per rank): the snapshot's floor is then
+a pinned D2H copy of the same bytes and the restore's a pinned H2D copy (scripts/gpu_check.sh runs it).
 """
 from __future__ import annotations
 
@@ -38,13 +39,13 @@ GIB = 1 << 30
 class SyntheticShard(StateAdapter):
     """A StateAdapter over fixed tensors: capture hands them over, apply copies a snapshot into them."""
 
-    def __init__(self, nbytes: int, seed: int):
+    def __init__(self, nbytes: int, seed: int, device: str = "cpu"):
         import torch
         g = torch.Generator().manual_seed(seed)
         n = nbytes // 3 // 4
         self.tensors = {k: torch.randint(-2 ** 31, 2 ** 31 - 1, (n,), generator=g, dtype=torch.int32).view(torch.float32)
-                        for k in ("fp32_master", "exp_avg", "exp_avg_sq")}
-        self.tensors["step"] = torch.tensor([7], dtype=torch.int64)
+                        .to(device) for k in ("fp32_master", "exp_avg", "exp_avg_sq")}
+        self.tensors["step"] = torch.tensor([7], dtype=torch.int64, device=device)
 
     def capture(self):
         from shardsafe.snapshot.state import RankState
@@ -65,23 +66,33 @@ def worker(a: argparse.Namespace) -> None:
     from shardsafe.runtime import Runtime
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo")   # the bench's own few collectives are on CPU tensors
     rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = a.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
 
     def mx(v: float) -> float:   # the job waits for its slowest rank
         t = torch.tensor([v], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
-    shard = SyntheticShard(int(a.size * GIB), seed=rank)
+    shard = SyntheticShard(int(a.size * GIB), seed=rank, device=a.device)
     cfg = ShardsafeConfig(interval=1, memory_budget_gb=a.budget_gb, hash_threads=a.hash_threads, parity_group_size=1,
                           restore=False, job_id=os.environ["SHARDSAFE_JOB_ID"])
     rt = Runtime(cfg, rank=rank, world_size=world)
     pipe = rt.pipeline
     st = shard.capture()
-    floor = {k: torch.empty_like(t).fill_(1) for k, t in st.tensors.items()}   # pre-faulted
+    # Floors, pre-faulted: a copy of the same bytes into host memory (pinned on a GPU: the D2H copy a snapshot
+    # makes), and on a GPU the pinned H2D copy of the same bytes a restore makes.
+    floor = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda).fill_(1) for k, t in st.tensors.items()}
+    h2d = {k: torch.empty_like(t).fill_(1) for k, t in st.tensors.items()} if cuda else {}
     res: dict = {"snapshot_s": [], "copy_s": [], "hash_tail_s": [], "memcpy_s": [], "restore_s": [], "phases": [],
-                 "hash1_s": [], "hashN_s": []}
+                 "hash1_s": [], "hashN_s": [], "h2d_s": []}
     for i in range(a.warmup + a.repeats):
         dist.barrier()
         t0 = time.perf_counter()
@@ -90,13 +101,23 @@ def worker(a: argparse.Namespace) -> None:
         snap = mx(time.perf_counter() - t0)
         h = pipe.history[-1]
         assert h.committed, h.error
+        sync()
         t0 = time.perf_counter()
         for k, t in st.tensors.items():
-            floor[k].copy_(t)
+            floor[k].copy_(t, non_blocking=cuda)
+        sync()
         mc = mx(time.perf_counter() - t0)
+        hd = 0.0
+        if cuda:
+            t0 = time.perf_counter()
+            for k, t in floor.items():
+                h2d[k].copy_(t, non_blocking=True)
+            sync()
+            hd = mx(time.perf_counter() - t0)
         dist.barrier()
         t0 = time.perf_counter()
         r = restore_from_holder(shard, rt.client, rank=rank, coll=rt.coll)
+        sync()
         rest = mx(time.perf_counter() - t0)
         assert r.version == 100 + i, r.message
         man, mm = rt.client.open(rank=rank, version=100 + i)
@@ -120,7 +141,9 @@ def worker(a: argparse.Namespace) -> None:
             res["phases"].append(r.phases)
             res["hash1_s"].append(h1)
             res["hashN_s"].append(hn)
+            res["h2d_s"].append(hd)
     res["nbytes"] = h.nbytes
+    res["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     res["hash_threads"] = pipe.hasher.threads
     res["native"] = checksum.native_available()
     if rank == 0:
@@ -140,7 +163,7 @@ def run_size(a: argparse.Namespace, size: float) -> dict:
                                      memory_budget_gb=budget, attempt_timeout_s=3000))
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out", tmp, "--size", str(size),
             "--repeats", str(a.repeats), "--warmup", str(a.warmup), "--budget-gb", str(budget),
-            "--hash-threads", str(a.hash_threads)]
+            "--hash-threads", str(a.hash_threads), "--device", a.device]
     if not run.run(argv).ok:
         raise SystemExit(f"benchmark at {size} GiB failed; logs kept in {tmp}")
     with open(os.path.join(tmp, "scale_result.json")) as f:
@@ -153,9 +176,12 @@ def run_size(a: argparse.Namespace, size: float) -> dict:
            "memcpy_s": med(res["memcpy_s"]), "restore_s": med(res["restore_s"]),
            "verify_s": med([p["verify"] for p in res["phases"]]), "apply_s": med([p["apply"] for p in res["phases"]]),
            "hash1_s": med(res["hash1_s"]), "hashN_s": med(res["hashN_s"]), "repeats": a.repeats,
-           "ranks": a.ranks}
+           "ranks": a.ranks, "device": res["device"]}
     row["ratio_snapshot_vs_memcpy"] = row["snapshot_s"] / row["memcpy_s"]
     row["ratio_restore_vs_memcpy"] = row["restore_s"] / row["memcpy_s"]
+    if a.device == "cuda":   # on a GPU the floors are the pinned D2H (memcpy_s) and H2D copies of the same bytes
+        row["h2d_s"] = med(res["h2d_s"])
+        row["ratio_restore_vs_h2d"] = row["restore_s"] / row["h2d_s"]
     return row
 
 
@@ -168,6 +194,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds: the holder rotates two slots, and a slot's first use faults in fresh memory")
     p.add_argument("--ranks", type=int, default=2, help="ranks on the node (2 = one core each here)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the rank state lives (cuda: one GPU per rank; floors: pinned D2H and H2D copies)")
     p.add_argument("--hash-threads", type=int, default=0, help="shardsafe hash_threads (0 = auto)")
     p.add_argument("--budget-gb", type=float, default=0.0, help="holder budget (0 = sized to the run)")
     p.add_argument("--json", action="store_true")
@@ -175,6 +203,11 @@ def main() -> int:
     if a.worker:
         worker(a)
         return 0
+    if a.device == "cuda":
+        import torch
+        if not torch.cuda.is_available() or torch.cuda.device_count() < a.ranks:
+            raise SystemExit(f"--device cuda needs {a.ranks} GPU(s); this machine has "
+                             f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
     rows = [run_size(a, float(s)) for s in a.sizes.split(",")]
     if a.json:
         print(json.dumps(rows))
@@ -184,6 +217,10 @@ def main() -> int:
           f"({'off the GIL' if rows[0]['native_hash'] else 'python-xxhash, under the GIL'})")
     print(f"{'GiB':>5} | {'snapshot':>8} {'(copy':>7} {'+hash tail)':>11} {'memcpy':>7} {'ratio':>6} | "
           f"{'restore':>8} {'(verify':>8} {'apply)':>7} {'ratio':>6} | {'xxh3 1 thr':>10} {'N thr':>6}")
+    if a.device == "cuda":
+        print(f"  on {rows[0]['device']}: memcpy = pinned D2H of the same bytes (the snapshot's floor); restore vs "
+              "pinned H2D: " + ", ".join(f"{r['GiB_per_rank']:.2f} GiB {r['ratio_restore_vs_h2d']:.2f}x "
+                                         f"({r['h2d_s'] / r['GiB_per_rank']:.3f} s/GiB)" for r in rows))
     for r in rows:
         g = r["GiB_per_rank"]
         print(f"{g:5.2f} | {r['snapshot_s'] / g:8.3f} {r['copy_s'] / g:7.3f} {r['hash_tail_s'] / g:11.3f} "

@@ -202,6 +202,24 @@ phase_megatron_bench() {
 export -f phase_megatron_bench
 run_phase "7 Megatron bench vs dist_checkpointing (GPU)" phase_megatron_bench
 
+# --- snapshot and restore at real shard sizes on the GPU (issue 19) ------------------------------------
+# bench/scale_bench.py with the rank state on the GPU: snapshot (D2H on a side stream into the holder's
+# registered memory + checksums) vs a pinned D2H copy of the same bytes, restore (verify, then H2D into the
+# live tensors) vs a pinned H2D copy, at 0.25-2 GiB per rank; one rank (all of the node's cores for its hash
+# threads), then one rank per GPU when there are several. Targets: snapshot >= 0.9x D2H, restore <= 2x H2D.
+phase_scale_gpu() {
+  local out="${OUT_DIR:-/tmp}"; mkdir -p "$out"
+  local gpus; gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"; [ "${gpus:-0}" -ge 1 ] || gpus=1
+  PYTHONPATH="$REPO" "$PY" bench/scale_bench.py --device cuda --ranks 1 --sizes 0.25,0.5,1,2 --repeats 5 \
+    | tee "$out/scale_gpu_1rank.txt" || return 1
+  if [ "$gpus" -ge 2 ]; then
+    PYTHONPATH="$REPO" "$PY" bench/scale_bench.py --device cuda --ranks "$gpus" --sizes 0.5,2 --repeats 5 \
+      | tee "$out/scale_gpu_${gpus}ranks.txt" || return 1
+  fi
+}
+export -f phase_scale_gpu
+run_phase "8 snapshot/restore scale sweep (GPU)" phase_scale_gpu
+
 # --- summary --------------------------------------------------------------------------------------
 banner "summary"
 printf '%s\n' "${SUMMARY[@]}"
