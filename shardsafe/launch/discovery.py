@@ -265,33 +265,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-STORE_WAIT_S = 120.0
-
-
-def wait_for_store(env: Mapping[str, str] | None = None, *, timeout_s: float | None = None,
-                   poll_s: float = 0.005) -> float:
-    """Block until the job's ``env://`` store (``MASTER_ADDR:MASTER_PORT``) accepts connections; returns the
-    seconds waited. A no-op for rank 0 (it hosts the store) and where the variables are missing.
-
-    Why: every ``env://`` rank but 0 opens a c10d ``TCPStore`` client to the server rank 0 starts inside its
-    ``init_process_group``. When that server is not listening yet, the client's connect retries after a
-    back-off of about half a second (measured here, torch 2.13: 0.52-0.61 s lost whether the server came up
-    20 ms or 600 ms after the first try), and forked trainers, which all start within milliseconds of each
-    other, hit it on nearly every restart (DeepSpeed's ``init_distributed``: 0.55 s instead of 0.03 s). A
-    plain TCP probe every ``poll_s`` costs nothing and lets torch's first connect succeed. After
-    ``timeout_s`` (``SHARDSAFE_STORE_WAIT_S``, default 120 s) it gives up and leaves the waiting to torch."""
-    env = os.environ if env is None else env
-    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
-    if not addr or not port or env.get("RANK", "0") == "0":
-        return 0.0
-    if timeout_s is None:
-        timeout_s = float(env.get("SHARDSAFE_STORE_WAIT_S", STORE_WAIT_S) or 0)
+def wait_for_store(host: str, port: int, timeout_s: float, *, poll_s: float = 0.005) -> float:
+    """Block until ``host:port`` accepts a TCP connection or ``timeout_s`` passed; returns the seconds waited."""
     t0 = time.monotonic()
     while True:
         try:
-            with socket.create_connection((addr, int(port)), timeout=1.0):
+            with socket.create_connection((host, int(port)), timeout=1.0):
                 return time.monotonic() - t0
         except OSError:
             if time.monotonic() - t0 >= timeout_s:
                 return time.monotonic() - t0
             time.sleep(poll_s)
+
+
+def wait_before_store_connect() -> bool:
+    """Make this process's ``env://`` / ``tcp://`` store clients wait until the server listens before torch connects.
+
+    Why: every rank but 0 opens a c10d ``TCPStore`` client to the server rank 0 starts inside its
+    ``init_process_group``. When that server is not listening yet, the client's connect retries after a back-off of
+    about half a second (measured here, torch 2.13: 0.52-0.61 s lost whether the server came up 20 ms or 600 ms
+    after the first try), and forked trainers, which all start within milliseconds of each other, hit it on nearly
+    every restart (DeepSpeed's ``init_distributed``: 0.55 s instead of 0.03 s). A plain TCP probe every 5 ms, made
+    only when the program creates such a client (``torch.distributed.rendezvous._create_c10d_store``, for a rank
+    other than 0) and for at most the store's own timeout, lets torch's first connect succeed; a program that
+    never initialises torch.distributed is not touched. Only where torch is already imported (the fork server
+    preloads it). Returns whether the hook is in place."""
+    import sys
+    mod = sys.modules.get("torch.distributed.rendezvous")
+    orig = getattr(mod, "_create_c10d_store", None) if mod is not None else None
+    if orig is None:
+        return False
+    orig = getattr(orig, "__wrapped__", orig)
+
+    def _create_c10d_store(hostname, port, rank, world_size, timeout, *args, **kwargs):
+        if rank != 0:
+            wait_for_store(hostname, port, max(0.0, timeout.total_seconds()))
+        return orig(hostname, port, rank, world_size, timeout, *args, **kwargs)
+
+    _create_c10d_store.__wrapped__ = orig
+    mod._create_c10d_store = _create_c10d_store
+    return True

@@ -462,10 +462,10 @@ def serve(preload: Sequence[str], sock: socket.socket) -> Optional[dict]:
 def _run_child(req: dict) -> None:
     """Run the trainer as ``python ARGV...`` would, in this (forked) interpreter."""
     import runpy
-    from .discovery import wait_for_store
+    from .discovery import wait_before_store_connect
     # Forked trainers start within milliseconds of each other, before rank 0 has its store up: without this
-    # each of them loses torch's ~0.5 s connect back-off (discovery.wait_for_store).
-    wait_for_store()
+    # each of them loses torch's ~0.5 s connect back-off (discovery.wait_before_store_connect).
+    wait_before_store_connect()
     unbuffered, argv = _split_argv(req["argv"])
     if unbuffered:   # python -u: write-through text layer over unbuffered stdout/stderr
         import io

@@ -420,26 +420,41 @@ def test_a_running_holder_for_the_job_id_stops_a_launcher_from_starting_its_own(
     assert not holder_running(p)   # a stale socket file is not a holder
 
 
-def test_a_forked_worker_waits_for_rank0s_store_before_torch_connects():
-    # torch's TCPStore client retries ~0.5 s after a refused connect; the probe lets its first try succeed.
+def test_a_forked_worker_waits_for_rank0s_store_before_torch_connects(monkeypatch):
+    # torch's TCPStore client retries ~0.5 s after a refused connect; the probe lets its first try succeed. It runs
+    # inside the store client's creation only (a trainer without torch.distributed is never held up), not for
+    # rank 0 (it hosts the store), and at most for the store's timeout.
+    import importlib
+    import inspect
     import socket
     import threading
-    import time
+    from datetime import timedelta
+
+    rdzv = importlib.import_module("torch.distributed.rendezvous")   # the package's `rendezvous` is the function
+    for handler in (rdzv._env_rendezvous_handler, rdzv._tcp_rendezvous_handler):   # the calls the hook wraps
+        assert "_create_c10d_store(" in inspect.getsource(handler)
+    assert list(inspect.signature(rdzv._create_c10d_store).parameters)[:5] == \
+        ["hostname", "port", "rank", "world_size", "timeout"]
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "2"}
-    assert discovery.wait_for_store({**env, "RANK": "0"}) == 0.0        # rank 0 hosts it
-    assert discovery.wait_for_store({"RANK": "1"}) == 0.0               # no env:// variables: nothing to wait for
-    t0 = time.monotonic()
-    assert discovery.wait_for_store(env, timeout_s=0.1) >= 0.1          # nobody listening: gives up, torch waits
-    assert time.monotonic() - t0 < 1.0
-    threading.Timer(0.15, s.listen).start()                             # "rank 0" comes up 150 ms later
     try:
-        waited = discovery.wait_for_store(env, timeout_s=10)
-        assert 0.1 < waited < 0.5, waited
+        assert discovery.wait_for_store("127.0.0.1", port, 0.1) >= 0.1   # nobody listening: gives up, torch waits
+        threading.Timer(0.15, s.listen).start()                          # "rank 0" comes up 150 ms later
+        assert discovery.wait_for_store("127.0.0.1", port, 10) >= 0.1
     finally:
         s.close()
+
+    monkeypatch.setattr(rdzv, "_create_c10d_store", rdzv._create_c10d_store)   # restored after the test
+    probed, made = [], []
+    monkeypatch.setattr(discovery, "wait_for_store", lambda h, p, t: probed.append((h, p, t)) or 0.0)
+    monkeypatch.setattr(rdzv._create_c10d_store, "__wrapped__", lambda *a, **k: made.append(a) or "store",
+                        raising=False)
+    assert discovery.wait_before_store_connect() and discovery.wait_before_store_connect()   # wraps torch's once
+    t = timedelta(seconds=30)
+    assert rdzv._create_c10d_store("h", 5, 1, 4, t, True) == "store"
+    assert rdzv._create_c10d_store("h", 5, 0, 4, t, True) == "store"
+    assert probed == [("h", 5, 30.0)] and [m[2] for m in made] == [1, 0]
 
 
 def test_a_healthy_agent_sees_a_peer_failure_as_a_waiting_node():
