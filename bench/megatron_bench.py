@@ -155,7 +155,7 @@ def worker(a: argparse.Namespace) -> None:
 
     # The physical floor of a restore: one copy of the same bytes (the rank state the snapshot holds) into the
     # live tensors' memory, from pre-faulted host memory (pinned where the tensors are on a GPU: an H2D copy).
-    snap = {k: v for k, v in prot.adapter.capture().tensors.items()}
+    snap = prot.adapter.capture().tensors
     floor_src = {k: v.detach().to("cpu", copy=True) for k, v in snap.items()}
     if dev.type == "cuda":
         floor_src = {k: v.pin_memory() for k, v in floor_src.items()}

@@ -299,7 +299,8 @@ def wait_before_store_connect() -> bool:
 
     def _create_c10d_store(hostname, port, rank, world_size, timeout, *args, **kwargs):
         if rank != 0:
-            wait_for_store(hostname, port, max(0.0, timeout.total_seconds()))
+            secs = timeout.total_seconds() if timeout is not None else 60.0
+            wait_for_store(hostname, port, max(0.0, secs))
         return orig(hostname, port, rank, world_size, timeout, *args, **kwargs)
 
     _create_c10d_store.__wrapped__ = orig

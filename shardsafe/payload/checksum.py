@@ -17,13 +17,14 @@ A restore reads a slot it has just mapped: its page tables are empty. ``populate
 thread fill the page tables of its own segments (``madvise(MADV_POPULATE_READ)``, Linux 5.14+) before it
 hashes them, so that the population, single-threaded in the kernel under ``MAP_POPULATE``, is split over the
 threads like the hashing (measured here, 1 GiB of 4 KiB shmem pages: 20 ms to populate in one call, 45 ms
-more than that when the hash faults the pages in one by one). Where the advice is refused (older kernels)
+when the hash faults the pages in one by one as it reads). Where the advice is refused (older kernels)
 the hash faults the pages in as it reads.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,7 +36,7 @@ import xxhash
 log = logging.getLogger("shardsafe.payload.checksum")
 
 MAX_AUTO_THREADS = 8
-MADV_POPULATE_READ = getattr(__import__("mmap"), "MADV_POPULATE_READ", 22)
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)   # Linux value; Python < 3.12 lacks the name
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _lib_lock = threading.Lock()
 _xxh3: Any = None        # the ctypes function, False when unavailable, None before the first look

@@ -161,6 +161,10 @@ def test_agent_hook_points_exist_in_this_torch():
         assert callable(getattr(SimpleElasticAgent, name, None)) or callable(getattr(LocalElasticAgent, name, None))
     src = inspect.getsource(SimpleElasticAgent._rendezvous)
     assert "worker_group.store = store" in src and "worker_group.group_rank" in src
+    # _restart_on_peer_failure: the loop asks the handler it read from the spec, and a waiting node restarts
+    # healthy workers without counting a restart
+    run = inspect.getsource(SimpleElasticAgent._invoke_run)
+    assert "rdzv_handler = spec.rdzv_handler" in run and "rdzv_handler.num_nodes_waiting()" in run
     wg = WorkerGroup(_spec())
     assert all(hasattr(wg, a) for a in ("store", "group_rank", "workers"))
 
