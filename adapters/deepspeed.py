@@ -7,6 +7,7 @@ unknown top-level keys). No fork: the engine's ``_take_model_step`` is wrapped *
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -361,13 +362,24 @@ def scheduler_state(sched: Any) -> Any:
     return sd
 
 
+_ordinals = itertools.count()
+"""Protected engines built by this process so far: the next one's ordinal (shardsafe.runtime.engine_scope)."""
+
+
 class ShardsafeEngineHook:
-    """What ``initialize`` attaches to the engine as ``engine.shardsafe``."""
+    """What ``initialize`` attaches to the engine as ``engine.shardsafe``.
+
+    ``ordinal``: this engine's place among the protected engines the process built (0 for the first). Each
+    ordinal has its own snapshots (``Runtime(scope=engine_scope(ordinal))``): HF's Trainer builds a new engine
+    for every ``train()`` call and hyperparameter trial, RLHF programs run several at once, and an engine must
+    only ever restore its own state. A restarted program builds its engines in the same order, so engine k
+    restores engine k's newest version."""
 
     def __init__(self, engine: Any, cfg: ShardsafeConfig, *, auto: str = "", program_args: Any = None):
-        from shardsafe.runtime import Runtime
+        from shardsafe.runtime import Runtime, engine_scope
         import torch.distributed as dist
         self.cfg, self.auto = cfg, auto
+        self.ordinal = next(_ordinals)
         self._program_args = program_args   # the args given to deepspeed.initialize (GPT-NeoX, Megatron-DeepSpeed)
         self._stepped = False   # load_checkpoint calls before the first step are the program's resume
         self.adapter = DeepSpeedStateAdapter(engine)
@@ -375,7 +387,7 @@ class ShardsafeEngineHook:
         world = dist.get_world_size() if dist.is_initialized() else 1
         coords = parallel_coords(engine, self.adapter.parallel)
         self._dp_rank = coords["dp"]
-        self.runtime = Runtime(cfg, rank=rank, world_size=world, coords=coords)
+        self.runtime = Runtime(cfg, rank=rank, world_size=world, coords=coords, scope=engine_scope(self.ordinal))
         self.restored = self.runtime.try_restore(self.adapter)
         # The RNG the snapshot restored, for the program's client state (its load_checkpoint comes later).
         self._restored_rng = live_rng() if self.restored.version >= 0 else None
@@ -517,6 +529,12 @@ class ShardsafeEngineHook:
     def flush(self) -> bool:
         return self.runtime.flush()
 
+    def retire(self) -> None:
+        """The program replaced this engine by a new one and will not step it again (HF's Trainer at its next
+        ``train()``): its newest committed version stays in the holder, so a restarted program that builds this
+        engine again restores its end state, and the rest of its memory and threads go."""
+        self.runtime.retire()
+
     def close(self) -> None:
         self.runtime.close()
 
@@ -546,7 +564,8 @@ def protect(ds_initialize: Any, args: tuple, kwargs: dict, *, auto: str = ""):
     if engine.shardsafe is not None and engine.shardsafe.runtime.rank == 0:
         how = (f"the \"shardsafe\" block of the DeepSpeed config (automatic activation; {auto} turns the "
                "activation off)") if auto else "shardsafe.adapters.deepspeed.initialize"
-        log.warning("shardsafe: this DeepSpeed engine is protected (in-memory snapshots every %d step(s), job %s), "
+        which = f", engine {engine.shardsafe.ordinal} of this process" if engine.shardsafe.ordinal else ""
+        log.warning("shardsafe: this DeepSpeed engine is protected (in-memory snapshots every %d step(s), job %s%s), "
                     "switched on by %s; \"enabled\": false in the block turns protection off. %s", cfg.interval,
-                    cfg.job_id, how, engine.shardsafe.restored.message)
+                    cfg.job_id, which, how, engine.shardsafe.restored.message)
     return ret

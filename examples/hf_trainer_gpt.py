@@ -9,7 +9,9 @@ passed as ``TrainingArguments(deepspeed=<dict>)`` with HF's ``"auto"`` values. H
 ``deepspeed.initialize`` with that dict; the ``"shardsafe"`` block in it switches protection on
 (adapters/autoload.py), and after a crash the same command continues at the snapshot's step with its data
 position, LR schedule and RNG, as ``trainer.train(resume_from_checkpoint=...)`` would (adapters/hf.py).
-``--no-shardsafe`` drops the block (the reference run of the tests). ``--save-steps N --resume-last`` is the
+``--no-shardsafe`` drops the block (the reference run of the tests). ``--hp-trials N`` runs
+``Trainer.hyperparameter_search`` (optuna, a seeded sampler) instead: one engine per trial, each with its own
+snapshots, so a crash in trial k resumes trial k (the finished trials restore their last step and end at once). ``--save-steps N --resume-last`` is the
 resume pattern of HF's example scripts (run_clm.py): HF checkpoints every N steps, and ``train(resume_from_checkpoint=
 get_last_checkpoint(output_dir))``; after a crash the snapshot, being newer than the last checkpoint, wins.
 
@@ -77,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-steps", type=int, default=0, help="HF checkpoints every N steps (0: none)")
     p.add_argument("--resume-last", action="store_true",
                    help="train(resume_from_checkpoint=<newest checkpoint-N in output_dir>), as HF's run_clm.py does")
+    p.add_argument("--hp-trials", type=int, default=0,
+                   help="run Trainer.hyperparameter_search (optuna, seeded random sampler, learning rate) with this many "
+                        "trials instead of one train(): HF builds a new DeepSpeed engine for every trial")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
 
@@ -96,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     # the model after TrainingArguments (it sets up the process group) and with the seed fixed, as HF examples do
     from transformers import set_seed
     set_seed(a.seed)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4))
+    def model_init(trial: object = None) -> GPT2LMHeadModel:
+        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4))
+
+    model = None if a.hp_trials else model_init()   # a search builds one per trial (HF seeds before each)
     attempt = int(os.environ.get("SHARDSAFE_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     losses = open(os.path.join(a.out, f"losses_rank{rank}.jsonl"), "a") if a.out else None
 
@@ -104,29 +112,55 @@ def main(argv: list[str] | None = None) -> int:
         """Trainer with the loss of every optimizer step recorded in the tests' format (nothing else changed)."""
 
         _acc = 0.0
+        _phase = -1          # which train() call of the process is running (a search: the trial)
+        engines: list = []   # each train()'s engine: a search frees the trainer's reference after every trial
+
+        def train(self, *args, **kwargs):
+            self._phase += 1
+            out = super().train(*args, **kwargs)
+            self.engines.append(self.model_wrapped)
+            if a.hp_trials:   # the trial's learning rate and what its loop ended with
+                print(f"[rank {rank}] trial {self._phase}: learning_rate {self.args.learning_rate!r}, "
+                      f"global step {self.state.global_step}, training loss {float(out.training_loss).hex()}", flush=True)
+            return out
 
         def compute_loss(self, model, inputs, *args, **kwargs):
             out = super().compute_loss(model, inputs, *args, **kwargs)
+            if not model.training:   # evaluate() (a search's objective) computes its loss here too: not a step
+                return out
             loss = out[0] if isinstance(out, tuple) else out
             self._acc += float(loss.detach().float().item())
             micro = getattr(self, "_micro", 0) + 1
             self._micro = micro
             if losses and micro % a.gas == 0:
-                losses.write(json.dumps({"step": self.state.global_step + 1, "loss": float(self._acc).hex(),
-                                         "attempt": attempt}) + "\n")
+                step = self._phase * a.steps + self.state.global_step + 1   # numbered across the train() calls
+                rec = {"step": step, "loss": float(self._acc).hex(), "attempt": attempt}
+                if self._phase:   # HF's engine of this train() is the process's engine number _phase (its scope)
+                    rec["engine"] = f"engine{self._phase}"
+                losses.write(json.dumps(rec) + "\n")
                 losses.flush()
                 self._acc = 0.0
             return out
 
-    trainer = LoggingTrainer(model=model, args=args, train_dataset=SyntheticLM(a.samples, a.seed))
-    last = None
-    if a.resume_last and os.path.isdir(args.output_dir):
-        from transformers.trainer_utils import get_last_checkpoint
-        last = get_last_checkpoint(args.output_dir)
-    print(f"[rank {rank}] train(resume_from_checkpoint={last})", flush=True)
-    result = trainer.train(resume_from_checkpoint=last)
-    print(f"[rank {rank}] train() done at global step {trainer.state.global_step} "
-          f"(epoch {trainer.state.epoch:.3f}, training loss {result.training_loss:.4f})", flush=True)
+    trainer = LoggingTrainer(model=model, model_init=model_init if a.hp_trials else None, args=args,
+                             train_dataset=SyntheticLM(a.samples, a.seed),
+                             eval_dataset=SyntheticLM(8, a.seed + 1) if a.hp_trials else None)
+    if a.hp_trials:
+        import optuna
+        best = trainer.hyperparameter_search(
+            direction="minimize", backend="optuna", n_trials=a.hp_trials,
+            hp_space=lambda t: {"learning_rate": t.suggest_float("learning_rate", 1e-4, 3e-3, log=True)},
+            sampler=optuna.samplers.RandomSampler(seed=a.seed))
+        print(f"[rank {rank}] hyperparameter_search done after {trainer._phase + 1} trial(s): best {best}", flush=True)
+    else:
+        last = None
+        if a.resume_last and os.path.isdir(args.output_dir):
+            from transformers.trainer_utils import get_last_checkpoint
+            last = get_last_checkpoint(args.output_dir)
+        print(f"[rank {rank}] train(resume_from_checkpoint={last})", flush=True)
+        result = trainer.train(resume_from_checkpoint=last)
+        print(f"[rank {rank}] train() done at global step {trainer.state.global_step} "
+              f"(epoch {trainer.state.epoch:.3f}, training loss {result.training_loss:.4f})", flush=True)
     if a.out:
         with open(os.path.join(a.out, f"modules_rank{rank}.json"), "w") as f:
             json.dump(sorted(m for m in sys.modules if m == "shardsafe" or m.startswith("shardsafe.")), f)
@@ -134,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from ds_pretrain_gpt import final_state
         from shardsafe.payload.manifest import save_tensors
-        save_tensors(os.path.join(a.out, f"final_rank{rank}"), final_state(trainer.model_wrapped))
+        save_tensors(os.path.join(a.out, f"final_rank{rank}"), final_state(trainer.engines[-1]))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return 0

@@ -102,12 +102,14 @@ def cmd_status(a: argparse.Namespace) -> int:
               f"of {h['budget'] / 2**20:.1f} MiB budget, {h['clients']} client(s), health {h.get('health', '?')}"
               f" (scrubs {h.get('scrub', {}).get('runs', 0)}, flushes {h.get('flush', {}).get('done', 0)} ok / "
               f"{h.get('flush', {}).get('failed', 0)} failed)")
-        for rank, kinds in h["ranks"].items():
-            for kind, slots in kinds.items():
-                desc = ", ".join(f"free slot {s['capacity'] / 2**20:.1f} MiB" if s["state"] == "free" else
-                                 f"v{s['version']} {s['state']}{' committed' if s['committed'] else ''} "
-                                 f"{s['nbytes'] / 2**20:.1f} MiB" for s in slots)
-                print(f"  rank {rank} {kind}: {desc}")
+        scoped = [("", h["ranks"])] + sorted((h.get("scopes") or {}).items())   # a process's later engines
+        for scope, ranks in scoped:
+            for rank, kinds in ranks.items():
+                for kind, slots in kinds.items():
+                    desc = ", ".join(f"free slot {s['capacity'] / 2**20:.1f} MiB" if s["state"] == "free" else
+                                     f"v{s['version']} {s['state']}{' committed' if s['committed'] else ''} "
+                                     f"{s['nbytes'] / 2**20:.1f} MiB" for s in slots)
+                    print(f"  {scope + ' ' if scope else ''}rank {rank} {kind}: {desc}")
     return 0
 
 

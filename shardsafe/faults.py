@@ -4,7 +4,9 @@ Spec: ``SHARDSAFE_INJECT="kill-rank:1@30;kill-copy:0@55"``. Entry j (``;``-separ
 attempt j (attempt = SHARDSAFE_ATTEMPT or torch elastic's TORCHELASTIC_RESTART_COUNT), so one job can take
 several successive failures; an entry may join faults that do not end the attempt to the one that does with
 ``&`` (``kill-flush:node1@6&kill-node:node0+node1@9``: the attempt survives the first, the second ends it).
-Kinds handled inside trainers:
+Kinds handled inside trainers (R: a rank, or ``R:engineK`` for the process's protected engine of ordinal K >= 1,
+shardsafe.runtime.engine_scope: ``kill-rank:1:engine1@4`` kills rank 1 at step 4 of its second engine, e.g. in
+HF's second ``train()``):
   kill-rank:R@S   SIGKILL rank R at the start of optimizer step S (after its backward pass)
   kill-copy:R@S   SIGKILL rank R halfway through copying snapshot version S (a torn write)
   hang-rank:R@S   SIGSTOP rank R at the start of optimizer step S (detected by the launcher's timeout)
@@ -110,14 +112,15 @@ def _record(kind: str, rank: int, step: int) -> None:
 
 
 class Injector:
-    """The fault (if any) this rank must suffer in this attempt."""
+    """The fault (if any) this rank's engine ``scope`` ("" the process's first) must suffer in this attempt."""
 
-    def __init__(self, rank: int, spec: str | None = None, attempt: int | None = None):
+    def __init__(self, rank: int, spec: str | None = None, attempt: int | None = None, *, scope: str = ""):
         faults = parse(os.environ.get("SHARDSAFE_INJECT", "") if spec is None else spec)
         attempt = current_attempt() if attempt is None else attempt
         self.rank = rank
+        target = f"{rank}:{scope}" if scope else str(rank)
         self.fault = next((f for f in for_attempt(faults, attempt) if f.kind not in NODE_FAULTS
-                           and f.target == str(rank)), None)
+                           and f.target == target), None)
 
     def before_step(self, step: int) -> None:
         f = self.fault

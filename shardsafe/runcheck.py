@@ -44,37 +44,49 @@ def losses_by_attempt(run_dir: str, rank: int) -> dict[int, list[int]]:
     return out
 
 
-def resume_problems(run_dir: str, world: int, *, events_file: str = "events.jsonl") -> list[str]:
+def resume_problems(run_dir: str, world: int, *, events_file: str = "events.jsonl",
+                    offsets: dict[str, int] | None = None) -> list[str]:
     """Why the run's restarted attempts did *not* provably continue from what they restored (empty = they did).
 
     A deterministic run that silently starts over also ends bit-identical, so bit-exactness alone proves
     nothing about the restore. For every attempt after the first, on every rank: its first logged step is the
     restored version + 1 (a fresh start, version -1, must then log step 1 only if nothing was ever sealed, and
     counts as a problem once an earlier attempt had completed steps), i.e. no step at or before the restored
-    version ran twice."""
-    restored: dict[tuple[int, int], int] = {}
+    version ran twice.
+
+    A program with several protected engines (shardsafe.runtime.engine_scope) tags its loss records with the
+    engine's scope (``"engine"``, "" for the first) and numbers them across engines: ``offsets[scope]`` is the step
+    number of the scope's step 0; each engine's records in an attempt are checked against that engine's restore."""
+    offsets = offsets or {}
+    restored: dict[tuple[int, int, str], int] = {}
     committed: dict[int, list[int]] = {}    # rank -> attempts in which it committed a snapshot
     for e in read_jsonl(os.path.join(run_dir, events_file)):
         if e.get("rank") is None:
             continue
         if e.get("kind") == "restore_end":
-            restored[(int(e.get("attempt") or 0), int(e["rank"]))] = int(e.get("version", -1))
+            restored[(int(e.get("attempt") or 0), int(e["rank"]), str(e.get("engine") or ""))] = \
+                int(e.get("version", -1))
         elif e.get("kind") == "snapshot" and e.get("committed"):
             committed.setdefault(int(e["rank"]), []).append(int(e.get("attempt") or 0))
     problems = []
     for r in range(world):
-        steps = losses_by_attempt(run_dir, r)
-        for a in sorted(steps):
+        steps: dict[tuple[int, str], list[int]] = {}
+        for rec in read_jsonl(os.path.join(run_dir, f"losses_rank{r}.jsonl")):
+            steps.setdefault((int(rec.get("attempt", 0)), str(rec.get("engine") or "")), []).append(int(rec["step"]))
+        for a, eng in sorted(steps):
             if a == 0:
                 continue
-            v = restored.get((a, r))
+            which = f" engine {eng!r}" if eng else ""
+            v = restored.get((a, r, eng))
             if v is None:
-                problems.append(f"rank {r}: attempt {a} logged steps but no restore_end event")
+                problems.append(f"rank {r}: attempt {a}{which} logged steps but no restore_end event")
                 continue
             if v < 0 and any(b < a for b in committed.get(r, [])):
-                problems.append(f"rank {r}: attempt {a} started fresh although an earlier attempt committed snapshots")
-            if min(steps[a]) != v + 1:
-                problems.append(f"rank {r}: attempt {a} restored version {v} but its first step was {min(steps[a])}")
+                problems.append(f"rank {r}: attempt {a}{which} started fresh although an earlier attempt committed "
+                                "snapshots")
+            first = min(steps[(a, eng)]) - offsets.get(eng, 0)
+            if first != v + 1:
+                problems.append(f"rank {r}: attempt {a}{which} restored version {v} but its first step was {first}")
     return problems
 
 
@@ -88,8 +100,10 @@ class Comparison:
     resume_problems: list[str] = field(default_factory=list)   # resume_problems(): empty = every restart resumed
 
 
-def compare_runs(run_dir: str, ref_dir: str, world_size: int, steps: int) -> Comparison:
-    """Every later loss and the final rank state must be torch.equal / identical to the reference."""
+def compare_runs(run_dir: str, ref_dir: str, world_size: int, steps: int,
+                 offsets: dict[str, int] | None = None) -> Comparison:
+    """Every later loss and the final rank state must be torch.equal / identical to the reference. ``offsets``:
+    the engines' step offsets of a program with several (:func:`resume_problems`)."""
     loss_bad, state_bad, replay_ok = [], [], True
     for r in range(world_size):
         got, want = effective_losses(run_dir, r), effective_losses(ref_dir, r)
@@ -115,4 +129,4 @@ def compare_runs(run_dir: str, ref_dir: str, world_size: int, steps: int) -> Com
             if not torch.equal(a[k], b[k]):
                 state_bad.append(f"rank {r}: {k}")
     return Comparison(not loss_bad and not state_bad and replay_ok, steps, loss_bad[:20], state_bad[:20], replay_ok,
-                      resume_problems(run_dir, world_size)[:20])
+                      resume_problems(run_dir, world_size, offsets=offsets)[:20])

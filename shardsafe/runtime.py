@@ -45,6 +45,16 @@ def _event_log(cfg: ShardsafeConfig, rank: int):
         return NullEventLog()
 
 
+class _ScopedEvents:
+    """The event log of a process's second and later engines: every event names the engine (``engine``)."""
+
+    def __init__(self, inner: Any, scope: str):
+        self._inner, self._scope = inner, scope
+
+    def emit(self, kind: str, **fields: Any) -> bool:
+        return self._inner.emit(kind, **{"engine": self._scope, **fields})
+
+
 class BaseRuntime(ABC):
     """What an engine adapter drives, one per rank: the calls of a training loop's life.
 
@@ -94,15 +104,22 @@ class Runtime(BaseRuntime):
         rank, world_size: global rank and size (torch.distributed must be initialised when world_size > 1).
         coords: this rank's parallel coordinates ``{"dp", "tp", "pp", ...}``: parity groups are data-parallel
             peers with equal other coordinates, on distinct nodes (default: every rank a DP peer).
+        scope: which engine of the process this runtime protects ("" for the first; :func:`engine_scope`). A
+            program that builds several engines (HF ``Trainer.train()`` twice, one engine per hyperparameter
+            trial, an actor and a critic) keeps each one's snapshots apart in the holder and the persistent tier,
+            so an engine never restores another's state.
 
     Raises:
         ConfigError: the parity settings cannot be placed on this layout; on every rank, before training.
     """
 
-    def __init__(self, cfg: ShardsafeConfig, *, rank: int, world_size: int, coords: dict[str, int] | None = None):
-        self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.events = _event_log(cfg, rank)
-        self.injector = Injector(rank)
+    def __init__(self, cfg: ShardsafeConfig, *, rank: int, world_size: int, coords: dict[str, int] | None = None,
+                 scope: str = ""):
+        self.cfg, self.rank, self.world_size, self.scope = cfg, rank, world_size, scope
+        # The persistent tier keeps each engine's versions in its own directory under the job's.
+        self.persist_job_id = f"{cfg.job_id}/{scope}" if scope else cfg.job_id
+        self.events = _event_log(cfg, rank) if not scope else _ScopedEvents(_event_log(cfg, rank), scope)
+        self.injector = Injector(rank, scope=scope)
         self.paths = HolderPaths(cfg.holder_dir, cfg.job_id, cfg.node)
         self.client: Optional[HolderClient] = None
         # Two running jobs that derived the same id must not share a holder (shardsafe.jobid): JobConflict.
@@ -110,7 +127,7 @@ class Runtime(BaseRuntime):
         try:
             self.client = connect_or_start(self.paths, budget_gb=cfg.memory_budget_gb, start=cfg.start_holder,
                                            timeout_s=cfg.timeout_s, idle_exit_s=cfg.holder_idle_exit_s,
-                                           run_dir=cfg.run_dir)
+                                           run_dir=cfg.run_dir, scope=scope)
         except (HolderUnavailable, OSError) as e:
             log.warning("[rank %d] no holder for job %s on node %s (%s): training runs unprotected", rank,
                         cfg.job_id, cfg.node, e)
@@ -156,7 +173,7 @@ class Runtime(BaseRuntime):
         self.pipeline.on_phase = self.injector.phase
         if self.exchange is not None:
             self.exchange.on_phase = self.injector.phase
-        self.persist = PersistentStore(cfg.persist_dir, cfg.job_id) if cfg.persist_dir else None
+        self.persist = PersistentStore(cfg.persist_dir, self.persist_job_id) if cfg.persist_dir else None
         self.restored: RestoreResult | None = None
         self._closed = False
         if world_size > 1:
@@ -172,7 +189,7 @@ class Runtime(BaseRuntime):
         self._request_flush(version)
 
     def _request_flush(self, version: int) -> None:
-        self.pipeline.client.flush(rank=self.rank, version=version, dir=self.cfg.persist_dir, job_id=self.cfg.job_id,
+        self.pipeline.client.flush(rank=self.rank, version=version, dir=self.cfg.persist_dir, job_id=self.persist_job_id,
                                    keep=self.cfg.persist_keep, mbps=self.cfg.persist_mbps)
 
     # After a failed start, ranks only try to connect for this long before starting a holder again: a start
@@ -192,7 +209,7 @@ class Runtime(BaseRuntime):
         budget = self.cfg.memory_budget_gb or float(os.environ.get(ENV_HOLDER_BUDGET) or 0)
         try:
             c = connect_or_start(self.paths, budget_gb=budget, start=start, timeout_s=self.cfg.timeout_s,
-                                 idle_exit_s=self.cfg.holder_idle_exit_s, run_dir=self.cfg.run_dir)
+                                 idle_exit_s=self.cfg.holder_idle_exit_s, run_dir=self.cfg.run_dir, scope=self.scope)
         except (HolderUnavailable, OSError, subprocess.SubprocessError) as e:
             if start:
                 self._holder_retry_at = time.monotonic() + self.HOLDER_RESTART_BACKOFF_S
@@ -276,6 +293,25 @@ class Runtime(BaseRuntime):
         """Wait until the last submitted snapshot is sealed and voted on; True if it committed."""
         return self.pipeline.flush(timeout)
 
+    def retire(self) -> None:
+        """The engine is done for good (the program built its successor): wait for the snapshot in flight, keep
+        the newest committed version of this rank in the holder (a restarted program that rebuilds this engine
+        restores its end state from it), free the older ones, and close. Collective like every commit vote."""
+        if self._closed:
+            return
+        self.pipeline.flush(self.cfg.timeout_s)
+        keep, client = self.pipeline.last_committed, self.pipeline.client
+        if keep >= 0 and client is not None:
+            try:
+                for kind in ("data", "parity"):
+                    for v in client.sealed_versions(self.rank, kind):
+                        if v != keep:
+                            client.drop(rank=self.rank, version=v, kind=kind)
+            except HolderFailure as e:   # the memory is the holder's to reclaim; the program goes on
+                log.warning("[rank %d] retiring engine scope %r: older versions not freed: %s", self.rank,
+                            self.scope, e)
+        self.close()
+
     def close(self) -> None:
         """Finish the snapshot in flight, stop the worker, let the holder go. Idempotent; also run when the
         program tears torch.distributed down or exits without calling it (an unchanged program never does)."""
@@ -286,6 +322,15 @@ class Runtime(BaseRuntime):
         self.pipeline.close()
         if self.client is not None:
             self.client.close()
+
+
+def engine_scope(ordinal: int) -> str:
+    """The holder scope of a process's ``ordinal``-th protected engine (0-based): "" for the first, so a program
+    with one engine keeps the layout it always had; ``engine1``, ``engine2``, ... for the next ones. Programs build
+    their engines in the same order on every run, so the ordinal names the same engine after a restart."""
+    if ordinal < 0:
+        raise ValueError(f"engine ordinal must be >= 0, got {ordinal}")
+    return f"engine{ordinal}" if ordinal else ""
 
 
 # Runtimes not yet closed. A program that knows nothing of shardsafe (automatic activation) ends with

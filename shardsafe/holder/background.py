@@ -10,7 +10,7 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from .protocol import HolderError, req_int
+from .protocol import HolderError, req_int, req_scope
 
 if TYPE_CHECKING:
     from .slots import Slot
@@ -22,7 +22,7 @@ class BackgroundWork:
     # ---- persistent tier --------------------------------------------------------------------------
     def flush(self, req: dict) -> dict:
         """Queue a committed version for the disk (returns at once; the flush thread writes it)."""
-        rank, version = req_int(req, "rank", minimum=0), req_int(req, "version")
+        rank, version, scope = req_int(req, "rank", minimum=0), req_int(req, "version"), req_scope(req)
         for key in ("dir", "job_id"):
             if not isinstance(req.get(key), str) or not req[key]:
                 raise HolderError("bad_request", f"flush needs a non-empty string {key!r}, got {str(req.get(key))[:60]!r}")
@@ -31,14 +31,14 @@ class BackgroundWork:
         if not isinstance(mbps, (int, float)) or isinstance(mbps, bool) or not math.isfinite(mbps) or mbps < 0:
             raise HolderError("bad_request", f"flush: 'mbps' must be a number >= 0 (0 = uncapped), got {str(mbps)[:60]!r}")
         with self.lock:
-            s = self._find(rank, "data", version, ("sealed",))
+            s = self._find((scope, rank), "data", version, ("sealed",))
             if not s.committed:
                 raise HolderError("state", f"version {version} of rank {rank} is not committed: only committed "
                                            "versions are flushed")
             s.pins += 1
             self._flush_pending += 1
             man, nbytes = s.manifest, s.nbytes   # as sealed: a drop while flushing clears the slot's fields
-        self._flush_q.put({**req, "rank": rank, "version": version, "keep": keep, "mbps": float(mbps), "_slot": s,
+        self._flush_q.put({**req, "rank": rank, "scope": scope, "version": version, "keep": keep, "mbps": float(mbps), "_slot": s,
                            "_manifest": man, "_nbytes": nbytes})
         return {"queued": True}
 
@@ -73,7 +73,7 @@ class BackgroundWork:
                            error=str(e)[:500])
             finally:
                 with self.lock:
-                    self._unpin(job["rank"], "data", s)
+                    self._unpin((job["scope"], job["rank"]), "data", s)
                     self._flush_pending -= 1
                     self._last_activity = time.monotonic()   # the idle exit counts from the last flush's end
 
@@ -95,11 +95,11 @@ class BackgroundWork:
         opened again, so restore rebuilds that rank from parity or falls back a tier)."""
         from shardsafe.payload import manifest as mf
         with self.lock:
-            todo = [(r, k, s, s.version) for r, e in self.ranks.items() for k, lst in e.slots.items() for s in lst
+            todo = [(key, k, s, s.version) for key, e in self.ranks.items() for k, lst in e.slots.items() for s in lst
                     if s.state == "sealed" and s.manifest is not None]
         bad, checked = [], 0
         try:
-            for rank, kind, s, version in todo:
+            for key, kind, s, version in todo:
                 # One slot pinned at a time, for as long as its hash takes: pinning them all for the whole
                 # scrub made every snapshot in that window need an extra slot (or be skipped).
                 with self.lock:
@@ -118,10 +118,12 @@ class BackgroundWork:
                         s.scrubbed_at = time.time()
                         if problems and s.state == "sealed":
                             s.state, s.committed = "corrupt", False
-                            ent = self.ranks[rank]
+                            ent = self.ranks[key]
+                            scope, rank = key
                             ent.last_committed[kind] = max([x.version for x in ent.slots[kind] if x.committed],
                                                            default=-1)
-                            bad.append({"rank": rank, "kind": kind, "version": s.version, "problems": problems[:5]})
+                            bad.append({"rank": rank, "kind": kind, "version": s.version, "problems": problems[:5],
+                                        **({"scope": scope} if scope else {})})
                             log.error("scrub: rank %d %s version %d is corrupt (%s): marked unusable; restore will "
                                       "rebuild it from parity or use another tier", rank, kind, s.version,
                                       "; ".join(problems[:3]))
@@ -129,7 +131,7 @@ class BackgroundWork:
                                        problems=problems[:5])
                 finally:
                     with self.lock:
-                        self._unpin(rank, kind, s)
+                        self._unpin(key, kind, s)
         finally:
             self.scrub_stats["runs"] += 1
             self.scrub_stats["slots"] += checked

@@ -13,8 +13,8 @@ import time
 from typing import Any
 
 from .paths import HolderPaths
-from .protocol import (DEFAULT_IDLE_EXIT_S, FLUSH_DRAIN_S, HolderError, HolderFailure, ProtocolError, close_fds, recv_msg,
-                       send_msg)
+from .protocol import (DEFAULT_IDLE_EXIT_S, FLUSH_DRAIN_S, SCOPE_RE, HolderError, HolderFailure, ProtocolError, close_fds,
+                       recv_msg, send_msg)
 
 log = logging.getLogger("shardsafe.holder")
 
@@ -28,10 +28,20 @@ class HolderClient:
 
     Writable mappings are cached per slot id: re-mapping a 1 GiB segment every snapshot would pay
     the page-table faults again.
+
+    ``scope`` names the engine whose snapshots this connection reads and writes (shardsafe.runtime: "" for a
+    process's first protected engine); every slot request carries it, so two engines of one process never see
+    each other's versions.
     """
 
-    def __init__(self, paths: HolderPaths, *, timeout_s: float = 60.0):
+    # Requests about the holder as a whole: no scope.
+    _UNSCOPED = frozenset({"hello", "status", "scrub", "shutdown"})
+
+    def __init__(self, paths: HolderPaths, *, timeout_s: float = 60.0, scope: str = ""):
+        if not isinstance(scope, str) or not SCOPE_RE.fullmatch(scope):
+            raise ValueError(f"holder scope must be up to 64 characters of [A-Za-z0-9._-], got {scope!r}")
         self.paths = paths
+        self.scope = scope
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
@@ -92,6 +102,8 @@ class HolderClient:
         with self._lock:
             if self._sock is None:
                 raise HolderUnavailable(f"not connected to the holder of node {self.paths.node!r}")
+            if self.scope and op not in self._UNSCOPED:
+                kw["scope"] = self.scope
             try:
                 send_msg(self._sock, {"op": op, **kw})
                 resp, fds = recv_msg(self._sock)
@@ -242,17 +254,17 @@ def holder_command(paths: HolderPaths, *, budget_gb: float, idle_exit_s: float =
 
 
 def connect_or_start(paths: HolderPaths, *, budget_gb: float, start: bool, timeout_s: float = 60.0,
-                     idle_exit_s: float = DEFAULT_IDLE_EXIT_S, run_dir: str = "") -> HolderClient:
+                     idle_exit_s: float = DEFAULT_IDLE_EXIT_S, run_dir: str = "", scope: str = "") -> HolderClient:
     """Connect to the node's holder; if none runs and ``start``, start one detached first (the returned
     client's ``started_holder`` then says so). The detached holder exits after ``idle_exit_s`` without
-    clients and flushes (0 = never): nobody else would stop it.
+    clients and flushes (0 = never): nobody else would stop it. ``scope``: the returned client's (HolderClient).
 
     Several local ranks may race here: an flock on the job directory makes exactly one of them
     start the holder. The holder double-forks and ``setsid``s, so neither torchrun's process-group
     kill nor the deepspeed launcher's tree kill reaches it (reference/deepspeed.md §8).
     """
     try:
-        return HolderClient(paths, timeout_s=timeout_s).connect()
+        return HolderClient(paths, timeout_s=timeout_s, scope=scope).connect()
     except HolderUnavailable:
         if not start:
             raise
@@ -260,7 +272,7 @@ def connect_or_start(paths: HolderPaths, *, budget_gb: float, start: bool, timeo
     with open(paths.lock, "a") as lk:
         fcntl.flock(lk, fcntl.LOCK_EX)
         try:
-            return HolderClient(paths, timeout_s=timeout_s).connect()
+            return HolderClient(paths, timeout_s=timeout_s, scope=scope).connect()
         except HolderUnavailable:
             pass
         cmd = holder_command(paths, budget_gb=budget_gb, idle_exit_s=idle_exit_s, run_dir=run_dir, daemonize=True)
@@ -270,6 +282,6 @@ def connect_or_start(paths: HolderPaths, *, budget_gb: float, start: bool, timeo
         if rc != 0:
             raise HolderUnavailable(f"starting the holder failed (exit {rc}); see {paths.log}")
         log.info("holder ready in %.2f s", time.monotonic() - t0)
-        c = HolderClient(paths, timeout_s=timeout_s).connect()
+        c = HolderClient(paths, timeout_s=timeout_s, scope=scope).connect()
         c.started_holder = True
         return c

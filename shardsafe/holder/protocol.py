@@ -10,11 +10,11 @@ frame is closed before it is raised, so nothing a peer sends can leak into the r
 """
 from __future__ import annotations
 
-import math
-
 import array
 import json
+import math
 import os
+import re
 import socket
 import struct
 import time
@@ -169,6 +169,19 @@ def req_int(req: dict, key: str, *, minimum: int | None = None) -> int:
                                          f"{type(v).__name__} {str(v)[:60]!r}")
     if minimum is not None and v < minimum:
         raise HolderError("bad_request", f"{req.get('op')!r}: {key!r} must be >= {minimum}, got {v}")
+    return v
+
+
+SCOPE_RE = re.compile(r"[A-Za-z0-9._-]{0,64}")
+
+
+def req_scope(req: dict) -> str:
+    """The request's ``scope``: the namespace of one engine's snapshots inside the job's holder ("" is the
+    first engine of every trainer process; shardsafe.runtime names the others)."""
+    v = req.get("scope", "")
+    if not isinstance(v, str) or not SCOPE_RE.fullmatch(v):
+        raise HolderError("bad_request", f"{req.get('op')!r}: 'scope' must be up to 64 characters of [A-Za-z0-9._-], "
+                                         f"got {str(v)[:80]!r}")
     return v
 
 

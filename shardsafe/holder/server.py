@@ -1,6 +1,8 @@
 """The holder daemon: one per (job, node); owns snapshot memory and outlives crashed trainers.
 
-State per (rank, kind): at most two slots. A slot is ``writing`` (acquired, maybe torn),
+State per (scope, rank, kind): at most two slots. A scope is one engine's namespace (a process that builds
+several protected DeepSpeed engines, e.g. HF's Trainer once per ``train()`` or hyperparameter trial, keeps each
+engine's snapshots apart; the first engine's scope is ""); the budget is the holder's, shared by all. A slot is ``writing`` (acquired, maybe torn),
 ``sealed`` (complete, with its manifest) and possibly ``committed`` (all ranks agreed). The slot
 holding a rank's newest committed version is never handed out for writing, so a crash at any
 moment leaves that version intact. Memory stays inside the budget; an over-budget request gets
@@ -21,7 +23,7 @@ from typing import Any, Callable
 from ..errors import ConfigError
 from .paths import HolderPaths
 from .protocol import (FLUSH_DRAIN_S, BadFrame, HolderError, ProtocolError, close_fds, gib_up, recv_msg, req_int,
-                       req_ranks, send_msg)
+                       req_ranks, req_scope, send_msg)
 from .background import BackgroundWork
 from .segments import Segment, round_size
 from .slots import KINDS, RankEntry, Slot
@@ -29,6 +31,15 @@ from .slots import KINDS, RankEntry, Slot
 log = logging.getLogger("shardsafe.holder")
 
 MAX_SLOTS = 2
+
+Key = tuple[str, int]
+"""(scope, rank): whose slots these are."""
+
+
+def who(key: Key) -> str:
+    """A key as error messages name it."""
+    scope, rank = key
+    return f"rank {rank}" + (f" (engine scope {scope!r})" if scope else "")
 
 # A client has this long to say hello after connecting, and to send the rest of a frame once it began one;
 # a client that does not take its reply within it is dropped too. Trainers send each frame in one go: only
@@ -52,7 +63,7 @@ class Holder(BackgroundWork):
         self.read_timeout_s = float(read_timeout_s)
         self.max_clients = int(max_clients)
         self.refused = {"busy": 0, "protocol": 0, "timeout": 0, "hello": 0}   # connections closed, by reason
-        self.ranks: dict[int, RankEntry] = {}
+        self.ranks: dict[Key, RankEntry] = {}   # (scope, rank) -> its slots
         self.lock = threading.RLock()
         self._next_slot = 1
         self._stop = threading.Event()
@@ -91,10 +102,15 @@ class Holder(BackgroundWork):
             self._events.emit(kind, **f)
 
     # ---- requests ---------------------------------------------------------------------------------
-    def _entry(self, rank: int) -> RankEntry:
+    def _entry(self, key: Key) -> RankEntry:
+        rank = key[1]
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise HolderError("bad_request", f"rank must be a non-negative integer, got {rank!r}")
-        return self.ranks.setdefault(rank, RankEntry())
+        return self.ranks.setdefault(key, RankEntry())
+
+    @staticmethod
+    def _key(req: dict) -> Key:
+        return req_scope(req), req_int(req, "rank", minimum=0)
 
     @staticmethod
     def _kind(req: dict) -> str:
@@ -104,19 +120,20 @@ class Holder(BackgroundWork):
         return kind
 
     def acquire(self, req: dict) -> tuple[dict, list[int]]:
-        rank, kind, version = req_int(req, "rank", minimum=0), self._kind(req), req_int(req, "version")
+        key, kind, version = self._key(req), self._kind(req), req_int(req, "version")
         nbytes = req_int(req, "nbytes", minimum=0)
         with self.lock:
             try:
-                return self._acquire(rank, kind, version, nbytes)
+                return self._acquire(key, kind, version, nbytes)
             finally:
-                ent = self.ranks.get(rank)
+                ent = self.ranks.get(key)
                 if ent is not None and not any(ent.slots.values()):
-                    del self.ranks[rank]   # a refused first request leaves no empty entry behind
+                    del self.ranks[key]   # a refused first request leaves no empty entry behind
 
-    def _acquire(self, rank: int, kind: str, version: int, nbytes: int) -> tuple[dict, list[int]]:
+    def _acquire(self, key: Key, kind: str, version: int, nbytes: int) -> tuple[dict, list[int]]:
+        scope, rank = key
         with self.lock:
-            ent = self._entry(rank)
+            ent = self._entry(key)
             slots = ent.slots[kind]
             protected = ent.last_committed[kind]
             # Candidates: never the slot of the newest committed version; prefer the oldest other one.
@@ -136,7 +153,7 @@ class Holder(BackgroundWork):
             need = round_size(nbytes)
             busy = [s for s in slots if s.pins]
             if slot is None and len(slots) >= MAX_SLOTS + len(busy):
-                raise HolderError("state", f"rank {rank} already has {len(slots)} {kind} slots and none may be overwritten"
+                raise HolderError("state", f"{who(key)} already has {len(slots)} {kind} slots and none may be overwritten"
                                            + (f" (version(s) {[s.version for s in busy]} still being flushed to disk or "
                                               "scrubbed)" if busy else ""))
             if slot is None and len(slots) >= MAX_SLOTS:
@@ -149,19 +166,20 @@ class Holder(BackgroundWork):
                 if used + need > self.budget:
                     raise HolderError(
                         "budget",
-                        f"holder on node {self.paths.node} (job {self.paths.job_id}) cannot give rank {rank} a slot for "
+                        f"holder on node {self.paths.node} (job {self.paths.job_id}) cannot give {who(key)} a slot for "
                         f"version {version} while version(s) {[s.version for s in busy]} are being flushed to disk or "
                         f"scrubbed: one more slot needs {need} bytes, {used} in use, budget {self.budget} bytes. Raise "
                         f"memory_budget_gb (--memory-budget-gb) to at least {gib_up(used + need):.3f} GiB to keep "
                         "snapshotting during flushes, or flush less often (persist_every) or faster (persist_mbps).")
             if slot is not None and slot.seg.size < need:
-                self._check_budget(need - slot.seg.size, rank, nbytes, kind, keep=slot)
+                self._check_budget(need - slot.seg.size, key, nbytes, kind, keep=slot)
                 slots.remove(slot)
                 slot.seg.close()
                 slot = None
             if slot is None:
-                self._check_budget(need, rank, nbytes, kind)
-                seg = Segment(f"shardsafe.{self.paths.job_id}.{self.paths.node}.r{rank}.{kind}.{self._next_slot}", need)
+                self._check_budget(need, key, nbytes, kind)
+                where = f"{scope}.r{rank}" if scope else f"r{rank}"
+                seg = Segment(f"shardsafe.{self.paths.job_id}.{self.paths.node}.{where}.{kind}.{self._next_slot}", need)
                 slot = Slot(self._next_slot, seg)
                 self._next_slot += 1
                 slots.append(slot)
@@ -186,14 +204,14 @@ class Holder(BackgroundWork):
     def _invalidate(s: Slot) -> None:
         s.version, s.state, s.committed, s.manifest, s.nbytes = -1, "free", False, None, 0
 
-    def _unpin(self, rank: int, kind: str, s: Slot) -> None:
+    def _unpin(self, key: Key, kind: str, s: Slot) -> None:
         """A flush or scrub is done with ``s`` (call with the lock held). A slot dropped meanwhile is
         closed now; if an extra slot was taken during the read, the rank goes back to MAX_SLOTS
         versions: the oldest one that may go becomes a free slot again."""
         s.pins -= 1
         if s.pins:
             return
-        ent = self.ranks.get(rank)
+        ent = self.ranks.get(key)
         if ent is None:
             return
         slots = ent.slots[kind]
@@ -226,88 +244,101 @@ class Holder(BackgroundWork):
                     x.seg.close()
         return freed
 
-    def _check_budget(self, extra: int, rank: int, nbytes: int, kind: str = "data", keep: Slot | None = None) -> None:
+    def _check_budget(self, extra: int, key: Key, nbytes: int, kind: str = "data", keep: Slot | None = None) -> None:
         used = self.used_bytes()
         if used + extra > self.budget:
             used -= self._reclaim_free(keep)
         if used + extra > self.budget:
-            steady = self.steady_bytes(rank, kind, round_size(nbytes))
+            steady = self.steady_bytes(key, kind, round_size(nbytes))
             raise HolderError(
                 "budget",
-                f"holder on node {self.paths.node} (job {self.paths.job_id}) cannot hold {nbytes} bytes for rank {rank}: "
+                f"holder on node {self.paths.node} (job {self.paths.job_id}) cannot hold {nbytes} bytes for {who(key)}: "
                 f"{used} bytes in use + {extra} needed > budget {self.budget} bytes. "
                 f"Raise memory_budget_gb (--memory-budget-gb) to at least {gib_up(steady):.3f} GiB "
-                f"({MAX_SLOTS} versions per rank are kept: {steady} bytes for the {self._ranks_seen(rank)} "
-                f"rank(s) this holder has seen so far, more for ranks still to come), or snapshot less often.")
+                f"({MAX_SLOTS} versions per rank are kept: {steady} bytes for the {self._ranks_seen(key)} "
+                f"rank(s) this holder has seen so far{self._scopes_said()}, more for ranks still to come), or snapshot "
+                "less often.")
 
-    def steady_bytes(self, rank: int, kind: str, need: int) -> int:
-        """Bytes the holder needs once every (rank, kind) it knows keeps MAX_SLOTS versions of its largest
-        slot, with ``need`` bytes per slot for (``rank``, ``kind``): what a budget must hold, not just the
+    def steady_bytes(self, key: Key, kind: str, need: int) -> int:
+        """Bytes the holder needs once every (scope, rank, kind) it knows keeps MAX_SLOTS versions of its largest
+        slot, with ``need`` bytes per slot for (``key``, ``kind``): what a budget must hold, not just the
         next request (call with the lock held)."""
         total = MAX_SLOTS * need
         for r, ent in self.ranks.items():
             for k, lst in ent.slots.items():
-                if (r, k) != (rank, kind) and lst:
+                if (r, k) != (key, kind) and lst:
                     total += MAX_SLOTS * max(s.seg.size for s in lst)
         return total
 
-    def _ranks_seen(self, rank: int) -> int:
-        return len({rank, *(r for r, e in self.ranks.items() if any(e.slots.values()))})
+    def _ranks_seen(self, key: Key) -> int:
+        return len({key, *(r for r, e in self.ranks.items() if any(e.slots.values()))})
 
-    def _find(self, rank: int, kind: str, version: int, states: tuple[str, ...]) -> Slot:
-        ent = self.ranks.get(rank)
+    def _scopes_said(self) -> str:
+        """", in N engine scopes" when more than one engine of the job keeps snapshots here."""
+        scopes = {sc for (sc, _), e in self.ranks.items() if any(e.slots.values())}
+        return f" in {len(scopes)} engine scopes (every protected engine of a process keeps its own)" \
+            if len(scopes) > 1 else ""
+
+    def _find(self, key: Key, kind: str, version: int, states: tuple[str, ...]) -> Slot:
+        ent = self.ranks.get(key)
         for s in (ent.slots[kind] if ent else []):
             if s.version == version and s.state in states:
                 return s
         raise HolderError("not_found", f"node {self.paths.node} holds no {'/'.join(states)} {kind} version {version} "
-                                       f"for rank {rank}")
+                                       f"for {who(key)}")
 
     def seal(self, req: dict) -> dict:
-        rank, kind, version = req_int(req, "rank", minimum=0), self._kind(req), req_int(req, "version")
+        key, kind, version = self._key(req), self._kind(req), req_int(req, "version")
         manifest = req.get("manifest")
         if not isinstance(manifest, dict):
             raise HolderError("bad_request", "seal needs a JSON object manifest")
         with self.lock:
-            s = self._find(rank, kind, version, ("writing",))
+            s = self._find(key, kind, version, ("writing",))
             s.state, s.manifest, s.sealed_at = "sealed", manifest, time.time()
         return {}
 
     def commit(self, req: dict) -> dict:
         """Mark ``version`` committed for the given ranks; older versions become overwritable."""
-        kind, version, ranks = self._kind(req), req_int(req, "version"), req_ranks(req)
+        kind, version, ranks, scope = self._kind(req), req_int(req, "version"), req_ranks(req), req_scope(req)
         with self.lock:
             for rank in ranks:
-                s = self._find(rank, kind, version, ("sealed",))
+                s = self._find((scope, rank), kind, version, ("sealed",))
                 s.committed = True
-                ent = self.ranks[rank]
+                ent = self.ranks[(scope, rank)]
                 ent.last_committed[kind] = max(ent.last_committed[kind], version)
         return {}
 
     def list(self, req: dict) -> dict:
-        want = req.get("rank")
+        """The slots of the request's scope ("" by default), of one rank or of all."""
+        want, scope = req.get("rank"), req_scope(req)
         if want is not None:
             want = req_int(req, "rank", minimum=0)
         with self.lock:
             out = {}
-            for rank, ent in sorted(self.ranks.items()):
-                if want is not None and rank != want:
+            for (sc, rank), ent in sorted(self.ranks.items()):
+                if sc != scope or (want is not None and rank != want):
                     continue
                 out[str(rank)] = {k: [s.info() for s in sorted(lst, key=lambda s: s.version)] for k, lst in ent.slots.items() if lst}
             return {"ranks": out}
 
-    def open(self, req: dict) -> tuple[dict, list[int]]:
-        rank, kind, version = req_int(req, "rank", minimum=0), self._kind(req), req_int(req, "version")
+    def scopes(self) -> list[str]:
+        """The engine scopes that hold slots, "" (the first engine) first."""
         with self.lock:
-            s = self._find(rank, kind, version, ("sealed",))
+            return sorted({sc for (sc, _), e in self.ranks.items() if any(e.slots.values())})
+
+    def open(self, req: dict) -> tuple[dict, list[int]]:
+        key, kind, version = self._key(req), self._kind(req), req_int(req, "version")
+        with self.lock:
+            s = self._find(key, kind, version, ("sealed",))
             return {"slot": s.slot_id, "manifest": s.manifest, "nbytes": s.nbytes, "committed": s.committed}, [s.seg.readonly_fd()]
 
     def drop(self, req: dict) -> dict:
-        kind, ranks = self._kind(req), req_ranks(req)
+        kind, ranks, scope = self._kind(req), req_ranks(req), req_scope(req)
         version = req_int(req, "version") if req.get("version") is not None else None
         freed = 0
         with self.lock:
             for rank in ranks:
-                ent = self.ranks.get(rank)
+                ent = self.ranks.get((scope, rank))
                 if not ent:
                     continue
                 keep = []
@@ -333,11 +364,12 @@ class Holder(BackgroundWork):
                     "budget": self.budget, "used": self.used_bytes(), "started": self.started,
                     "clients": self._clients, "refused": dict(self.refused), "health": "ok" if not self._corrupt() else "corrupt",
                     "corrupt": self._corrupt(), "scrub": dict(self.scrub_stats), "flush": dict(self.flush_stats),
-                    **self.list({})}
+                    **self.list({}),
+                    "scopes": {sc: self.list({"scope": sc})["ranks"] for sc in self.scopes() if sc}}
 
     def _corrupt(self) -> list[dict]:
-        return [{"rank": r, "kind": k, "version": s.version} for r, e in self.ranks.items()
-                for k, lst in e.slots.items() for s in lst if s.state == "corrupt"]
+        return [{"rank": r, "kind": k, "version": s.version, **({"scope": sc} if sc else {})}
+                for (sc, r), e in self.ranks.items() for k, lst in e.slots.items() for s in lst if s.state == "corrupt"]
 
     def handle(self, req: dict) -> tuple[dict, list[int]]:
         op = req.get("op")

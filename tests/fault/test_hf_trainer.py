@@ -126,3 +126,53 @@ def test_without_the_block_the_trainer_imports_nothing_of_shardsafe_beyond_the_h
             assert json.load(f) == ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload",
                                     "shardsafe.adapters.ds_config"]
     assert "protected" not in trainer_logs(str(hf_reference))
+
+
+def _restores_by_engine(run_dir):
+    """(attempt, engine scope) -> restored version (min over ranks); "" is the process's first engine."""
+    from shardsafe.runcheck import read_jsonl
+    out = {}
+    for e in read_jsonl(os.path.join(str(run_dir), "events.jsonl")):
+        if e.get("kind") == "restore_end":
+            k = (int(e.get("attempt") or 0), e.get("engine", ""))
+            out[k] = min(out.get(k, e["version"]), e["version"])
+    return out
+
+
+def test_hf_hyperparameter_search_resumes_the_trial_that_crashed_from_its_own_snapshot(tmp_path):
+    """``Trainer.hyperparameter_search`` (optuna, a seeded random sampler over the learning rate, 2 trials): HF
+    builds a new engine for each trial over a fresh ``model_init`` model. Killed at step 4 of trial 1: before
+    engine scopes, trial 1's engine (same layout) restored trial 0's last snapshot, so it started "done" at
+    step 10 with trial 0's weights: a silent wrong state. Now the restarted search's trial 0 restores its own
+    engine's last version (HF finds its last step done, trains nothing, evaluates the same weights), trial 1
+    restores its own (2 or 3), and every loss of both trials and trial 1's final state equal an uninterrupted
+    search's."""
+    pytest.importorskip("optuna")
+    hp = ["--hp-trials", "2"]
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    assert hf_job(ref, max_restarts=0, protected=False, extra=hp).ok, trainer_logs(str(ref))[-3000:]
+    run = tmp_path / "run"
+    run.mkdir()
+    res = hf_job(run, inject="kill-rank:1:engine1@4", extra=hp)
+    assert res.ok and res.attempts == 2, (res, trainer_logs(str(run))[-4000:])
+    got = _restores_by_engine(run)
+    assert got[(0, "")] == -1 and got[(0, "engine1")] == -1, got
+    assert got[(1, "")] == STEPS and got[(1, "engine1")] in (2, 3), got
+    v = got[(1, "engine1")]
+    logs = trainer_logs(str(run))
+    assert "engine 1 of this process" in logs, logs[-3000:]
+    assert f"HF Trainer resumed from snapshot version {STEPS} " in logs and \
+        f"HF Trainer resumed from snapshot version {v} " in logs, logs[-3000:]
+    ref_logs = trainer_logs(str(ref))
+    for t in range(2):   # the same trials (seeded sampler), each ending where the uninterrupted search's did
+        lrs = {line.split("learning_rate ")[1].split(",")[0] for line in ref_logs.splitlines()
+               if f"trial {t}: learning_rate" in line}
+        assert len(lrs) == 1 and all(f"trial {t}: learning_rate {lr}" in logs for lr in lrs), (t, lrs)
+    for r in range(2):   # attempt 1 trained neither trial 0 again nor trial 1 from its start
+        by = losses_by_attempt(str(run), r)
+        assert set(range(1, STEPS + 4)) <= set(by[0]) and min(by[1]) == STEPS + v + 1, (r, v, by)
+        assert max(by[1]) == 2 * STEPS, (r, by)
+    cmp = compare_runs(str(run), str(ref), 2, 2 * STEPS, offsets={"engine1": STEPS})
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
+                                                           cmp.state_mismatches)

@@ -136,13 +136,16 @@ def test_status_cli(holder):
     p, _, c = holder()
     c.acquire(rank=2, version=3, nbytes=5 << 20)
     c.seal(rank=2, version=3, manifest={})
+    c1 = HolderClient(p, timeout_s=5, scope="engine1").connect()   # a second engine of the process
+    c1.acquire(rank=2, version=1, nbytes=2 << 20)
+    c1.seal(rank=2, version=1, manifest={})
     out = subprocess.run([sys.executable, "-m", "shardsafe.cli", "status", "--holder-dir", p.root, "--job-id",
                           p.job_id, "--json"], capture_output=True, text=True, check=True).stdout
     st = json.loads(out)["holders"][0]
     assert st["node"] == "n0" and st["ranks"]["2"]["data"][0]["version"] == 3
     txt = subprocess.run([sys.executable, "-m", "shardsafe.cli", "status", "--holder-dir", p.root, "--job-id",
                           p.job_id], capture_output=True, text=True, check=True).stdout
-    assert "rank 2 data: v3 sealed" in txt
+    assert "  rank 2 data: v3 sealed" in txt and "  engine1 rank 2 data: v1 sealed" in txt, txt
 
 
 def test_shutdown_is_answered_before_the_holder_stops(tmp_path, monkeypatch):
@@ -291,3 +294,43 @@ def test_auto_started_holders_get_an_idle_exit_by_default(tmp_path):
         again.close()
     finally:
         c.shutdown()
+
+
+def test_engine_scopes_keep_their_versions_apart(holder):
+    """Two engines of one process (HF's Trainer builds one per train() call; RLHF runs several) write the same
+    rank and version numbers into one holder: each scope lists, opens, commits and drops only its own, and the
+    holder's one budget counts them all."""
+    paths, _, first = holder(budget_gb=0.009)   # 9.66 MB: four 2 MiB slots, not five
+    second = HolderClient(paths, timeout_s=5, scope="engine1").connect()
+    for c, tag in ((first, b"e0"), (second, b"e1")):
+        for v in (4, 5):
+            _, m = c.acquire(rank=0, version=v, nbytes=2 << 20)
+            m[:3] = tag + bytes([v])
+            c.seal(rank=0, version=v, manifest={"tag": tag.decode(), "v": v})
+            c.commit(ranks=[0], version=v)
+    for c, tag in ((first, "e0"), (second, "e1")):
+        assert c.sealed_versions(0) == [4, 5]
+        man, rm = c.open(rank=0, version=5)
+        assert man == {"tag": tag, "v": 5} and rm[:3] == tag.encode() + b"\x05"
+        rm.close()
+    st = first.status()
+    assert set(st["ranks"]) == {"0"} and set(st["scopes"]) == {"engine1"}
+    assert st["used"] == 4 * (2 << 20)
+    # the budget is the holder's: a fifth slot does not fit, and the refusal names both scopes' slots
+    third = HolderClient(paths, timeout_s=5, scope="engine2").connect()
+    with pytest.raises(HolderError) as e:
+        third.acquire(rank=0, version=1, nbytes=2 << 20)
+    assert e.value.code == "budget" and "engine scope 'engine2'" in str(e.value) and "3 rank(s)" in str(e.value), \
+        str(e.value)
+    second.drop(rank=0, version=4)
+    assert second.sealed_versions(0) == [5] and first.sealed_versions(0) == [4, 5]
+    with pytest.raises(HolderError) as e:
+        second.open(rank=0, version=4)
+    assert e.value.code == "not_found" and "engine scope 'engine1'" in str(e.value)
+    third.acquire(rank=0, version=1, nbytes=2 << 20)   # the freed slot is the holder's again
+    with pytest.raises(ValueError, match="holder scope"):
+        HolderClient(paths, scope="../x")
+    # a malformed scope on the wire is refused by the holder itself
+    with pytest.raises(HolderError) as e:
+        first.request("list", scope="a/b")
+    assert e.value.code == "bad_request" and "'scope'" in str(e.value)

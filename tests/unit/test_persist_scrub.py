@@ -315,12 +315,12 @@ def test_scrub_pins_one_slot_at_a_time(tmp_path, monkeypatch):
     try:
         assert hashing.wait(10)
         got = h.acquire({"rank": 0, "version": 3, "nbytes": 4096})[0]["slot"]
-        assert got == slot_of[1] and len(h.ranks[0].slots["data"]) == 2
+        assert got == slot_of[1] and len(h.ranks[("", 0)].slots["data"]) == 2
     finally:
         release.set()
         t.join(10)
     assert h.scrub_stats["slots"] == 2
-    for lst in h.ranks[0].slots.values():
+    for lst in h.ranks[("", 0)].slots.values():
         for s in lst:
             s.seg.close()
 
