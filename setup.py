@@ -143,9 +143,10 @@ if __name__ == "__main__":
             "plot": ["matplotlib>=3.6,<4"],
             # transformers/accelerate: tests/fault/test_hf_trainer.py (HF Trainer + DeepSpeed ZeRO-2 on CPU); the
             # Trainer hooks (adapters/hf.py) follow transformers' private loop methods, so the tested pair is pinned;
-            # optuna: Trainer.hyperparameter_search (one engine per trial) in the same test.
+            # optuna: Trainer.hyperparameter_search (one engine per trial) in the same test. Lightning: its loop
+            # hooks (adapters/lightning.py) follow private loop methods too, so its tested version is pinned.
             "test": ["pytest>=7,<10", "pytest-timeout>=2.1", "transformers==5.24.0", "accelerate==1.15.0",
-                     "optuna==5.1.0"],
+                     "optuna==5.1.0", "lightning==2.6.6"],
             "mpi": ["mpi4py>=3.1,<5"],
         },
         entry_points={"console_scripts": ["shardsafe=shardsafe.cli:main"]},

@@ -15,6 +15,10 @@ imports a framework the finder knows and then asks for protection:
   DeepSpeed's initialize, and nothing more of shardsafe is imported. Programs that call it through a wrapper
   (HF Accelerate / ``Trainer``, Lightning) reach the same wrapper: they look ``deepspeed.initialize`` up at
   call time.
+- Lightning (``lightning.pytorch`` or ``pytorch_lightning``): its checkpoint connector's
+  ``restore_training_state`` and the training epoch loop's ``on_run_start`` are wrapped on their classes; they
+  are Lightning's own unless the strategy's DeepSpeed engine is protected, and then
+  :mod:`shardsafe.adapters.lightning` resumes ``Trainer.fit`` at the restored step.
 - ``transformers.trainer``: once HF's Trainer module has loaded, the ``Trainer`` methods named in
   :data:`HF_TRAINER_HOOKS` are wrapped on the class. Each looks at ``trainer.model_wrapped.shardsafe`` (set by
   the ``deepspeed`` branch above when HF's DeepSpeed config has the block) and, when the engine is not protected,
@@ -107,6 +111,12 @@ def _patch_deepspeed(module) -> None:
             raise ConfigError(f"shardsafe cannot resume this Hugging Face Trainer ({why}): its engine would restore "
                               "a snapshot the Trainer's loop then ignores. Set \"enabled\": false in the "
                               "\"shardsafe\" block, or use the transformers version shardsafe is tested with (5.24).")
+        why = next((w for m, w in FAILED.items() if m.startswith(("lightning.pytorch.", "pytorch_lightning."))), None)
+        if why and _called_from(("lightning.", "pytorch_lightning.")):
+            from shardsafe.config import ConfigError
+            raise ConfigError(f"shardsafe cannot resume this Lightning fit ({why}): its engine would restore a "
+                              "snapshot Lightning's loop then ignores. Set \"enabled\": false in the \"shardsafe\" "
+                              "block, or use the Lightning version shardsafe is tested with (2.6.6).")
         from shardsafe.adapters.deepspeed import protect
         return protect(original, args, kwargs, auto=f"{ENV_AUTO}=0")
 
@@ -222,8 +232,68 @@ def _patch_transformers_trainer(module) -> None:
     cls.__shardsafe_auto__ = True
 
 
+def _lightning_protected(trainer) -> bool:
+    engine = getattr(getattr(trainer, "strategy", None), "model", None)
+    return getattr(engine, "shardsafe", None) is not None
+
+
+def _patch_lightning_connector(module) -> None:
+    """Lightning's checkpoint connector has loaded: ``_CheckpointConnector.restore_training_state`` (once per
+    ``fit``, after the strategy built the engine) is wrapped; past Lightning's own method it does nothing unless
+    the strategy's DeepSpeed engine is protected, and then :mod:`shardsafe.adapters.lightning` records the fit
+    loop at every snapshot and places it at the restored step."""
+    import functools
+    cls = getattr(module, "_CheckpointConnector", None)
+    original = getattr(cls, "restore_training_state", None)
+    if original is None:
+        raise AttributeError(f"{module.__name__} has no _CheckpointConnector.restore_training_state (shardsafe "
+                             "resumes Lightning through it; Lightning 2.6.6 is tested)")
+    if getattr(original, "__shardsafe_auto__", False):
+        return
+
+    @functools.wraps(original)
+    def restore_training_state(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if _lightning_protected(self.trainer):
+            from shardsafe.adapters.lightning import after_restore_training_state
+            after_restore_training_state(self)
+        return out
+
+    restore_training_state.__shardsafe_auto__ = True
+    cls.restore_training_state = restore_training_state
+
+
+def _patch_lightning_epoch_loop(module) -> None:
+    """Lightning's training epoch loop has loaded: ``_TrainingEpochLoop.on_run_start`` is wrapped (the epoch of
+    a restored step skips the batches already trained and puts the snapshot's RNG back)."""
+    import functools
+    cls = getattr(module, "_TrainingEpochLoop", None)
+    original = getattr(cls, "on_run_start", None)
+    if original is None:
+        raise AttributeError(f"{module.__name__} has no _TrainingEpochLoop.on_run_start (shardsafe resumes "
+                             "Lightning through it; Lightning 2.6.6 is tested)")
+    if getattr(original, "__shardsafe_auto__", False):
+        return
+
+    @functools.wraps(original)
+    def on_run_start(self, data_fetcher, *args, **kwargs):
+        out = original(self, data_fetcher, *args, **kwargs)
+        if "_shardsafe_resume" in self.trainer.__dict__:
+            from shardsafe.adapters.lightning import after_epoch_run_start
+            after_epoch_run_start(self, data_fetcher)
+        return out
+
+    on_run_start.__shardsafe_auto__ = True
+    cls.on_run_start = on_run_start
+
+
 PATCHES = {"deepspeed": _patch_deepspeed, "megatron.training": _patch_megatron_training,
            "transformers.trainer": _patch_transformers_trainer}
+# Lightning ships the same code under two package names (``lightning`` and the standalone ``pytorch_lightning``).
+for _pkg in ("lightning.pytorch", "pytorch_lightning"):
+    PATCHES[f"{_pkg}.trainer.connectors.checkpoint_connector"] = _patch_lightning_connector
+    PATCHES[f"{_pkg}.loops.training_epoch_loop"] = _patch_lightning_epoch_loop
+del _pkg
 
 
 def install() -> None:

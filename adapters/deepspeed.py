@@ -55,6 +55,9 @@ class DeepSpeedStateAdapter(StateAdapter):
         self._ckpt_layout: dict[str, Any] | None = None
         self.parallel = parallel_layout(engine)
         self.restore_notes: dict[str, Any] = {}
+        # The engine's LR scheduler as initialize built it: Lightning's strategy then takes it out of the engine
+        # (engine.lr_scheduler = None) and steps it itself; it is still this engine's schedule to snapshot.
+        self._scheduler_at_init = engine.lr_scheduler
         # DeepSpeed's CPU Adam kernels keep beta1^t / beta2^t outside optimizer.state (cpu_adam_powers.py).
         # One tracker per optimizer: a second adapter on the same engine must not observe the calls twice.
         base = o.optimizer
@@ -101,6 +104,12 @@ class DeepSpeedStateAdapter(StateAdapter):
             lay.update(zero_stage_enum=3)
         self._ckpt_layout = lay
         return lay
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The engine's LR scheduler, also when a wrapper stepping it itself took it out of the engine."""
+        e = self.engine
+        return e.lr_scheduler if e.lr_scheduler is not None else self._scheduler_at_init
 
     def buffers(self) -> list[tuple[str, torch.Tensor]]:
         # Resolved once: capture() runs after every optimizer step, the module tree does not change.
@@ -152,7 +161,7 @@ class DeepSpeedStateAdapter(StateAdapter):
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups],
             "opt_scalars": scalars,
             "state_devices": {n: str(t.device) for n, t in st.tensors.items()},
-            "lr_scheduler": scheduler_state(e.lr_scheduler),
+            "lr_scheduler": scheduler_state(self.lr_scheduler),
             "counters": {k: int(getattr(e, k)) for k in COUNTERS},
             "loss_scaler": scaler, "overflow": bool(getattr(o, "overflow", False)),
             "extra": dict(self.extra), "ds_checkpoint": self.checkpoint_layout(), **rng.meta,
@@ -219,9 +228,9 @@ class DeepSpeedStateAdapter(StateAdapter):
             out.append(f"the snapshot has {len(meta.get('param_groups', []))} optimizer param groups, this engine "
                        f"{len(o.optimizer.param_groups)}: the model or its parameter grouping changed")
         out += rng_trackers.problems(meta.get("rng_trackers"))
-        if (meta.get("lr_scheduler") is None) != (e.lr_scheduler is None):
+        if (meta.get("lr_scheduler") is None) != (self.lr_scheduler is None):
             out.append("the snapshot was taken " + ("without" if meta.get("lr_scheduler") is None else "with")
-                       + " an LR scheduler and this engine runs " + ("with" if e.lr_scheduler is not None else "without")
+                       + " an LR scheduler and this engine runs " + ("with" if self.lr_scheduler is not None else "without")
                        + " one: restore with the original \"scheduler\" section")
         return out
 
@@ -263,8 +272,8 @@ class DeepSpeedStateAdapter(StateAdapter):
                     state[k] = v
         for g, saved in zip(base.param_groups, meta["param_groups"]):
             g.update(saved)   # lr etc.: a restored scheduler does not rewrite param_group['lr']
-        if e.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-            e.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        if self.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
         for k, v in meta["counters"].items():
             setattr(e, k, v)
         if getattr(o, "loss_scaler", None) is not None:
@@ -382,6 +391,10 @@ class ShardsafeEngineHook:
         self.ordinal = next(_ordinals)
         self._program_args = program_args   # the args given to deepspeed.initialize (GPT-NeoX, Megatron-DeepSpeed)
         self._stepped = False   # load_checkpoint calls before the first step are the program's resume
+        self.before_capture: list[Any] = []
+        """Callables run right before a snapshot's state is taken (inside the optimizer step): a framework's
+        loop records its progress in :attr:`extra` there (adapters/lightning.py). One that raises costs that
+        record, never the step."""
         self.adapter = DeepSpeedStateAdapter(engine)
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -417,6 +430,7 @@ class ShardsafeEngineHook:
             boundary = engine.is_gradient_accumulation_boundary()
             out = orig_step(*args, **kwargs)
             if boundary:
+                self._run_before_capture(engine.global_steps)
                 rt.after_step(engine.global_steps, adapter)
             return out
 
@@ -428,6 +442,7 @@ class ShardsafeEngineHook:
 
             def train_batch(*args: Any, **kwargs: Any) -> Any:
                 out = orig_train_batch(*args, **kwargs)
+                self._run_before_capture(engine.global_steps)
                 rt.after_step(engine.global_steps, adapter)
                 return out
 
@@ -442,6 +457,16 @@ class ShardsafeEngineHook:
             return self._resume_load(orig_load, load_dir, tag, args, kwargs)
 
         engine.load_checkpoint = load_checkpoint
+
+    def _run_before_capture(self, step: int) -> None:
+        if not self.before_capture or step % self.cfg.interval:
+            return
+        for f in self.before_capture:
+            try:
+                f()
+            except Exception as e:  # noqa: BLE001 - a progress record must never cost the training step
+                log.warning("[rank %d] shardsafe: %r failed before snapshot %d (%s: %s); the snapshot keeps the "
+                            "previous record", self.runtime.rank, f, step, type(e).__name__, e)
 
     def _resume_load(self, orig_load: Any, load_dir: Any, tag: Any, args: tuple, kwargs: dict) -> Any:
         """The program's own resume after a restore to version v: its ``load_checkpoint(dir)`` loads the disk

@@ -24,9 +24,8 @@ unchanged when the engine is not protected; only then is this module imported:
 Every ``train()`` call (and every ``hyperparameter_search`` trial) builds a new engine, and each protected engine
 of a process has its own snapshots (adapters/deepspeed.py ``ShardsafeEngineHook.ordinal``): after a crash in the
 second ``train()``, the restarted program's first ``train()`` restores the first engine's last version (HF then
-sees its last step done and trains nothing), and the second restores its own. When the next ``train()`` of the
-process prepares its engine, the previous one is retired: its newest committed version stays, its older one is
-freed.
+sees its last step done and trains nothing), and the second restores its own. At the end of every ``train()`` its
+engine is retired: its newest committed version stays, its older one is freed, its snapshot thread stops.
 
 The LR schedule is the engine's: HF's schedulers (LambdaLR) are stepped and snapshotted by DeepSpeed, and the
 snapshot restores their state (adapters/deepspeed.py ``scheduler_state``). What ``TrainerState`` holds beyond
@@ -112,6 +111,13 @@ class ProgressRecorder(_CallbackBase):
         self._last = {"total_flos": flos, "num_input_tokens_seen": tokens}
         hook.extra[EXTRA_KEY] = rec
 
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """HF never steps this ``train()``'s engine again (the next call, or trial, builds its own): retire it
+        now, while HF still holds it, rather than keep it alive past the ``release_memory`` HF runs between trials."""
+        hook = engine_hook(self._trainer)
+        if hook is not None:
+            hook.retire()
+
 
 def _callback_states(trainer: Any) -> dict[str, Any]:
     """``TrainerState.stateful_callbacks`` as HF's ``_save_checkpoint`` fills it, without TrainerControl (its
@@ -138,11 +144,6 @@ def _bind(original: Any, trainer: Any, args: tuple, kwargs: dict) -> inspect.Bou
     return bound
 
 
-_previous: Any = None
-"""The hook of the engine the last ``train()`` of this process prepared: HF trains one engine at a time, so the
-next ``train()`` (the same Trainer's next trial, or a new Trainer's) retires it."""
-
-
 def after_prepare_call(original: Any, trainer: Any, args: tuple, kwargs: dict) -> None:
     """After HF's ``_prepare_for_training(*args, **kwargs)`` built a protected engine."""
     after_prepare(trainer, _bind(original, trainer, args, kwargs).arguments.get("resume_from_checkpoint"))
@@ -153,10 +154,6 @@ def after_prepare(trainer: Any, resume_from_checkpoint: str | None) -> None:
     hook = engine_hook(trainer)
     if hook is None:
         return
-    global _previous
-    if _previous is not None and _previous is not hook:
-        _previous.retire()   # the previous train()'s (or trial's) engine: HF never steps it again
-    _previous = hook
     if not any(isinstance(cb, ProgressRecorder) for cb in trainer.callback_handler.callbacks):
         trainer.callback_handler.add_callback(ProgressRecorder(trainer))
     trainer.__dict__.pop("_shardsafe_resume", None)

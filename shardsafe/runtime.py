@@ -329,7 +329,7 @@ def engine_scope(ordinal: int) -> str:
     with one engine keeps the layout it always had; ``engine1``, ``engine2``, ... for the next ones. Programs build
     their engines in the same order on every run, so the ordinal names the same engine after a restart."""
     if ordinal < 0:
-        raise ValueError(f"engine ordinal must be >= 0, got {ordinal}")
+        raise ConfigError(f"engine ordinal must be >= 0, got {ordinal}")
     return f"engine{ordinal}" if ordinal else ""
 
 

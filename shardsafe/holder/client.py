@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any
 
+from ..errors import ConfigError
 from .paths import HolderPaths
 from .protocol import (DEFAULT_IDLE_EXIT_S, FLUSH_DRAIN_S, SCOPE_RE, HolderError, HolderFailure, ProtocolError, close_fds,
                        recv_msg, send_msg)
@@ -39,7 +40,7 @@ class HolderClient:
 
     def __init__(self, paths: HolderPaths, *, timeout_s: float = 60.0, scope: str = ""):
         if not isinstance(scope, str) or not SCOPE_RE.fullmatch(scope):
-            raise ValueError(f"holder scope must be up to 64 characters of [A-Za-z0-9._-], got {scope!r}")
+            raise ConfigError(f"holder scope must be up to 64 characters of [A-Za-z0-9._-], got {scope!r}")
         self.paths = paths
         self.scope = scope
         self.timeout_s = timeout_s
