@@ -27,6 +27,34 @@ _CLIENT_SAMPLE_COUNTERS = ("consumed_train_samples", "consumed_samples")
 _CLIENT_RNG_KEYS = ("random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states")
 
 
+def megatron_ds_counters(args: Any, *, v: int, samples: int) -> dict[str, int]:
+    """Megatron-DeepSpeed's counters beyond ``consumed_train_samples`` as of step v with ``samples`` consumed,
+    where its loop makes them a function of those two (megatron/training.py ``train``/``evaluate``), and only
+    then:
+
+    - ``consumed_train_tokens`` = samples x ``seq_length``: every step adds ``new_samples * actual_seq_length``,
+      which is ``seq_length`` unless curriculum learning or random-LTD shortens it;
+    - ``consumed_valid_samples`` = (v // ``eval_interval``) x ``eval_iters`` x ``global_batch_size``: every
+      ``eval_interval``-th iteration evaluates ``eval_iters`` global batches (the value Megatron-DeepSpeed itself
+      derives when an iteration-based checkpoint has none), unless the batch size ramps up.
+
+    Without validation data the loop never reads ``consumed_valid_samples``, so the formula is harmless there."""
+    out: dict[str, int] = {}
+    variable = any(getattr(args, k, False) for k in ("curriculum_learning_legacy", "data_efficiency_curriculum_learning",
+                                                      "curriculum_learning", "random_ltd"))
+    seq = getattr(args, "seq_length", None)
+    if not variable and _pos_int(seq):
+        out["consumed_train_tokens"] = samples * seq
+    ev, iters, gbs = (getattr(args, k, None) for k in ("eval_interval", "eval_iters", "global_batch_size"))
+    if all(_pos_int(x) for x in (ev, iters, gbs)) and not getattr(args, "rampup_batch_size", None):
+        out["consumed_valid_samples"] = (v // ev) * iters * gbs
+    return out
+
+
+def _pos_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
 def live_rng() -> dict[str, Any]:
     """This process's RNG states in the form those programs save them."""
     import random
@@ -65,6 +93,16 @@ def client_state_at(client: dict, *, step: int, v: int, samples: Any, live_sampl
                 else:
                     setattr(h, k, live_samples)
                 changed.append(where + k)
+    ckpt_args = client.get("args")
+    if ckpt_args is not None and not isinstance(ckpt_args, dict) and isinstance(samples, int):
+        # Megatron-DeepSpeed's tokens and validation position, moved from the checkpoint's step to v when they
+        # are what its loop made of that step (megatron_ds_counters), never otherwise.
+        then = megatron_ds_counters(ckpt_args, v=step, samples=samples)
+        now = megatron_ds_counters(ckpt_args, v=v, samples=live_samples)
+        for k, val in then.items():
+            if getattr(ckpt_args, k, None) == val and k in now:
+                setattr(ckpt_args, k, now[k])
+                changed.append("args." + k)
     if rng:
         dicts: list[tuple[str, dict]] = [("", client)]
         listed = client.get("rng_state")
@@ -127,8 +165,8 @@ def client_state_without_checkpoint(layout: str, *, v: int, program_args: Any, l
       ``args`` (a copy of the program's own, so ``check_checkpoint_args`` agrees, with ``consumed_train_samples``
       the engine's restored ``global_samples``), and ``rng_state``, one entry per data-parallel rank, each this
       rank's restored RNG (Megatron-DeepSpeed reads the entry at its DP rank or at 0: either way the RNG this
-      rank had at v). ``consumed_valid_samples`` and ``consumed_train_tokens`` keep the program's start values:
-      no snapshot holds them (docs/deepspeed.md).
+      rank had at v), and ``consumed_train_tokens`` / ``consumed_valid_samples`` as the loop makes them of step
+      v (:func:`megatron_ds_counters`; where it does not, they keep the program's start values: docs/deepspeed.md).
     """
     if layout == "none":
         return None
@@ -139,5 +177,8 @@ def client_state_without_checkpoint(layout: str, *, v: int, program_args: Any, l
     args = copy.copy(program_args)
     if args is not None and hasattr(args, "consumed_train_samples"):
         args.consumed_train_samples = live_samples
+        for k, val in megatron_ds_counters(args, v=v, samples=live_samples).items():
+            if hasattr(args, k):
+                setattr(args, k, val)
     per_rank = [states] * max(1, dp_world)
     return {"iteration": v, "checkpoint_version": 3.0, "args": args, "rng_state": per_rank}

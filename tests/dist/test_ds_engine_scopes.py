@@ -19,7 +19,7 @@ JOB = "scopes"
 
 def _config(root):
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}, "gradient_clipping": 1.0,
             "steps_per_print": 10 ** 9,
             "shardsafe": {"enabled": True, "job_id": JOB, "holder_dir": root, "node": "n0", "start_holder": False,
                           "timeout_s": 20}}

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from shardsafe.adapters.ds_client_state import client_state_without_checkpoint, program_layout
+from shardsafe.adapters.ds_client_state import client_state_at, client_state_without_checkpoint, program_layout
 from shardsafe.config import ConfigError, ShardsafeConfig
 
 
@@ -32,6 +32,42 @@ def test_the_synthesized_client_state_is_the_programs_own_layout_at_v():
     assert got["iteration"] == 7 and got["checkpoint_version"] == 3.0 and got["rng_state"] == [rng, rng]
     assert got["args"].consumed_train_samples == 56 and got["args"].seq_length == 8   # check_checkpoint_args agrees
     assert live.consumed_train_samples == 0 and got["args"] is not live   # the program's own args untouched
+
+
+def _megatron_ds_args(**kw):
+    """The counters and settings of Megatron-DeepSpeed's args that its loop derives its tokens and validation
+    position from: 8 samples per step (global_batch_size), 16 tokens per sample, 2 eval iterations every 5."""
+    base = dict(deepspeed=True, consumed_train_samples=0, consumed_valid_samples=0, consumed_train_tokens=0,
+                seq_length=16, global_batch_size=8, eval_interval=5, eval_iters=2, curriculum_learning_legacy=False,
+                data_efficiency_curriculum_learning=False, random_ltd=False, rampup_batch_size=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_megatron_deepspeed_tokens_and_validation_position_follow_the_step():
+    """Megatron-DeepSpeed's train() adds new_samples * seq_length tokens per step and evaluate() eval_iters global
+    batches every eval_interval-th iteration: as of v=12 with 96 samples, 1536 tokens and 2 evaluations (32
+    samples). Without a checkpoint they used to restart at 0 (a --lr-decay-tokens schedule restarted with them)."""
+    got = client_state_without_checkpoint("megatron-deepspeed", v=12, program_args=_megatron_ds_args(),
+                                          live_samples=96, rng={}, dp_world=1)
+    a = got["args"]
+    assert (a.consumed_train_samples, a.consumed_train_tokens, a.consumed_valid_samples) == (96, 1536, 32)
+    # a varying sequence length or batch size: not a function of the step, left as the program started them
+    a = client_state_without_checkpoint("megatron-deepspeed", v=12, program_args=_megatron_ds_args(
+        curriculum_learning_legacy=True, rampup_batch_size=["4", "4", "100"]), live_samples=96, rng={},
+        dp_world=1)["args"]
+    assert (a.consumed_train_tokens, a.consumed_valid_samples) == (0, 0)
+    # an older checkpoint (step 5: 40 samples, 640 tokens, one evaluation) moves to v=12 where its values are
+    # the loop's, and only there
+    old = {"iteration": 5, "args": _megatron_ds_args(consumed_train_samples=40, consumed_train_tokens=640,
+                                                     consumed_valid_samples=16)}
+    changed = client_state_at(old, step=5, v=12, samples=40, live_samples=96, rng=None, dp_rank=0)
+    a = old["args"]
+    assert (old["iteration"], a.consumed_train_samples, a.consumed_train_tokens, a.consumed_valid_samples) == \
+        (12, 96, 1536, 32), changed
+    odd = {"iteration": 5, "args": _megatron_ds_args(consumed_train_samples=40, consumed_train_tokens=600,
+                                                     consumed_valid_samples=16)}
+    client_state_at(odd, step=5, v=12, samples=40, live_samples=96, rng=None, dp_rank=0)
+    assert odd["args"].consumed_train_tokens == 600   # not what the loop makes of step 5: not touched
 
 
 def test_the_setting_is_checked():
