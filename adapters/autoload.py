@@ -237,54 +237,52 @@ def _lightning_protected(trainer) -> bool:
     return getattr(engine, "shardsafe", None) is not None
 
 
+def _wrap_after(module, cls_name: str, name: str, after) -> None:
+    """``cls_name.name`` of ``module`` (a Lightning loop class) runs Lightning's own method, then
+    ``after(self, *args)``, which decides for itself whether anything of shardsafe is needed."""
+    import functools
+    cls = getattr(module, cls_name, None)
+    original = getattr(cls, name, None)
+    if original is None:
+        raise AttributeError(f"{module.__name__} has no {cls_name}.{name} (shardsafe resumes Lightning through it; "
+                             "Lightning 2.6.6 is tested)")
+    if getattr(original, "__shardsafe_auto__", False):
+        return
+
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        after(self, *args)
+        return out
+
+    method.__shardsafe_auto__ = True
+    setattr(cls, name, method)
+
+
+def _after_restore_training_state(connector) -> None:
+    if _lightning_protected(connector.trainer):
+        from shardsafe.adapters.lightning import after_restore_training_state
+        after_restore_training_state(connector)
+
+
+def _after_epoch_run_start(epoch_loop, data_fetcher) -> None:
+    if "_shardsafe_resume" in epoch_loop.trainer.__dict__:
+        from shardsafe.adapters.lightning import after_epoch_run_start
+        after_epoch_run_start(epoch_loop, data_fetcher)
+
+
 def _patch_lightning_connector(module) -> None:
     """Lightning's checkpoint connector has loaded: ``_CheckpointConnector.restore_training_state`` (once per
     ``fit``, after the strategy built the engine) is wrapped; past Lightning's own method it does nothing unless
     the strategy's DeepSpeed engine is protected, and then :mod:`shardsafe.adapters.lightning` records the fit
     loop at every snapshot and places it at the restored step."""
-    import functools
-    cls = getattr(module, "_CheckpointConnector", None)
-    original = getattr(cls, "restore_training_state", None)
-    if original is None:
-        raise AttributeError(f"{module.__name__} has no _CheckpointConnector.restore_training_state (shardsafe "
-                             "resumes Lightning through it; Lightning 2.6.6 is tested)")
-    if getattr(original, "__shardsafe_auto__", False):
-        return
-
-    @functools.wraps(original)
-    def restore_training_state(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        if _lightning_protected(self.trainer):
-            from shardsafe.adapters.lightning import after_restore_training_state
-            after_restore_training_state(self)
-        return out
-
-    restore_training_state.__shardsafe_auto__ = True
-    cls.restore_training_state = restore_training_state
+    _wrap_after(module, "_CheckpointConnector", "restore_training_state", _after_restore_training_state)
 
 
 def _patch_lightning_epoch_loop(module) -> None:
     """Lightning's training epoch loop has loaded: ``_TrainingEpochLoop.on_run_start`` is wrapped (the epoch of
     a restored step skips the batches already trained and puts the snapshot's RNG back)."""
-    import functools
-    cls = getattr(module, "_TrainingEpochLoop", None)
-    original = getattr(cls, "on_run_start", None)
-    if original is None:
-        raise AttributeError(f"{module.__name__} has no _TrainingEpochLoop.on_run_start (shardsafe resumes "
-                             "Lightning through it; Lightning 2.6.6 is tested)")
-    if getattr(original, "__shardsafe_auto__", False):
-        return
-
-    @functools.wraps(original)
-    def on_run_start(self, data_fetcher, *args, **kwargs):
-        out = original(self, data_fetcher, *args, **kwargs)
-        if "_shardsafe_resume" in self.trainer.__dict__:
-            from shardsafe.adapters.lightning import after_epoch_run_start
-            after_epoch_run_start(self, data_fetcher)
-        return out
-
-    on_run_start.__shardsafe_auto__ = True
-    cls.on_run_start = on_run_start
+    _wrap_after(module, "_TrainingEpochLoop", "on_run_start", _after_epoch_run_start)
 
 
 PATCHES = {"deepspeed": _patch_deepspeed, "megatron.training": _patch_megatron_training,

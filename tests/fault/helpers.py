@@ -107,3 +107,12 @@ def live_holders(run_dir, wait_s=10.0):
         if not alive or time.time() > deadline:
             return alive
         time.sleep(0.2)
+
+
+def resumed_without_start_over(run_dir, v, steps, world=2):
+    """Every rank's attempt 1 began right after the restored version v and ran to ``steps``; step 1 ran in
+    attempt 0 only (a deterministic run that starts over would also end bit-exact)."""
+    from shardsafe.runcheck import losses_by_attempt
+    for r in range(world):
+        by = losses_by_attempt(str(run_dir), r)
+        assert min(by[1]) == v + 1 and 1 in by[0] and 1 not in by[1] and max(by[1]) == steps, (r, v, by)

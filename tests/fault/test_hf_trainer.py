@@ -18,7 +18,7 @@ import pytest
 from shardsafe.launch import PRELOAD_DEEPSPEED, LaunchConfig
 from shardsafe.runcheck import compare_runs, losses_by_attempt
 
-from .helpers import ROOT, launch, restores, trainer_logs
+from .helpers import ROOT, launch, restores, resumed_without_start_over, trainer_logs
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -61,18 +61,11 @@ def test_hf_trainer_killed_mid_run_resumes_at_the_snapshot_bit_exact(tmp_path, h
     assert f"HF Trainer resumed from snapshot version {v} without resume_from_checkpoint being passed" in logs, \
         logs[-3000:]
     assert f"continues at global step {v}" in logs
-    _resumed_without_start_over(tmp_path, v)
+    resumed_without_start_over(tmp_path, v, STEPS)
     assert f"train() done at global step {STEPS}" in logs
     cmp = compare_runs(str(tmp_path), str(hf_reference), 2, STEPS)
     assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
                                                            cmp.state_mismatches)
-
-
-def _resumed_without_start_over(run_dir, v):
-    for r in range(2):   # no start over: attempt 1's first step is v+1, step 1 ran once
-        by = losses_by_attempt(str(run_dir), r)
-        assert min(by[1]) == v + 1 and 1 in by[0] and 1 not in by[1], (r, v, by)
-        assert max(by[1]) == STEPS, (r, by)
 
 
 def test_hf_trainer_with_gradient_accumulation_resumes_bit_exact(tmp_path):
@@ -89,7 +82,7 @@ def test_hf_trainer_with_gradient_accumulation_resumes_bit_exact(tmp_path):
     assert res.ok and res.attempts == 2, (res, trainer_logs(str(run))[-4000:])
     got = restores(run)
     assert got[0] == -1 and got[1] in (3, 4), got
-    _resumed_without_start_over(run, got[1])
+    resumed_without_start_over(run, got[1], STEPS)
     cmp = compare_runs(str(run), str(ref), 2, STEPS)
     assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
                                                            cmp.state_mismatches)
@@ -112,7 +105,7 @@ def test_hf_trainer_resuming_from_its_last_checkpoint_takes_the_newer_snapshot(t
     assert f"snapshot version {v} is newer than disk checkpoint global_step3 (step 3)" in logs, logs[-3000:]
     assert (f"HF Trainer resumed from snapshot version {v} instead of resume_from_checkpoint={ckpt} (step 3, "
             "older)") in logs, logs[-3000:]
-    _resumed_without_start_over(tmp_path, v)
+    resumed_without_start_over(tmp_path, v, STEPS)
     cmp = compare_runs(str(tmp_path), str(hf_reference), 2, STEPS)
     assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
                                                            cmp.state_mismatches)
