@@ -555,9 +555,9 @@ class ShardsafeEngineHook:
         return self.runtime.flush()
 
     def retire(self) -> None:
-        """The program replaced this engine by a new one and will not step it again (HF's Trainer at its next
-        ``train()``): its newest committed version stays in the holder, so a restarted program that builds this
-        engine again restores its end state, and the rest of its memory and threads go."""
+        """The program will not step this engine again (HF's Trainer at the end of every ``train()``): its newest
+        committed version stays in the holder, so a restarted program that builds this engine again restores its
+        end state, and the rest of its memory and threads go."""
         self.runtime.retire()
 
     def close(self) -> None:

@@ -105,8 +105,8 @@ class Runtime(BaseRuntime):
         coords: this rank's parallel coordinates ``{"dp", "tp", "pp", ...}``: parity groups are data-parallel
             peers with equal other coordinates, on distinct nodes (default: every rank a DP peer).
         scope: which engine of the process this runtime protects ("" for the first; :func:`engine_scope`). A
-            program that builds several engines (HF ``Trainer.train()`` twice, one engine per hyperparameter
-            trial, an actor and a critic) keeps each one's snapshots apart in the holder and the persistent tier,
+            program that builds several engines (HF's one engine per hyperparameter trial, an actor and a
+            critic side by side) keeps each one's snapshots apart in the holder and the persistent tier,
             so an engine never restores another's state.
 
     Raises:
