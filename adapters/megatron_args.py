@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Optional
 
-from shardsafe.config import PARITY_TRANSPORTS, ConfigError, ShardsafeConfig
+from shardsafe.config import PARITY_TRANSPORTS, RESTORE_H2D, ConfigError, ShardsafeConfig
 
 GROUP_TITLE = "shardsafe"
 
@@ -36,6 +36,7 @@ _FIELDS = (
     "persist_keep",
     "persist_mbps",
     "hash_threads",
+    "restore_h2d",
 )
 
 
@@ -88,13 +89,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "persist_mbps": "Cap each holder's write bandwidth to the persistent tier in MB/s (default 0 = uncapped).",
         "hash_threads": "Threads per rank for snapshot checksums and restore verification (default 0 = usable "
                         "cores / local ranks, at most 8).",
+        "restore_h2d": "How a restore into GPU tensors reads the holder's memory: pinned (page-locked while it "
+                       "verifies, DMA copies; pageable if the driver refuses) or pageable (default pinned).",
     }
     types: dict[str, Callable[[str], Any]] = {"interval": int, "memory_budget_gb": float, "parity_shards": int,
                                               "parity_group_size": int, "timeout_s": float, "persist_every": int,
                                               "persist_keep": int, "persist_mbps": float,
                                               "hash_threads": int}
     for f in _FIELDS:
-        extra = {"choices": PARITY_TRANSPORTS} if f == "parity_transport" else {}
+        extra = ({"choices": PARITY_TRANSPORTS} if f == "parity_transport"
+                 else {"choices": RESTORE_H2D} if f == "restore_h2d" else {})
         g.add_argument(_flag(f), dest=_dest(f), type=types.get(f, str), default=None, help=helps[f], **extra)
     return parser
 

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 
+from shardsafe.holder.segments import huge_pages_possible, shmem_huge_setting
 from shardsafe.snapshot.state import StateAdapter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -92,7 +93,8 @@ def worker(a: argparse.Namespace) -> None:
     floor = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda).fill_(1) for k, t in st.tensors.items()}
     h2d = {k: torch.empty_like(t).fill_(1) for k, t in st.tensors.items()} if cuda else {}
     res: dict = {"snapshot_s": [], "copy_s": [], "hash_tail_s": [], "memcpy_s": [], "restore_s": [], "phases": [],
-                 "hash1_s": [], "hashN_s": [], "h2d_s": []}
+                 "hash1_s": [], "hashN_s": [], "h2d_s": [],
+           "h2d_mode": [], "pin_s": [], "pin_wait_s": []}
     for i in range(a.warmup + a.repeats):
         dist.barrier()
         t0 = time.perf_counter()
@@ -116,7 +118,7 @@ def worker(a: argparse.Namespace) -> None:
             hd = mx(time.perf_counter() - t0)
         dist.barrier()
         t0 = time.perf_counter()
-        r = restore_from_holder(shard, rt.client, rank=rank, coll=rt.coll)
+        r = restore_from_holder(shard, rt.client, rank=rank, coll=rt.coll, h2d=a.h2d)
         sync()
         rest = mx(time.perf_counter() - t0)
         assert r.version == 100 + i, r.message
@@ -142,6 +144,9 @@ def worker(a: argparse.Namespace) -> None:
             res["hash1_s"].append(h1)
             res["hashN_s"].append(hn)
             res["h2d_s"].append(hd)
+            res["h2d_mode"].append((r.notes or {}).get("h2d", "cpu"))
+            res["pin_s"].append((r.notes or {}).get("pin_s", 0.0))
+            res["pin_wait_s"].append((r.notes or {}).get("pin_wait_s", 0.0))
     res["nbytes"] = h.nbytes
     res["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     res["hash_threads"] = pipe.hasher.threads
@@ -163,7 +168,7 @@ def run_size(a: argparse.Namespace, size: float) -> dict:
                                      memory_budget_gb=budget, attempt_timeout_s=3000))
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out", tmp, "--size", str(size),
             "--repeats", str(a.repeats), "--warmup", str(a.warmup), "--budget-gb", str(budget),
-            "--hash-threads", str(a.hash_threads), "--device", a.device]
+            "--hash-threads", str(a.hash_threads), "--device", a.device, "--h2d", a.h2d]
     if not run.run(argv).ok:
         raise SystemExit(f"benchmark at {size} GiB failed; logs kept in {tmp}")
     with open(os.path.join(tmp, "scale_result.json")) as f:
@@ -182,6 +187,9 @@ def run_size(a: argparse.Namespace, size: float) -> dict:
     if a.device == "cuda":   # on a GPU the floors are the pinned D2H (memcpy_s) and H2D copies of the same bytes
         row["h2d_s"] = med(res["h2d_s"])
         row["ratio_restore_vs_h2d"] = row["restore_s"] / row["h2d_s"]
+        # how the restore's copies read the holder's memory, and what page-locking it cost (beside the verify)
+        row["h2d_mode"] = sorted(set(res["h2d_mode"]))
+        row["pin_s"], row["pin_wait_s"] = med(res["pin_s"]), med(res["pin_wait_s"])
     return row
 
 
@@ -196,6 +204,8 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=2, help="ranks on the node (2 = one core each here)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the rank state lives (cuda: one GPU per rank; floors: pinned D2H and H2D copies)")
+    p.add_argument("--h2d", choices=["pinned", "pageable"], default="pinned",
+                   help="restore_h2d: how a restore into GPU tensors reads the holder's memory (GPU only)")
     p.add_argument("--hash-threads", type=int, default=0, help="shardsafe hash_threads (0 = auto)")
     p.add_argument("--budget-gb", type=float, default=0.0, help="holder budget (0 = sized to the run)")
     p.add_argument("--json", action="store_true")
@@ -209,18 +219,25 @@ def main() -> int:
             raise SystemExit(f"--device cuda needs {a.ranks} GPU(s); this machine has "
                              f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
     rows = [run_size(a, float(s)) for s in a.sizes.split(",")]
+    policy = shmem_huge_setting() or "unknown"
+    for r in rows:
+        r["shmem_enabled"] = policy   # the holder's slots are on 2 MiB pages only where this allows it
     if a.json:
         print(json.dumps(rows))
         return 0
     print(f"{a.ranks} rank(s), one node, synthetic fp32 shard; medians of {a.repeats}; s/GiB per rank; floor = memcpy of the "
           f"same bytes into pre-faulted memory, same run; hash threads per rank: {rows[0]['hash_threads']} "
-          f"({'off the GIL' if rows[0]['native_hash'] else 'python-xxhash, under the GIL'})")
+          f"({'off the GIL' if rows[0]['native_hash'] else 'python-xxhash, under the GIL'}); holder slots "
+          f"{'on 2 MiB pages' if huge_pages_possible() else 'on 4 KiB pages'} (shmem_enabled={policy})")
     print(f"{'GiB':>5} | {'snapshot':>8} {'(copy':>7} {'+hash tail)':>11} {'memcpy':>7} {'ratio':>6} | "
           f"{'restore':>8} {'(verify':>8} {'apply)':>7} {'ratio':>6} | {'xxh3 1 thr':>10} {'N thr':>6}")
     if a.device == "cuda":
         print(f"  on {rows[0]['device']}: memcpy = pinned D2H of the same bytes (the snapshot's floor); restore vs "
               "pinned H2D: " + ", ".join(f"{r['GiB_per_rank']:.2f} GiB {r['ratio_restore_vs_h2d']:.2f}x "
                                          f"({r['h2d_s'] / r['GiB_per_rank']:.3f} s/GiB)" for r in rows))
+        print(f"  restore_h2d={a.h2d}: copies read " + ", ".join(
+            f"{r['GiB_per_rank']:.2f} GiB {'/'.join(r['h2d_mode'])} (pin {r['pin_s']:.3f} s beside the verify, "
+            f"apply waited {r['pin_wait_s']:.3f} s)" for r in rows))
     for r in rows:
         g = r["GiB_per_rank"]
         print(f"{g:5.2f} | {r['snapshot_s'] / g:8.3f} {r['copy_s'] / g:7.3f} {r['hash_tail_s'] / g:11.3f} "

@@ -212,6 +212,9 @@ phase_scale_gpu() {
   local gpus; gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"; [ "${gpus:-0}" -ge 1 ] || gpus=1
   PYTHONPATH="$REPO" "$PY" bench/scale_bench.py --device cuda --ranks 1 --sizes 0.25,0.5,1,2 --repeats 5 \
     | tee "$out/scale_gpu_1rank.txt" || return 1
+  # the same restore from pageable memory (restore_h2d=pageable): what page-locking the mapping buys
+  PYTHONPATH="$REPO" "$PY" bench/scale_bench.py --device cuda --ranks 1 --sizes 1 --repeats 5 --h2d pageable \
+    | tee "$out/scale_gpu_1rank_pageable.txt" || return 1
   if [ "$gpus" -ge 2 ]; then
     PYTHONPATH="$REPO" "$PY" bench/scale_bench.py --device cuda --ranks "$gpus" --sizes 0.5,2 --repeats 5 \
       | tee "$out/scale_gpu_${gpus}ranks.txt" || return 1

@@ -101,7 +101,7 @@ def cmd_status(a: argparse.Namespace) -> int:
         print(f"node {h['node']} job {h['job_id']} pid {h['pid']}: {h['used'] / 2**20:.1f} MiB used "
               f"of {h['budget'] / 2**20:.1f} MiB budget, {h['clients']} client(s), health {h.get('health', '?')}"
               f" (scrubs {h.get('scrub', {}).get('runs', 0)}, flushes {h.get('flush', {}).get('done', 0)} ok / "
-              f"{h.get('flush', {}).get('failed', 0)} failed)")
+              f"{h.get('flush', {}).get('failed', 0)} failed), shmem_enabled={h.get('shmem_enabled') or '?'}")
         scoped = [("", h["ranks"])] + sorted((h.get("scopes") or {}).items())   # a process's later engines
         for scope, ranks in scoped:
             for rank, kinds in ranks.items():

@@ -53,6 +53,7 @@ def default_holder_dir() -> str:
 
 PARITY_TRANSPORTS = ("host", "device")
 RESUME_CLIENT_STATES = ("auto", "neox", "megatron-deepspeed", "none")
+RESTORE_H2D = ("pinned", "pageable")   # shardsafe/snapshot/pinning.py
 
 
 @dataclass(kw_only=True)
@@ -103,6 +104,11 @@ class ShardsafeConfig:
     hash_threads: int = 0
     """Threads per rank that compute the snapshot checksums and verify a restore (xxh3 off the GIL,
     shardsafe/payload/checksum.py); 0 = the node's usable cores over its local ranks, at most 8."""
+    restore_h2d: str = "pinned"
+    """How a restore into GPU tensors reads the holder's memory: "pinned" page-locks the verified mapping
+    (cudaHostRegister, read-only) while its segments verify, so the copies are DMA at the link's speed;
+    "pageable" copies through the driver's staging buffers. Pinned falls back to pageable, with one warning,
+    when the driver refuses the registration. No effect on CPU tensors."""
     resume_client_state: str = "auto"
     """DeepSpeed programs that resume through ``engine.load_checkpoint(dir)`` and take their iteration, data
     position and RNG from the client state it returns: when a snapshot was restored and the directory holds no
@@ -129,6 +135,9 @@ class ShardsafeConfig:
         if self.parity_transport not in PARITY_TRANSPORTS:
             raise ConfigError(f"shardsafe.parity_transport must be one of {', '.join(map(repr, PARITY_TRANSPORTS))}; "
                               f"got {self.parity_transport!r}.")
+        if self.restore_h2d not in RESTORE_H2D:
+            raise ConfigError(f"shardsafe.restore_h2d must be one of {', '.join(map(repr, RESTORE_H2D))}; "
+                              f"got {self.restore_h2d!r}.")
         if self.resume_client_state not in RESUME_CLIENT_STATES:
             raise ConfigError(f"shardsafe.resume_client_state must be one of {', '.join(map(repr, RESUME_CLIENT_STATES))}; "
                               f"got {self.resume_client_state!r}.")

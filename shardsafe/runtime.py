@@ -246,7 +246,8 @@ class Runtime(BaseRuntime):
                     self.events.emit(kind, **f)
         self.restored = restore_from_holder(adapter, self.client, rank=self.rank, coll=self.coll,
                                             on_event=emit, exchange=self.exchange, nodes=self.nodes,
-                                            persist=self.persist, on_phase=self.injector.phase)
+                                            persist=self.persist, on_phase=self.injector.phase,
+                                            h2d=self.cfg.restore_h2d)
         # Every snapshot of this attempt belongs to the new branch; the restored version counts as committed.
         self.pipeline.timeline = self.restored.timeline
         if self.restored.version >= 0:

@@ -25,7 +25,7 @@ from .paths import HolderPaths
 from .protocol import (FLUSH_DRAIN_S, BadFrame, HolderError, ProtocolError, close_fds, gib_up, recv_msg, req_int,
                        req_ranks, req_scope, send_msg)
 from .background import BackgroundWork
-from .segments import Segment, round_size
+from .segments import Segment, huge_pages_possible, round_size, shmem_huge_setting
 from .slots import KINDS, RankEntry, Slot
 
 log = logging.getLogger("shardsafe.holder")
@@ -364,6 +364,7 @@ class Holder(BackgroundWork):
                     "budget": self.budget, "used": self.used_bytes(), "started": self.started,
                     "clients": self._clients, "refused": dict(self.refused), "health": "ok" if not self._corrupt() else "corrupt",
                     "corrupt": self._corrupt(), "scrub": dict(self.scrub_stats), "flush": dict(self.flush_stats),
+                    "shmem_enabled": shmem_huge_setting(),   # the slots' page size: docs/operations.md
                     **self.list({}),
                     "scopes": {sc: self.list({"scope": sc})["ranks"] for sc in self.scopes() if sc}}
 
@@ -538,8 +539,9 @@ class Holder(BackgroundWork):
         flusher.start()
         if self.scrub_interval_s > 0:
             threading.Thread(target=self._scrub_loop, name="shardsafe-scrub", daemon=True).start()
-        log.info("holder for job %s node %s serving on %s (budget %d bytes)", self.paths.job_id, self.paths.node,
-                 self.paths.socket, self.budget)
+        log.info("holder for job %s node %s serving on %s (budget %d bytes, slots on %s pages: shmem_enabled=%s)",
+                 self.paths.job_id, self.paths.node, self.paths.socket, self.budget,
+                 "2 MiB" if huge_pages_possible() else "4 KiB", shmem_huge_setting() or "unknown")
         if ready:
             ready()
         stop_reason = "requested"   # shutdown request or SIGTERM/SIGINT

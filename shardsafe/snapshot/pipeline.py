@@ -2,7 +2,8 @@
 
 One background worker per rank processes snapshot jobs in order:
   acquire slot -> copy tensors (CPU: torch copy in this thread; GPU: D2H on a side stream into
-  cudaHostRegister'ed shared memory) -> [copied] -> xxh3 per segment -> seal with manifest
+  cudaHostRegister'ed shared memory) -> xxh3 per segment on the hash threads, each batch of segments as
+  soon as it has landed (beside the rest of the copy) -> [copied] -> seal with manifest
   -> agreement (all ranks sealed?) -> commit.
 The training loop only waits for [copied] before the next optimizer step mutates the state;
 that wait (and waiting for a previous job still in flight) is the *stall*, recorded per version.
@@ -297,8 +298,7 @@ class SnapshotPipeline:
         buf, pending = memoryview(mm), []
         try:
             if job.cuda_ready is not None:
-                self._copy_cuda(job, slot, mm, dst_all)
-                pending = [(i, self.hasher.submit(buf, list(mf.chunk_ranges(e)))) for i, e in enumerate(job.entries)]
+                self._copy_cuda(job, slot, mm, dst_all, buf, pending)
             else:
                 self._copy_cpu(job, dst_all, buf, pending)
             job.stats.copy_s = time.perf_counter() - t0
@@ -342,7 +342,10 @@ class SnapshotPipeline:
             if landed:
                 pending.append((i, self.hasher.submit(buf, landed)))
 
-    def _copy_cuda(self, job: _Job, slot: int, mm, dst_all: torch.Tensor) -> None:
+    def _copy_cuda(self, job: _Job, slot: int, mm, dst_all: torch.Tensor, buf: memoryview, pending: list) -> None:
+        """Queue every entry's D2H copy on the side stream in batches of ``HASH_BATCH`` segments, an event
+        after each batch; then hand each batch to the hash threads as soon as its event says it landed, so
+        the checksums run beside the rest of the DMA instead of after it (``pending`` as in ``_copy_cpu``)."""
         # Pinning makes the D2H copy a true async DMA; register each reused slot mapping once.
         if slot not in self._registered:
             cudart = torch.cuda.cudart()
@@ -353,18 +356,26 @@ class SnapshotPipeline:
             self._registered.add(slot)
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream()
+        batches = []   # (entry index, segments, event recorded after their copy)
         with torch.cuda.stream(self._side_stream):
             self._side_stream.wait_event(job.cuda_ready)
-            for e, t in zip(job.entries, job.state.tensors.values()):
-                if not e["nbytes"]:
-                    continue
-                src = t.reshape(-1).view(torch.uint8)
-                dst = dst_all[e["offset"]: e["offset"] + e["nbytes"]]
-                dst.copy_(src, non_blocking=src.is_cuda)
+            for i, (e, t) in enumerate(zip(job.entries, job.state.tensors.values())):
+                src = t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
+                segs = list(mf.chunk_ranges(e))
+                for k in range(0, len(segs), self.HASH_BATCH):
+                    group = segs[k:k + self.HASH_BATCH]
+                    a, b = group[0][0] - e["offset"], group[-1][1] - e["offset"]
+                    dst_all[e["offset"] + a: e["offset"] + b].copy_(src[a:b], non_blocking=src.is_cuda)
+                    landed = torch.cuda.Event()
+                    landed.record(self._side_stream)
+                    batches.append((i, group, landed))
             done = torch.cuda.Event()
             done.record(self._side_stream)
         job.cuda_done = done
         job.copied.set()        # the main thread can now make its stream wait on cuda_done
-        done.synchronize()      # the worker itself needs the bytes before hashing
+        for i, group, landed in batches:   # the worker needs a batch's bytes before hashing them
+            landed.synchronize()
+            pending.append((i, self.hasher.submit(buf, group)))
+        done.synchronize()
         if self.on_progress is not None:
             self.on_progress(job.version, 1.0)

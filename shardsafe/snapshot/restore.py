@@ -23,6 +23,7 @@ from ..errors import ShardsafeError
 from ..holder.client import HolderClient
 from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
+from .pinning import PinnedMapping
 from .state import StateAdapter
 
 log = logging.getLogger("shardsafe.snapshot.restore")
@@ -186,13 +187,18 @@ class _Attempt:
     rebuilt_bytes: int = 0
     rebuild_s: float = 0.0
     on_phase: Callable[[str, int], None] = None   # type: ignore[assignment]  # fault injection hook
+    h2d: str = "pinned"     # restore_h2d: how copies into GPU tensors read the mapping (pinning.py)
 
 
 def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *, rank: int, coll: Collectives,
                         on_event: Callable[..., None] | None = None, exchange=None,
                         nodes: list[str] | None = None, persist=None,
-                        on_phase: Callable[[str, int], None] | None = None) -> RestoreResult:
+                        on_phase: Callable[[str, int], None] | None = None, h2d: str = "pinned") -> RestoreResult:
     """Run on every rank at start. Returns what was restored (version -1: nothing, fresh start).
+
+    ``h2d`` (config ``restore_h2d``): how a restore into GPU tensors reads the holder's memory, "pinned"
+    (the verified mapping page-locked while it verifies, the copies are DMA; pageable if the driver refuses)
+    or "pageable" (shardsafe/snapshot/pinning.py).
 
     Raises RestoreError whenever any tier holds something for this job and nothing is restorable (more lost
     nodes than parity covers, every copy corrupt, snapshots of another layout): silently starting from
@@ -208,7 +214,7 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     if candidates:
         _check_world_size(client, rank, coll, mine_d)
     st = _Attempt(rank, {"agree": time.perf_counter() - t0, "rebuild": 0.0, "verify": 0.0, "apply": 0.0}, [], [],
-                  on_phase=on_phase or (lambda name, version: None))
+                  on_phase=on_phase or (lambda name, version: None), h2d=h2d)
     live = adapter.capture().tensors
     res = None
     for version in candidates:
@@ -218,7 +224,7 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
             break
     if res is None:
         # Memory could not serve (nothing held, or more losses than parity covers): the persistent tier.
-        res, disk_refusals = (_restore_persistent(adapter, persist, rank=rank, coll=coll, live=live)
+        res, disk_refusals = (_restore_persistent(adapter, persist, rank=rank, coll=coll, live=live, h2d=h2d)
                               if persist is not None else (None, []))
         if res is None and (candidates or disk_refusals):
             emit("restore_end", tier="none", version=-1, seconds=time.perf_counter() - t0, bytes=0)
@@ -286,8 +292,9 @@ def _try_version(version: int, adapter: StateAdapter, client, coll: Collectives,
             return None
         t1 = time.perf_counter()
         # Mapped without MAP_POPULATE: the hash threads fill the page tables, each for its own segments.
-        manifest, mm, bad, is_corrupt = _open_verified(
-            lambda: client.open(rank=rank, version=version, populate=False), adapter, live, populate=True)
+        manifest, pin, bad, is_corrupt = _open_verified(
+            lambda: client.open(rank=rank, version=version, populate=False), adapter, live, populate=True,
+            h2d=st.h2d)
         status = _OK if not bad else (_CORRUPT if is_corrupt else _REFUSED)
         st.on_phase("restore-verify", version)
         if bad:
@@ -301,8 +308,7 @@ def _try_version(version: int, adapter: StateAdapter, client, coll: Collectives,
         timelines = {v[1] for v in votes if v[0] == _OK}
         if newly and _REFUSED not in statuses and exchange is not None and _round == 0:
             # Corrupt bytes on some members: rebuild them from parity like lost ones, then verify again.
-            if mm is not None:
-                mm.close()
+            pin.close()
             if tier == "parity":
                 exchange.finish_rebuild(client, version, restored=False)
             log.warning("[rank %d] version %d: ranks %s fail their checksums; rebuilding them from parity", rank,
@@ -318,11 +324,10 @@ def _try_version(version: int, adapter: StateAdapter, client, coll: Collectives,
         if tier == "parity":   # rebuilt slots: committed once the version verified everywhere, else dropped
             exchange.finish_rebuild(client, version, restored=ok)
         if not ok:
-            if mm is not None:
-                mm.close()
+            pin.close()
             log.warning("[rank %d] version %d is not restorable on every rank; trying an older one", rank, version)
             return None
-        res = _apply(adapter, client, coll, st, version, manifest, mm, tier)
+        res = _apply(adapter, client, coll, st, version, manifest, pin, tier)
         res.lost_ranks = lost
         res.repaired_ranks = sorted(corrupt)
         if lost:
@@ -346,11 +351,12 @@ def _rebuild(version: int, client, coll: Collectives, st: _Attempt, exchange, lo
     return True
 
 
-def _apply(adapter: StateAdapter, client, coll: Collectives, st: _Attempt, version: int, manifest: dict, mm,
-           tier: str) -> RestoreResult:
+def _apply(adapter: StateAdapter, client, coll: Collectives, st: _Attempt, version: int, manifest: dict,
+           pin: PinnedMapping, tier: str) -> RestoreResult:
     t2 = time.perf_counter()
-    views = _HalfwayHook(mf.views(manifest, mm), lambda: st.on_phase("restore-apply", version))
+    views = _HalfwayHook(mf.views(manifest, pin.mm), lambda: st.on_phase("restore-apply", version))
     try:
+        pin.wait()
         if adapter.uses_peer_payloads:
             digests = [e[0] for e in coll.gather_ints([manifest_digest(manifest)])]
             peers = PeerPayloads(client, version, coll, digests)
@@ -362,13 +368,13 @@ def _apply(adapter: StateAdapter, client, coll: Collectives, st: _Attempt, versi
             adapter.apply(views, mf.from_jsonable(manifest["meta"]))
     finally:
         del views
-        mm.close()
+        pin.close()
     st.phases["apply"] = time.perf_counter() - t2
     res = RestoreResult(version=version, tier=tier, nbytes=manifest["payload_nbytes"],
                         message=f"restored version {version} from holder memory")
     res.rebuilt_bytes, res.rebuild_seconds = st.rebuilt_bytes, st.rebuild_s
     res.phases = {k: round(v, 6) for k, v in st.phases.items()}
-    res.notes = dict(adapter.restore_notes)
+    res.notes = {**adapter.restore_notes, **pin.notes()}
     return res
 
 
@@ -427,19 +433,24 @@ def _refusal_message(st: _Attempt, data, nodes, exchange, persist, disk_refusals
     return msg + f" The persistent tier {persist.dir} holds no version of this job complete on every rank."
 
 
-def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live, *, populate: bool = False) -> tuple:
+def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live, *, populate: bool = False,
+                   h2d: str = "pinned") -> tuple:
     """Open a payload (holder slot or file) and check it: layout against the live tensors, every xxh3
-    segment, then the adapter's own checks. Returns (manifest, mapping or None, problems, corrupt) where
-    corrupt says the problems are bytes that fail their checksums (repairable from parity)."""
-    manifest, mm, corrupt = None, None, False
+    segment, then the adapter's own checks. Returns (manifest, mapping, problems, corrupt): the mapping is a
+    PinnedMapping (closed by the caller; its ``mm`` is None when nothing opened), being page-locked for the
+    H2D copies while the segments verify when a live tensor is on a GPU; corrupt says the problems are bytes
+    that fail their checksums (repairable from parity)."""
+    manifest, pin, corrupt = None, PinnedMapping(None, {}), False
     try:
         manifest, mm = opener()
+        pin = PinnedMapping(mm, {})
         try:
             mf.check_matches(manifest, live, tuple(adapter.optional_prefixes))
         except ValueError as e:
             # Another layout: the adapter can usually say which setting changed (ZeRO stage, DP size, ...).
             said = _adapter_problems(adapter, manifest, mm)
-            return manifest, mm, said or [str(e)], False
+            return manifest, pin, said or [str(e)], False
+        pin = PinnedMapping(mm, live, h2d)   # the layout matches: pin beside the verification
         buf = memoryview(mm)
         try:
             bad = mf.verify(manifest, buf, populate=populate)
@@ -450,7 +461,7 @@ def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live, *, 
             bad = _adapter_problems(adapter, manifest, mm)
     except (HolderFailure, OSError, ValueError, KeyError, AttributeError) as e:
         bad = [str(e) or type(e).__name__]
-    return manifest, mm, bad, corrupt
+    return manifest, pin, bad, corrupt
 
 
 def _adapter_problems(adapter: StateAdapter, manifest: dict, mm) -> list[str]:
@@ -466,8 +477,8 @@ def _adapter_problems(adapter: StateAdapter, manifest: dict, mm) -> list[str]:
         del views
 
 
-def _restore_persistent(adapter: StateAdapter, persist, *, rank: int, coll: Collectives,
-                        live) -> tuple[Optional[RestoreResult], list[str]]:
+def _restore_persistent(adapter: StateAdapter, persist, *, rank: int, coll: Collectives, live,
+                        h2d: str = "pinned") -> tuple[Optional[RestoreResult], list[str]]:
     """Newest version every rank has complete on disk, verified everywhere and of one timeline, applied in place.
     Returns (result or None, this rank's reasons for refusing what the tier held)."""
     t0 = time.perf_counter()
@@ -476,7 +487,7 @@ def _restore_persistent(adapter: StateAdapter, persist, *, rank: int, coll: Coll
     common = sorted(set.intersection(*[set(e[0]) for e in held]), reverse=True)
     refusals: list[str] = []
     for version in common:
-        manifest, mm, bad, _ = _open_verified(lambda: persist.open(version, rank), adapter, live)
+        manifest, pin, bad, _ = _open_verified(lambda: persist.open(version, rank), adapter, live, h2d=h2d)
         if bad:
             log.error("[rank %d] persistent version %d in %s failed verification, not loaded: %s", rank, version,
                       persist.dir, "; ".join(bad[:3]))
@@ -485,15 +496,15 @@ def _restore_persistent(adapter: StateAdapter, persist, *, rank: int, coll: Coll
         if any(v[0] for v in votes) or len({v[1] for v in votes}) != 1:
             if not any(v[0] for v in votes):
                 refusals.append(f"version {version}: copies from different timelines")
-            if mm is not None:
-                mm.close()
+            pin.close()
             continue
-        views = mf.views(manifest, mm)
+        views = mf.views(manifest, pin.mm)
         try:
+            pin.wait()
             adapter.apply(views, mf.from_jsonable(manifest["meta"]))
         finally:
             del views
-            mm.close()
+            pin.close()
         return RestoreResult(version=version, tier="persistent", seconds=time.perf_counter() - t0,
                              nbytes=manifest["payload_nbytes"],
                              message=f"restored version {version} from the persistent tier {persist.dir}"), []

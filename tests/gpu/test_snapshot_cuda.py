@@ -3,7 +3,8 @@
 Checks (on a GPU; skipped with a printed reason elsewhere):
 * ordering: kernels queued before the snapshot are in it, the "optimizer step" queued after
   ``wait_copied`` is not (the compute stream waits for the copy on the device);
-* bit-exact round trip through the holder into CUDA tensors (restore);
+* bit-exact round trip through the holder into CUDA tensors (restore), with the holder's mapping
+  page-locked for the copies (restore_h2d="pinned") and from pageable memory;
 * copy bandwidth vs a plain pinned D2H copy, and the CPU-side stall while compute is queued.
 Results go to $OUT/snapshot_gpu.json when OUT is set.
 """
@@ -88,14 +89,22 @@ def test_gpu_snapshot_ordering_roundtrip_and_speed(client):
     assert res.version == 1
     for k in expected:
         assert torch.equal(dst.t[k], expected[k]), k
+    # the copies read the holder's mapping page-locked (restore_h2d="pinned", pinning.py), not through staging
+    assert res.notes.get("h2d") == "pinned", res.notes
+    slow = GpuState(3)
+    res_pageable = restore_from_holder(slow, client, rank=0, coll=Collectives(), h2d="pageable")
+    assert res_pageable.notes.get("h2d") == "pageable", res_pageable.notes
+    for k in expected:
+        assert torch.equal(slow.t[k], expected[k]), k
     # bandwidth: snapshot copy vs a plain pinned D2H copy of the same bytes
     nbytes = sum(t.numel() * t.element_size() for t in st.t.values())
     pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in st.t.items()}
-    copy_s, base_s, stall_s = [], [], []
+    copy_s, base_s, stall_s, with_hash_s = [], [], [], []
     for i in range(5):
         pipe.submit(10 + i, st.capture())
         pipe.flush()
         copy_s.append(pipe.history[-1].copy_s)
+        with_hash_s.append(pipe.history[-1].copy_s + pipe.history[-1].hash_s)   # D2H + the checksums' tail
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for k, v in st.t.items():
@@ -113,7 +122,11 @@ def test_gpu_snapshot_ordering_roundtrip_and_speed(client):
     results = {"bytes": nbytes, "snapshot_copy_GBps": nbytes / med(copy_s) / 1e9,
                "pinned_d2h_GBps": nbytes / med(base_s) / 1e9,
                "ratio_snapshot_vs_pinned_d2h": med(base_s) / med(copy_s),
-               "stall_ms_median": med(stall_s) * 1e3, "restore_s": res.seconds}
+               "snapshot_with_checksums_GBps": nbytes / med(with_hash_s) / 1e9,
+               "ratio_snapshot_with_checksums_vs_pinned_d2h": med(base_s) / med(with_hash_s),
+               "stall_ms_median": med(stall_s) * 1e3, "restore_s": res.seconds,
+               "restore_phases": res.phases, "restore_notes": res.notes,
+               "restore_pageable_s": res_pageable.seconds, "restore_pageable_phases": res_pageable.phases}
     print("snapshot GPU path:", json.dumps(results))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "snapshot_gpu.json"), "w") as f:
