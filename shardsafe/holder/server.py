@@ -18,6 +18,7 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import ConfigError
@@ -34,6 +35,14 @@ MAX_SLOTS = 2
 
 Key = tuple[str, int]
 """(scope, rank): whose slots these are."""
+
+
+@dataclass(frozen=True)
+class _NewSlot:
+    """A slot ``acquire`` allocates outside the lock: its id, bytes (counted against the budget meanwhile), name."""
+    slot_id: int
+    size: int
+    name: str
 
 
 def who(key: Key) -> str:
@@ -65,6 +74,11 @@ class Holder(BackgroundWork):
         self.refused = {"busy": 0, "protocol": 0, "timeout": 0, "hello": 0}   # connections closed, by reason
         self.ranks: dict[Key, RankEntry] = {}   # (scope, rank) -> its slots
         self.lock = threading.RLock()
+        # Slots being allocated outside the lock (their bytes count against the budget meanwhile), and the
+        # (key, kind) each is for: a second request for the same rank waits for the first (``acquire``).
+        self._allocating = 0
+        self._alloc_keys: set[tuple[Key, str]] = set()
+        self._allocated = threading.Condition(self.lock)
         self._next_slot = 1
         self._stop = threading.Event()
         # Wakes the accept loop at once when a stop is requested (it otherwise polls every 0.5 s for the
@@ -95,7 +109,7 @@ class Holder(BackgroundWork):
 
     # ---- accounting -------------------------------------------------------------------------------
     def used_bytes(self) -> int:
-        return sum(s.seg.size for r in self.ranks.values() for lst in r.slots.values() for s in lst)
+        return self._allocating + sum(s.seg.size for r in self.ranks.values() for lst in r.slots.values() for s in lst)
 
     def _emit(self, kind: str, **f: Any) -> None:
         if self._events is not None:
@@ -120,17 +134,43 @@ class Holder(BackgroundWork):
         return kind
 
     def acquire(self, req: dict) -> tuple[dict, list[int]]:
+        """A slot for (rank, kind, version). A new slot's memory is allocated outside the lock: allocating
+        (and with 2 MiB pages zeroing) a multi-GB slot takes seconds, and the node's other ranks, taking
+        their first snapshots at the same moment, must not queue behind it (nor flushes, status, ...)."""
         key, kind, version = self._key(req), self._kind(req), req_int(req, "version")
         nbytes = req_int(req, "nbytes", minimum=0)
         with self.lock:
+            while (key, kind) in self._alloc_keys:   # the same rank's previous request is still allocating
+                self._allocated.wait()
             try:
-                return self._acquire(key, kind, version, nbytes)
+                plan = self._acquire(key, kind, version, nbytes)
+                if isinstance(plan, tuple):
+                    return plan
+                self._allocating += plan.size
+                self._alloc_keys.add((key, kind))
             finally:
                 ent = self.ranks.get(key)
-                if ent is not None and not any(ent.slots.values()):
+                if ent is not None and not any(ent.slots.values()) and (key, kind) not in self._alloc_keys:
                     del self.ranks[key]   # a refused first request leaves no empty entry behind
+        seg = None
+        try:
+            seg = Segment(plan.name, plan.size)
+        finally:
+            with self.lock:
+                self._allocating -= plan.size
+                self._alloc_keys.discard((key, kind))
+                self._allocated.notify_all()
+                if seg is None:
+                    ent = self.ranks.get(key)
+                    if ent is not None and not any(ent.slots.values()):
+                        del self.ranks[key]
+        with self.lock:
+            slot = Slot(plan.slot_id, seg)
+            self._entry(key).slots[kind].append(slot)
+            return self._hand_out(slot, version, nbytes)
 
-    def _acquire(self, key: Key, kind: str, version: int, nbytes: int) -> tuple[dict, list[int]]:
+    def _acquire(self, key: Key, kind: str, version: int, nbytes: int) -> "tuple[dict, list[int]] | _NewSlot":
+        """The reply for a slot that exists, or what to allocate for a new one (``acquire`` does, unlocked)."""
         scope, rank = key
         with self.lock:
             ent = self._entry(key)
@@ -179,15 +219,19 @@ class Holder(BackgroundWork):
             if slot is None:
                 self._check_budget(need, key, nbytes, kind)
                 where = f"{scope}.r{rank}" if scope else f"r{rank}"
-                seg = Segment(f"shardsafe.{self.paths.job_id}.{self.paths.node}.{where}.{kind}.{self._next_slot}", need)
-                slot = Slot(self._next_slot, seg)
+                plan = _NewSlot(self._next_slot, need,
+                                f"shardsafe.{self.paths.job_id}.{self.paths.node}.{where}.{kind}.{self._next_slot}")
                 self._next_slot += 1
-                slots.append(slot)
-            slot.version, slot.state, slot.committed, slot.manifest, slot.nbytes = version, "writing", False, None, nbytes
-            # Every slot id that still exists: a client unmaps the ones it cached that are gone (grown,
-            # dropped, reclaimed), or their memory would outlive the holder's accounting of it.
-            live = sorted(x.slot_id for e in self.ranks.values() for lst in e.slots.values() for x in lst)
-            return {"slot": slot.slot_id, "capacity": slot.seg.size, "live": live}, [slot.seg.fd]
+                return plan
+            return self._hand_out(slot, version, nbytes)
+
+    def _hand_out(self, slot: Slot, version: int, nbytes: int) -> tuple[dict, list[int]]:
+        """Mark ``slot`` as being written with ``version`` and answer with its fd (call with the lock held)."""
+        slot.version, slot.state, slot.committed, slot.manifest, slot.nbytes = version, "writing", False, None, nbytes
+        # Every slot id that still exists: a client unmaps the ones it cached that are gone (grown,
+        # dropped, reclaimed), or their memory would outlive the holder's accounting of it.
+        live = sorted(x.slot_id for e in self.ranks.values() for lst in e.slots.values() for x in lst)
+        return {"slot": slot.slot_id, "capacity": slot.seg.size, "live": live}, [slot.seg.fd]
 
     @staticmethod
     def _pick(cands: list[Slot], *, held: int) -> Slot | None:

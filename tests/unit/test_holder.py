@@ -334,3 +334,53 @@ def test_engine_scopes_keep_their_versions_apart(holder):
     with pytest.raises(HolderError) as e:
         first.request("list", scope="a/b")
     assert e.value.code == "bad_request" and "'scope'" in str(e.value)
+
+
+def test_a_slot_being_allocated_does_not_hold_up_the_other_ranks(tmp_path, monkeypatch):
+    """Allocating a new slot (seconds for a multi-GB one, more on 2 MiB pages) runs outside the holder's lock:
+    another rank's request is served meanwhile, the bytes being allocated count against the budget, and the
+    same rank's next request waits for its previous one instead of allocating beside it."""
+    import threading
+
+    from shardsafe.holder import server
+    from shardsafe.holder.server import Holder
+    entered, release = threading.Event(), threading.Event()
+    real = server.Segment
+
+    def slow_for_rank0(name, size):
+        if ".r0." in name and not release.is_set():
+            entered.set()
+            assert release.wait(10)
+        return real(name, size)
+    monkeypatch.setattr(server, "Segment", slow_for_rank0)
+    mib = 1 << 20
+    h = Holder(HolderPaths(str(tmp_path / "h"), "job", "n0"), budget_bytes=8 * mib)
+    got = {}
+    a = threading.Thread(target=lambda: got.setdefault("r0", h.acquire({"rank": 0, "version": 1, "nbytes": 4 * mib})))
+    a.start()
+    try:
+        assert entered.wait(10)
+        assert h.used_bytes() == 4 * mib                          # reserved while it allocates
+        reply, _ = h.acquire({"rank": 1, "version": 1, "nbytes": 2 * mib})   # not queued behind rank 0
+        assert reply["capacity"] == 2 * mib and "r0" not in got
+        with pytest.raises(HolderError) as e:                     # 4 + 2 + 4 MiB > the 8 MiB budget
+            h.acquire({"rank": 2, "version": 1, "nbytes": 4 * mib})
+        assert e.value.code == "budget"
+        b = threading.Thread(target=lambda: got.setdefault("r0v2", h.acquire({"rank": 0, "version": 2, "nbytes": mib})))
+        b.start()
+        b.join(0.5)
+        assert b.is_alive() and "r0v2" not in got                 # the same rank waits for its first slot
+    finally:
+        release.set()
+        a.join(10)
+    b.join(10)
+    assert got["r0"][0]["capacity"] == 4 * mib
+    # rank 0's second version took the slot its first one had just got (version 1 was never committed, so it
+    # may be overwritten), not a second slot allocated beside it while the first was still being allocated
+    assert got["r0v2"][0]["slot"] == got["r0"][0]["slot"]
+    assert [s.version for s in h.ranks[("", 0)].slots["data"]] == [2]
+    assert h.used_bytes() == 6 * mib and h._allocating == 0
+    for ent in h.ranks.values():
+        for lst in ent.slots.values():
+            for s in lst:
+                s.seg.close()
