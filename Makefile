@@ -8,7 +8,7 @@ export OMP_NUM_THREADS := 1
 
 .PHONY: venv demo test test-slurm test-mcore019 clean
 
-$(BIN)/.ready: setup.py Makefile
+$(BIN)/.ready: setup.py Makefile kernels/csrc/copy_hash.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip wheel setuptools
 	# torch first: the CPU wheel on this machine; GPU clusters bring their own torch.

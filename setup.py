@@ -3,7 +3,9 @@
 Top-level folders are mapped into the package (as DeepSpeed does with accelerator/ and op_builder/):
 shardsafe -> shardsafe/, shardsafe.adapters -> adapters/, shardsafe.kernels -> kernels/.
 The CUDA erasure-coding kernels in kernels/csrc are built with nvcc when CUDA is present
-(SHARDSAFE_SKIP_CUDA_BUILD=1 skips); the package imports and works without them.
+(SHARDSAFE_SKIP_CUDA_BUILD=1 skips), the CPU helper (the snapshot copy with its checksums fused,
+kernels/csrc/copy_hash.c) with the system C compiler (SHARDSAFE_SKIP_CPU_BUILD=1 skips); the package
+imports and works without either.
 """
 import os
 import shutil
@@ -84,6 +86,32 @@ def build_cuda_kernels_optional(out_dir: Path) -> None:
         _BUILT["lib"] = out
 
 
+def build_cpu_helper_optional(out_dir: Path) -> None:
+    """Compile kernels/csrc/copy_hash.c into libshardsafe_cpu.so with the C compiler ($CC, else cc/gcc), once
+    per process. Never an exception: without the library the snapshot copies, then hashes (unfused)."""
+    out = out_dir / "libshardsafe_cpu.so"
+    if "cpu" in _BUILT:
+        if _BUILT["cpu"] is not None and _BUILT["cpu"].resolve() != out.resolve():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(_BUILT["cpu"], out)
+        return
+    _BUILT["cpu"] = None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    src = HERE / "kernels" / "csrc" / "copy_hash.c"
+    if os.environ.get("SHARDSAFE_SKIP_CPU_BUILD") == "1" or cc is None or not src.is_file():
+        print("shardsafe: CPU helper not built (no C compiler, no source, or SHARDSAFE_SKIP_CPU_BUILD=1): "
+              "snapshots copy, then hash")
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [cc, "-O2", "-fPIC", "-shared", "-o", str(out), str(src)]
+    try:
+        subprocess.check_call(cmd)
+    except (subprocess.CalledProcessError, OSError) as e:
+        print(f"shardsafe: CPU helper build failed ({e}); snapshots copy, then hash")
+        return
+    _BUILT["cpu"] = out
+
+
 # Automatic activation (adapters/autoload.py): site-packages/shardsafe-autoload.pth runs at every interpreter
 # start. It only installs an import finder (nothing else of shardsafe is imported until the program imports
 # DeepSpeed); SHARDSAFE_AUTO=0 skips even that. One line: site.py executes .pth lines that start with "import".
@@ -103,6 +131,7 @@ class BuildPyWithKernels(build_py):
     def run(self):
         super().run()
         build_cuda_kernels_optional(Path(self.build_lib) / "shardsafe" / "kernels")
+        build_cpu_helper_optional(Path(self.build_lib) / "shardsafe" / "kernels")
         write_autoload_pth(Path(self.build_lib))   # the wheel's root: lands in site-packages
 
     def get_outputs(self, include_bytecode=True):
@@ -123,6 +152,7 @@ if __name__ == "__main__":
     # Editable installs read kernels/ in place: build the library next to the sources.
     if os.environ.get("SHARDSAFE_BUILD_INPLACE", "1") == "1":
         build_cuda_kernels_optional(HERE / "kernels")
+        build_cpu_helper_optional(HERE / "kernels")
     setup(
         name="shardsafe",
         version="0.1.0",
@@ -130,7 +160,7 @@ if __name__ == "__main__":
         python_requires=">=3.10",
         packages=["shardsafe", "shardsafe.holder", "shardsafe.launch", "shardsafe.parity", "shardsafe.payload", "shardsafe.snapshot", "shardsafe.export", "shardsafe.tor", "shardsafe.adapters", "shardsafe.adapters.megatron", "shardsafe.kernels"],
         package_dir={"shardsafe": "shardsafe", "shardsafe.adapters": "adapters", "shardsafe.kernels": "kernels"},
-        package_data={"shardsafe.kernels": ["csrc/*.cu", "csrc/*.h", "csrc/*.cuh", "*.so"]},
+        package_data={"shardsafe.kernels": ["csrc/*.cu", "csrc/*.c", "csrc/*.h", "csrc/*.cuh", "*.so"]},
         install_requires=["numpy>=1.24,<3", "xxhash>=3.0,<4", "psutil>=5.9"],
         extras_require={
             "deepspeed": ["deepspeed>=0.16,<0.20"],

@@ -175,14 +175,17 @@ class DeepSpeedStateAdapter(StateAdapter):
         """What ``update_lp_params()`` computes, without its all-gather, when this node's holder has
         every data-parallel peer's snapshot: each rank casts every partition's fp32 master into its
         own low-precision flat buffer -- the same ``copy_`` cast each owner would run before the
-        all-gather, so the result is bit-identical. Collective decision (``peers.available``): either
-        every rank takes this path or every rank all-gathers. False = use ``update_lp_params``."""
+        all-gather, so the result is bit-identical. Only for partitions in host memory (``peers.pays_off``:
+        on a GPU, NCCL's all-gather of the bf16 partitions is the cheaper way). Collective decision
+        (``peers.available``): either every rank takes this path or every rank all-gathers. False = use
+        ``update_lp_params``."""
         o = self.engine.optimizer
         if peers is None or self.kind != "DeepSpeedZeroOptimizer":
             return False
         import torch.distributed as dist
         groups = [dist.get_process_group_ranks(g) for g in o.real_dp_process_group]
-        if not peers.available(sorted({r for g in groups for r in g})):
+        lp = [part for parts in o.parallel_partitioned_bit16_groups for part in parts]
+        if not peers.available(sorted({r for g in groups for r in g}), usable=peers.pays_off(lp)):
             return False
         me = dist.get_rank()
         with torch.no_grad():

@@ -443,14 +443,15 @@ class MegatronStateAdapter(_SnapshotChecks):
         """The DistOpt param all-gather without the network: every DP peer's main-param shards, read
         from the node's holder, cast into the model params at the ranges the peer owns -- the same
         ``copy_`` each owner's ``_copy_main_params_to_model_params`` runs before the gather, so the
-        model params are bit-identical (the buckets' padding, which no param views, is not touched).
+        model params are bit-identical (the buckets' padding, which no param views, is not touched). Only
+        for params in host memory (``peers.pays_off``: on a GPU, NCCL's all-gather is the cheaper way).
         Collective decision (``peers.available``); False = use the all-gather."""
         if peers is None or not torch.distributed.is_initialized():
             return False   # the same on every rank: no collective needed
         me = torch.distributed.get_rank()
         params = {f"c{ci}.{n}": p for ci, chunk in enumerate(self.model_chunks) for n, p in chunk.named_parameters()}
         # FP8 params (TE) are cast through their own quantizers; multiple DistOpt instances gather in stages.
-        usable = all(type(p.data) is torch.Tensor for p in params.values())
+        usable = all(type(p.data) is torch.Tensor for p in params.values()) and peers.pays_off(params.values())
         need: dict[int, list[int]] = {}   # leaf index -> the other DP ranks whose shards it needs
         for li, (leaf, kind) in enumerate(zip(self.leaves, self._kinds)):
             if kind != "DistributedOptimizer" or getattr(leaf, "optimizer", None) is None:

@@ -1,9 +1,10 @@
 """Asynchronous snapshot pipeline: rank state -> holder slot, checksummed, sealed, agreed, committed.
 
 One background worker per rank processes snapshot jobs in order:
-  acquire slot -> copy tensors (CPU: torch copy in this thread; GPU: D2H on a side stream into
-  cudaHostRegister'ed shared memory) -> xxh3 per segment on the hash threads, each batch of segments as
-  soon as it has landed (beside the rest of the copy) -> [copied] -> seal with manifest
+  acquire slot -> copy tensors (CPU: in this thread, each segment hashed as it is copied, from the cache,
+  where the fused kernel is built; GPU: D2H on a side stream into cudaHostRegister'ed shared memory) ->
+  xxh3 per segment on the hash threads, each batch of segments as soon as it has landed (beside the rest
+  of the copy; the CPU copy too when it is not fused) -> [copied] -> seal with manifest
   -> agreement (all ranks sealed?) -> commit.
 The training loop only waits for [copied] before the next optimizer step mutates the state;
 that wait (and waiting for a previous job still in flight) is the *stall*, recorded per version.
@@ -17,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
@@ -323,24 +325,36 @@ class SnapshotPipeline:
     HASH_BATCH = 8   # segments (of CHUNK_BYTES) per hand-over to the hash threads: 32 MiB
 
     def _copy_cpu(self, job: _Job, dst_all: torch.Tensor, buf: memoryview, pending: list) -> None:
-        """Copy segment by segment; the segments that have landed go to the hash threads in batches of
-        ``HASH_BATCH`` while the copy goes on: ``pending`` gets (entry index, future of the batch's digests)."""
-        total, done = max(job.nbytes, 1), 0
+        """Copy segment by segment: ``pending`` gets (entry index, future of the digests of its segments).
+
+        Where the fused kernel is built (checksum.fused_available), each segment is copied and hashed in one
+        pass on this thread, every piece hashed from the cache right after it landed, so the hash adds no DRAM
+        traffic and needs no core of its own. Otherwise the segments that have landed go to the hash threads
+        in batches of ``HASH_BATCH`` while the copy goes on."""
+        total, done, fused = max(job.nbytes, 1), 0, checksum.fused_available()
+        base = dst_all.data_ptr()
         for i, (e, t) in enumerate(zip(job.entries, job.state.tensors.values())):
             src = t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
-            n, off, landed = e["nbytes"], e["offset"], []
+            n, off, landed, digests = e["nbytes"], e["offset"], [], []
             for a in range(0, n, mf.CHUNK_BYTES):
                 b = min(a + mf.CHUNK_BYTES, n)
-                dst_all[off + a: off + b].copy_(src[a:b])
-                landed.append((off + a, off + b))
-                if len(landed) == self.HASH_BATCH:
-                    pending.append((i, self.hasher.submit(buf, landed)))
-                    landed = []
+                if fused:
+                    digests += checksum.copy_and_hash(base + off + a, src.data_ptr() + a, b - a, mf.CHUNK_BYTES)
+                else:
+                    dst_all[off + a: off + b].copy_(src[a:b])
+                    landed.append((off + a, off + b))
+                    if len(landed) == self.HASH_BATCH:
+                        pending.append((i, self.hasher.submit(buf, landed)))
+                        landed = []
                 done += b - a
                 if self.on_progress is not None:
                     self.on_progress(job.version, done / total)
             if landed:
                 pending.append((i, self.hasher.submit(buf, landed)))
+            if digests:
+                ready: Future = Future()
+                ready.set_result(digests)
+                pending.append((i, ready))
 
     def _copy_cuda(self, job: _Job, slot: int, mm, dst_all: torch.Tensor, buf: memoryview, pending: list) -> None:
         """Queue every entry's D2H copy on the side stream in batches of ``HASH_BATCH`` segments, an event

@@ -133,3 +133,64 @@ def test_hash_threads_populate_a_fresh_read_only_mapping(threads, monkeypatch):
                 assert checksum._madvise is False   # asked once, then no more
     finally:
         os.close(fd)
+
+
+# ---- the snapshot copy with its checksums fused (kernels/copy_hash.py, csrc/copy_hash.c) ----------------------
+
+def test_the_fused_copy_is_built_by_the_install_and_uses_a_verified_xxh3():
+    # `make venv` builds kernels/libshardsafe_cpu.so with the C compiler; without it every CPU snapshot would
+    # read its bytes from DRAM twice (copy, then hash).
+    assert checksum.fused_available(), checksum.implementation()
+    assert "copy+hash fused: yes" in checksum.implementation()
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 256 << 10, (256 << 10) + 1, 4 << 20, (4 << 20) + 1, (9 << 20) + 13])
+def test_copy_and_hash_copies_every_byte_and_gives_python_xxhash_digests_per_segment(n):
+    import torch
+    seg = 4 << 20
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    dst = torch.zeros(n + 64, dtype=torch.uint8)   # a guard after the end: nothing written past n
+    got = checksum.copy_and_hash(dst.data_ptr(), src.data_ptr(), n, seg)
+    raw = src.numpy().tobytes()
+    assert got == [_ref(raw, a, min(a + seg, n)) for a in range(0, n, seg)]
+    assert torch.equal(dst[:n], src) and not dst[n:].any()
+
+
+def test_copy_and_hash_with_python_xxhash_s_own_library(monkeypatch):
+    # Where the system has no libxxhash (SHARDSAFE_XXH3_LIB=none here), python-xxhash's extension serves the
+    # streaming API to the fused copy as well: same digests.
+    import torch
+    monkeypatch.setenv("SHARDSAFE_XXH3_LIB", "none")
+    monkeypatch.setattr(checksum, "_xxh3", None)
+    assert checksum.implementation().startswith(f"python-xxhash {xxhash.VERSION}")
+    assert checksum.fused_available()
+    src = torch.randint(0, 256, ((5 << 20) + 3,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    raw = src.numpy().tobytes()
+    assert checksum.copy_and_hash(dst.data_ptr(), src.data_ptr(), src.numel(), 1 << 20) == \
+        [_ref(raw, a, min(a + (1 << 20), len(raw))) for a in range(0, len(raw), 1 << 20)]
+    assert torch.equal(src, dst)
+
+
+def test_a_library_whose_digests_disagree_is_not_used(monkeypatch, tmp_path):
+    # A file that is no xxhash library at all, then the probe's own check: the next candidate is taken.
+    monkeypatch.setenv("SHARDSAFE_XXH3_LIB", str(tmp_path / "missing.so"))
+    monkeypatch.setattr(checksum, "_xxh3", None)
+    assert checksum.implementation().startswith("python-xxhash")
+    monkeypatch.setattr(xxhash, "xxh3_64_intdigest", lambda b: 0)   # every library now "disagrees"
+    monkeypatch.setattr(checksum, "_xxh3", None)
+    monkeypatch.setattr(checksum, "_warned", False)
+    assert checksum._native() is False and not checksum.fused_available()
+
+
+def test_the_kernel_s_missing_library_says_how_to_build_it(monkeypatch, tmp_path):
+    from shardsafe.errors import BackendUnavailable
+    from shardsafe.kernels import copy_hash
+    monkeypatch.setenv("SHARDSAFE_CPU_LIB", str(tmp_path / "nope.so"))
+    monkeypatch.setattr(copy_hash, "_lib", None)
+    monkeypatch.setattr(copy_hash, "_error", None)
+    monkeypatch.setattr(copy_hash, "lib_candidates", lambda: [tmp_path / "nope.so"])
+    with pytest.raises(BackendUnavailable, match="pip install -e"):
+        copy_hash.load()
+    assert not checksum.fused_available()
+    assert "copy+hash fused: no (libshardsafe_cpu.so not found" in checksum.implementation()

@@ -155,16 +155,17 @@ def test_shutdown_is_answered_before_the_holder_stops(tmp_path, monkeypatch):
     import threading
 
     from shardsafe.holder import server as srv
+    from shardsafe.holder import serving
     h = srv.Holder(HolderPaths(str(tmp_path / "h"), "job", "n0"), budget_bytes=1 << 20)
     stopped_at_reply = []
-    real_send = srv.send_msg
+    real_send = serving.send_msg
 
     def send(conn, msg, fds=()):
         if "pending_flushes" in msg:
             stopped_at_reply.append(h._stop.is_set())
         return real_send(conn, msg, fds)
 
-    monkeypatch.setattr(srv, "send_msg", send)
+    monkeypatch.setattr(serving, "send_msg", send)
     got = []
     t = threading.Thread(target=lambda: got.append(HolderClient(h.paths, timeout_s=5).connect().shutdown()))
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}   # serve() installs its own

@@ -85,7 +85,7 @@ RULES = {
     "shardsafe.kernels": ("*", ("shardsafe.errors", "shardsafe.kernels")),   # only these
     "shardsafe.errors": ("*", ()),
     "shardsafe.collectives": ("*", ()),
-    "shardsafe.payload": ("*", ("shardsafe.errors", "shardsafe.payload")),
+    "shardsafe.payload": ("*", ("shardsafe.errors", "shardsafe.payload", "shardsafe.kernels")),
     "shardsafe.faults": ("*", ("shardsafe.errors", "shardsafe.tor.events")),
     "shardsafe.holder": ("*", ("shardsafe.errors", "shardsafe.holder", "shardsafe.payload", "shardsafe.persist",
                                "shardsafe.faults", "shardsafe.tor.events")),

@@ -145,3 +145,39 @@ def test_stall_counter_is_the_sum_of_the_reported_stalls(client):
     assert len(stalls) == 3 and all(s > 0 for s in stalls)
     assert before[0] == 0.0 and before[1] > 0.0 and before[2] > before[1]
     assert pipe.stall_total_s == pytest.approx(sum(stalls), rel=0, abs=1e-9)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["copy+hash fused", "copy then hash threads"])
+def test_cpu_copy_fused_or_not_seals_the_same_manifest_and_restores_bit_exact(client, monkeypatch, fused):
+    # Both CPU copy paths of the pipeline (checksum.fused_available) give every segment of every entry the
+    # digest of the bytes that landed; a tensor over several segments with an odd tail included.
+    from shardsafe.payload import checksum
+    if not fused:
+        monkeypatch.setattr(checksum, "fused_available", lambda: False)
+    assert checksum.fused_available() is fused
+    src = ToyAdapter(3)
+    src.t["master"] = torch.randn((9 << 20) // 4 + 5, generator=torch.Generator().manual_seed(5))
+    st = snap(client, src, 4)
+    assert st.committed and not st.error
+    man, ro = client.open(rank=0, version=4)
+    try:
+        raw = memoryview(ro)
+        for e in man["entries"]:
+            assert e["xxh3"] == [mf.hash_bytes(raw[a:b]) for a, b in mf.chunk_ranges(e)], e["name"]
+        assert len(next(e for e in man["entries"] if e["name"] == "master")["xxh3"]) == 3
+        raw.release()
+    finally:
+        ro.close()
+    dst = ToyAdapter(4)
+    dst.t["master"] = torch.zeros_like(src.t["master"])
+    assert restore_from_holder(dst, client, rank=0, coll=Collectives()).version == 4
+    assert all(torch.equal(src.t[k], dst.t[k]) for k in src.t)
+
+
+def test_peer_shards_are_read_from_the_holder_only_for_params_in_host_memory():
+    # The DeepSpeed / Megatron adapters ask this before replacing the framework's param all-gather by casts
+    # of the peers' shards from the node's memory: on a GPU the all-gather (NCCL) is the cheaper way. The
+    # meta device stands in for a GPU tensor (no GPU here): what is checked is that a non-host tensor says no.
+    from shardsafe.snapshot.restore import PeerPayloads
+    assert PeerPayloads.pays_off([torch.zeros(2), torch.zeros(3, dtype=torch.bfloat16)])
+    assert not PeerPayloads.pays_off([torch.zeros(2), torch.zeros(2, device="meta")])
