@@ -151,6 +151,7 @@ def worker(a: argparse.Namespace) -> None:
     res["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     res["hash_threads"] = pipe.hasher.threads
     res["native"] = checksum.native_available()
+    res["xxh3"] = checksum.implementation()   # which library, and whether the CPU copy hashes as it copies
     if rank == 0:
         with open(os.path.join(a.out, "scale_result.json"), "w") as f:
             json.dump(res, f)
@@ -176,7 +177,7 @@ def run_size(a: argparse.Namespace, size: float) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
     med = statistics.median
     gib = res["nbytes"] / GIB
-    row = {"GiB_per_rank": round(gib, 3), "hash_threads": res["hash_threads"], "native_hash": res["native"],
+    row = {"GiB_per_rank": round(gib, 3), "hash_threads": res["hash_threads"], "native_hash": res["native"], "xxh3": res["xxh3"],
            "snapshot_s": med(res["snapshot_s"]), "copy_s": med(res["copy_s"]), "hash_tail_s": med(res["hash_tail_s"]),
            "memcpy_s": med(res["memcpy_s"]), "restore_s": med(res["restore_s"]),
            "verify_s": med([p["verify"] for p in res["phases"]]), "apply_s": med([p["apply"] for p in res["phases"]]),
@@ -228,7 +229,8 @@ def main() -> int:
     print(f"{a.ranks} rank(s), one node, synthetic fp32 shard; medians of {a.repeats}; s/GiB per rank; floor = memcpy of the "
           f"same bytes into pre-faulted memory, same run; hash threads per rank: {rows[0]['hash_threads']} "
           f"({'off the GIL' if rows[0]['native_hash'] else 'python-xxhash, under the GIL'}); holder slots "
-          f"{'on 2 MiB pages' if huge_pages_possible() else 'on 4 KiB pages'} (shmem_enabled={policy})")
+          f"{'on 2 MiB pages' if huge_pages_possible() else 'on 4 KiB pages'} (shmem_enabled={policy}); xxh3: "
+          f"{rows[0]['xxh3']}")
     print(f"{'GiB':>5} | {'snapshot':>8} {'(copy':>7} {'+hash tail)':>11} {'memcpy':>7} {'ratio':>6} | "
           f"{'restore':>8} {'(verify':>8} {'apply)':>7} {'ratio':>6} | {'xxh3 1 thr':>10} {'N thr':>6}")
     if a.device == "cuda":
