@@ -143,6 +143,7 @@ spec = importlib.util.spec_from_file_location("shardsafe_setup", "setup.py")
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)  # defines build_cuda_kernels; setup() only runs under __main__
 mod.build_cuda_kernels(pathlib.Path("kernels"))
+mod.build_cpu_helper_optional(pathlib.Path("kernels"))   # the CPU snapshot copy fused with its xxh3
 EOF
   ls -l kernels/libshardsafe_ec.so || return 1
   command -v nm >/dev/null && nm -D --defined-only kernels/libshardsafe_ec.so | grep ' T shardsafe_ec_'
@@ -150,7 +151,9 @@ EOF
   PYTHONPATH="$REPO" "$PY" -c "
 from shardsafe.kernels import cuda
 lib = cuda.load()
-print('libshardsafe_ec loaded, devices:', lib.shardsafe_ec_device_count())"
+print('libshardsafe_ec loaded, devices:', lib.shardsafe_ec_device_count())
+from shardsafe.payload import checksum
+print('xxh3:', checksum.implementation())"
 }
 
 # --- 4. tests -------------------------------------------------------------------------------------

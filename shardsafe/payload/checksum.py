@@ -42,7 +42,7 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 import xxhash
 
-from ..errors import BackendUnavailable
+from ..errors import BackendUnavailable, KernelError
 from ..kernels import copy_hash as _fused
 
 log = logging.getLogger("shardsafe.payload.checksum")
@@ -133,21 +133,38 @@ def implementation() -> str:
     return f"{lib.name}; copy+hash fused: " + ("yes" if fused_available() else f"no ({_fused_unavailable_reason()})")
 
 
+_fused_checked: Any = None   # (Xxh3Lib, problem or "") of the last probe of the fused path
+
+
 def fused_available() -> bool:
-    """Whether ``copy_and_hash`` runs (the helper library is built and the xxh3 library exports its streaming API)."""
-    lib = _native()
-    return bool(lib) and lib.api is not None and _fused.available()
+    """Whether ``copy_and_hash`` runs: the helper library is built, the xxh3 library exports its streaming API,
+    and the fused copy of a probe gave python-xxhash's digests (checked once per library)."""
+    return not _fused_unavailable_reason()
 
 
 def _fused_unavailable_reason() -> str:
+    global _fused_checked
     lib = _native()
     if not lib or lib.api is None:
         return "the xxh3 library exports no streaming API"
+    if _fused_checked is not None and _fused_checked[0] is lib:
+        return _fused_checked[1]
+    why = ""
     try:
-        _fused.load()
+        src = np.frombuffer(_PROBE, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        seg = 65536 + 3   # odd segments: pieces, a segment boundary inside a piece, a short tail
+        got = _fused.copy_hash(int(dst.ctypes.data), int(src.ctypes.data), src.size, seg, lib.api)
+        if got != [xxhash.xxh3_64_intdigest(_PROBE[a:a + seg]) for a in range(0, len(_PROBE), seg)] or \
+                dst.tobytes() != _PROBE:
+            why = f"{lib.name}: the fused copy's digests or bytes disagree with python-xxhash on a probe"
+            log.warning("shardsafe: %s; snapshots copy, then hash", why)
     except BackendUnavailable as e:
-        return str(e)
-    return ""
+        why = str(e)
+    except KernelError as e:
+        why = f"{lib.name}: {e}"
+    _fused_checked = (lib, why)
+    return why
 
 
 def copy_and_hash(dst: int, src: int, n: int, seg: int) -> list[str]:

@@ -190,7 +190,22 @@ def test_the_kernel_s_missing_library_says_how_to_build_it(monkeypatch, tmp_path
     monkeypatch.setattr(copy_hash, "_lib", None)
     monkeypatch.setattr(copy_hash, "_error", None)
     monkeypatch.setattr(copy_hash, "lib_candidates", lambda: [tmp_path / "nope.so"])
+    monkeypatch.setattr(checksum, "_fused_checked", None)   # the first look of a process
     with pytest.raises(BackendUnavailable, match="pip install -e"):
         copy_hash.load()
     assert not checksum.fused_available()
     assert "copy+hash fused: no (libshardsafe_cpu.so not found" in checksum.implementation()
+
+
+def test_a_fused_copy_that_disagrees_on_the_probe_is_not_used(monkeypatch):
+    # The streaming API is checked once per library on a probe (odd segments, a short tail) before any snapshot
+    # uses it: a build whose update/digest disagree would seal snapshots that no restore could verify.
+    from shardsafe.kernels import copy_hash
+    real = copy_hash.copy_hash
+    monkeypatch.setattr(copy_hash, "copy_hash", lambda *a, **k: [d ^ 1 for d in real(*a, **k)])
+    monkeypatch.setattr(checksum, "_fused_checked", None)
+    assert not checksum.fused_available()
+    assert "disagree with python-xxhash on a probe" in checksum.implementation()
+    monkeypatch.setattr(copy_hash, "copy_hash", real)
+    monkeypatch.setattr(checksum, "_fused_checked", None)
+    assert checksum.fused_available()
