@@ -94,8 +94,35 @@ class Finder:
         return spec
 
 
+def holder_socket(environ=os.environ) -> str:
+    """Where this node's holder of the job named by ``SHARDSAFE_JOB_ID`` listens ("" without a job id): the path
+    shardsafe.holder.paths derives from the same environment (a unit test holds the two equal), computed here
+    with ``os`` alone so that a program whose job has no holder imports nothing more of shardsafe."""
+    job = environ.get("SHARDSAFE_JOB_ID", "")
+    if not job:
+        return ""
+    root = environ.get("SHARDSAFE_HOLDER_DIR") or os.path.join(environ.get("XDG_RUNTIME_DIR") or "/tmp",
+                                                                 f"shardsafe-{os.getuid()}")
+    node = environ.get("SHARDSAFE_NODE") or environ.get("SLURMD_NODENAME") or os.uname().nodename
+    return os.path.join(root, job, f"{node}.sock")
+
+
+def _early_open() -> None:
+    """A trainer (``RANK`` set) of a job whose holder runs on this node maps its newest held snapshot while it sets
+    up (shardsafe.holder.early_open), from the moment its framework loads: the earliest point a trainer that
+    torchrun started itself reaches (the fork server's children start it before the script runs)."""
+    sock = holder_socket()
+    if os.environ.get("RANK") and sock and os.path.exists(sock):
+        try:
+            from shardsafe.holder import early_open
+            early_open.start()
+        except Exception:  # noqa: BLE001 - an optimisation only: the restore opens the slot itself
+            pass
+
+
 def _patch_deepspeed(module) -> None:
     import functools
+    _early_open()
     original = module.initialize
     if getattr(original, "__shardsafe_auto__", False):
         return
@@ -150,6 +177,8 @@ def _patch_megatron_training(module) -> None:
     Megatron's own, and nothing of shardsafe is imported. (Decided at call time, not at import: a fork server
     imports Megatron once, before the command line of the trainer it forks exists.)"""
     import functools
+    if megatron_wanted():
+        _early_open()
     training = sys.modules.get(module.__name__ + ".training")
     arguments = sys.modules.get(module.__name__ + ".arguments")
     original = getattr(training, "pretrain", None) or getattr(module, "pretrain", None)

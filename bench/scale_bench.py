@@ -1,6 +1,7 @@
 """Snapshot and restore at real shard sizes: time per GiB from 0.25 to 2 GiB of state per rank.
 
-    .venv/bin/python bench/scale_bench.py [--sizes 0.25,0.5,1,2] [--repeats 5] [--ranks 2] [--hash-threads 0] [--json]
+    .venv/bin/python bench/scale_bench.py [--sizes 0.25,0.5,1,2] [--repeats 5] [--ranks 2] [--hash-threads 0]
+                                          [--early-open] [--json]
 
 Two ranks (--ranks) on one simulated node, the real holder, snapshot pipeline and collective restore
 (restore_from_holder: vote, every xxh3 segment verified, copied in place). The rank state is synthetic:
@@ -13,7 +14,9 @@ small one, filled with random bytes; what is measured is shardsafe's own path, i
   * restore: the whole collective restore (agree, verify, apply) vs a memcpy of the same bytes into
     pre-faulted memory; its verify and apply phases apart;
   * checksums alone: xxh3 of the payload on 1 thread and on the configured threads.
-A cost that grows faster than the bytes shows as a rising s/GiB column. This machine has 2 cores for 2 ranks:
+With --early-open each restore finds its slot opened and its page tables filled beforehand, as a restarted
+trainer's restore does (shardsafe/holder/early_open.py: the trainer opens it while it sets up); that open's own
+time is printed apart. A cost that grows faster than the bytes shows as a rising s/GiB column. This machine has 2 cores for 2 ranks:
 one hash thread per rank is what auto-sizing picks here, so --hash-threads 2 oversubscribes. --ranks 1 gives
 the one rank both cores (auto-sizing: 2 hash threads), the nearest this machine comes to a GPU node's
 8-16 cores per rank. --device cuda puts the state on the rank's GPU (one per rank): the snapshot's floor is then
@@ -63,6 +66,7 @@ def worker(a: argparse.Namespace) -> None:
     from shardsafe.payload import checksum
     from shardsafe.payload import manifest as mf
     from shardsafe.config import ShardsafeConfig
+    from shardsafe.holder.early_open import EarlyOpen
     from shardsafe.snapshot.restore import restore_from_holder
     from shardsafe.runtime import Runtime
 
@@ -94,7 +98,7 @@ def worker(a: argparse.Namespace) -> None:
     h2d = {k: torch.empty_like(t).fill_(1) for k, t in st.tensors.items()} if cuda else {}
     res: dict = {"snapshot_s": [], "copy_s": [], "hash_tail_s": [], "memcpy_s": [], "restore_s": [], "phases": [],
                  "hash1_s": [], "hashN_s": [], "h2d_s": [],
-           "h2d_mode": [], "pin_s": [], "pin_wait_s": []}
+           "h2d_mode": [], "pin_s": [], "pin_wait_s": [], "early_open_s": []}
     for i in range(a.warmup + a.repeats):
         dist.barrier()
         t0 = time.perf_counter()
@@ -116,12 +120,19 @@ def worker(a: argparse.Namespace) -> None:
                 h2d[k].copy_(t, non_blocking=True)
             sync()
             hd = mx(time.perf_counter() - t0)
+        early, eo = None, 0.0
+        if a.early_open:   # as a restarted trainer does while it sets up (holder/early_open.py), timed apart
+            t0 = time.perf_counter()
+            early = EarlyOpen(rt.paths, rank).start()
+            early.wait()
+            eo = mx(time.perf_counter() - t0)
         dist.barrier()
         t0 = time.perf_counter()
-        r = restore_from_holder(shard, rt.client, rank=rank, coll=rt.coll, h2d=a.h2d)
+        r = restore_from_holder(shard, rt.client, rank=rank, coll=rt.coll, h2d=a.h2d, early=early)
         sync()
         rest = mx(time.perf_counter() - t0)
         assert r.version == 100 + i, r.message
+        assert not a.early_open or (r.notes or {}).get("early_open") == "used", r.notes
         man, mm = rt.client.open(rank=rank, version=100 + i)
         ranges = [rg for e in man["entries"] for rg in mf.chunk_ranges(e)]
         buf = memoryview(mm)
@@ -147,6 +158,7 @@ def worker(a: argparse.Namespace) -> None:
             res["h2d_mode"].append((r.notes or {}).get("h2d", "cpu"))
             res["pin_s"].append((r.notes or {}).get("pin_s", 0.0))
             res["pin_wait_s"].append((r.notes or {}).get("pin_wait_s", 0.0))
+            res["early_open_s"].append(eo)
     res["nbytes"] = h.nbytes
     res["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     res["hash_threads"] = pipe.hasher.threads
@@ -169,7 +181,8 @@ def run_size(a: argparse.Namespace, size: float) -> dict:
                                      memory_budget_gb=budget, attempt_timeout_s=3000))
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out", tmp, "--size", str(size),
             "--repeats", str(a.repeats), "--warmup", str(a.warmup), "--budget-gb", str(budget),
-            "--hash-threads", str(a.hash_threads), "--device", a.device, "--h2d", a.h2d]
+            "--hash-threads", str(a.hash_threads), "--device", a.device, "--h2d", a.h2d] \
+        + (["--early-open"] if a.early_open else [])
     if not run.run(argv).ok:
         raise SystemExit(f"benchmark at {size} GiB failed; logs kept in {tmp}")
     with open(os.path.join(tmp, "scale_result.json")) as f:
@@ -182,6 +195,7 @@ def run_size(a: argparse.Namespace, size: float) -> dict:
            "memcpy_s": med(res["memcpy_s"]), "restore_s": med(res["restore_s"]),
            "verify_s": med([p["verify"] for p in res["phases"]]), "apply_s": med([p["apply"] for p in res["phases"]]),
            "hash1_s": med(res["hash1_s"]), "hashN_s": med(res["hashN_s"]), "repeats": a.repeats,
+           "early_open_s": med(res["early_open_s"]),
            "ranks": a.ranks, "device": res["device"]}
     row["ratio_snapshot_vs_memcpy"] = row["snapshot_s"] / row["memcpy_s"]
     row["ratio_restore_vs_memcpy"] = row["restore_s"] / row["memcpy_s"]
@@ -207,6 +221,9 @@ def main() -> int:
                    help="where the rank state lives (cuda: one GPU per rank; floors: pinned D2H and H2D copies)")
     p.add_argument("--h2d", choices=["pinned", "pageable"], default="pinned",
                    help="restore_h2d: how a restore into GPU tensors reads the holder's memory (GPU only)")
+    p.add_argument("--early-open", action="store_true",
+                   help="open and populate the slot before the restore, as a restarted trainer does while it sets up "
+                        "(shardsafe.holder.early_open); its time is printed apart")
     p.add_argument("--hash-threads", type=int, default=0, help="shardsafe hash_threads (0 = auto)")
     p.add_argument("--budget-gb", type=float, default=0.0, help="holder budget (0 = sized to the run)")
     p.add_argument("--json", action="store_true")
@@ -240,6 +257,9 @@ def main() -> int:
         print(f"  restore_h2d={a.h2d}: copies read " + ", ".join(
             f"{r['GiB_per_rank']:.2f} GiB {'/'.join(r['h2d_mode'])} (pin {r['pin_s']:.3f} s beside the verify, "
             f"apply waited {r['pin_wait_s']:.3f} s)" for r in rows))
+    if a.early_open:
+        print("  early open (before the restore, beside the trainer's set-up; not in the restore column): " + ", ".join(
+            f"{r['GiB_per_rank']:.2f} GiB {r['early_open_s'] / r['GiB_per_rank']:.3f} s/GiB" for r in rows))
     for r in rows:
         g = r["GiB_per_rank"]
         print(f"{g:5.2f} | {r['snapshot_s'] / g:8.3f} {r['copy_s'] / g:7.3f} {r['hash_tail_s'] / g:11.3f} "

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from .errors import ConfigError  # noqa: F401 - the family lives in the root module; importable from here as before
+from .holder.paths import default_holder_dir, default_node_name  # noqa: F401 - the config's defaults; importable from here
 from .fatal import install_excepthook
 from .jobid import AmbiguousJobId, derive_job_id
 
@@ -37,18 +37,6 @@ ENV_PERSIST_DIR = "SHARDSAFE_PERSIST_DIR"
 ENV_EXPORT_DIR = "SHARDSAFE_EXPORT_DIR"
 """Set by the launchers that start the holders (their --memory-budget-gb): a trainer's config cannot change
 the budget of a holder that already runs, so a different value in the config is an error naming both."""
-
-
-def default_node_name() -> str:
-    """The failure domain this process lives in (simulated nodes set SHARDSAFE_NODE)."""
-    return os.environ.get("SHARDSAFE_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
-def default_holder_dir() -> str:
-    if os.environ.get("SHARDSAFE_HOLDER_DIR"):
-        return os.environ["SHARDSAFE_HOLDER_DIR"]
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return os.path.join(base, f"shardsafe-{os.getuid()}")
 
 
 PARITY_TRANSPORTS = ("host", "device")

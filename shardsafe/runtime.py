@@ -23,6 +23,7 @@ from .persist import PersistentStore
 from .parity.exchange import ExchangeError, ParityExchange, gather_places, plan_parity
 from .parity.topology import TopologyError
 from .faults import Injector, current_attempt
+from .holder import early_open
 from .holder.client import HolderClient, HolderUnavailable, connect_or_start
 from .holder.paths import HolderPaths
 from .holder.protocol import HolderFailure
@@ -228,7 +229,11 @@ class Runtime(BaseRuntime):
             raise TypeError(f"shardsafe restores through a shardsafe.snapshot.state.StateAdapter; got "
                             f"{type(adapter).__name__}. Subclass StateAdapter (capture, apply; validate and the "
                             "rest have defaults).")
+        # The slot this trainer mapped while it started (holder/early_open.py), for the first engine's restore.
+        early = early_open.take() if not self.scope else None
         if not self.cfg.restore:
+            if early is not None:
+                early.discard()
             self.restored = RestoreResult(message="restore disabled by config", timeline=new_timeline(self.coll))
             self.pipeline.timeline = self.restored.timeline
             return self.restored
@@ -247,7 +252,7 @@ class Runtime(BaseRuntime):
         self.restored = restore_from_holder(adapter, self.client, rank=self.rank, coll=self.coll,
                                             on_event=emit, exchange=self.exchange, nodes=self.nodes,
                                             persist=self.persist, on_phase=self.injector.phase,
-                                            h2d=self.cfg.restore_h2d)
+                                            h2d=self.cfg.restore_h2d, early=early)
         # Every snapshot of this attempt belongs to the new branch; the restored version counts as committed.
         self.pipeline.timeline = self.restored.timeline
         if self.restored.version >= 0:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import ConfigError
 from .paths import HolderPaths
@@ -22,6 +22,15 @@ log = logging.getLogger("shardsafe.holder")
 
 class HolderUnavailable(HolderFailure):
     """No holder answers for this job and node."""
+
+
+class OpenedSlot(NamedTuple):
+    """A sealed version opened for reading: its manifest, a read-only mapping of its shared memory (the
+    caller closes it), and ``ident``: (device, inode, size) of that memory, equal for two mappings of one slot
+    and different once the holder has given the version another slot."""
+    manifest: dict
+    mm: mmap.mmap
+    ident: tuple[int, int, int]
 
 
 class HolderClient:
@@ -161,17 +170,23 @@ class HolderClient:
 
     def open(self, *, rank: int, version: int, kind: str = "data", populate: bool = True) -> tuple[dict, mmap.mmap]:
         """(manifest, read-only mapping) of a sealed version. The caller closes the mapping."""
+        held = self.open_slot(rank=rank, version=version, kind=kind, populate=populate)
+        return held.manifest, held.mm
+
+    def open_slot(self, *, rank: int, version: int, kind: str = "data", populate: bool = True) -> "OpenedSlot":
+        """:meth:`open`, with the identity of the shared memory behind the mapping (which slot it is)."""
         resp, fds = self.request("open", rank=rank, version=version, kind=kind)
         try:
-            size = os.fstat(fds[0]).st_size
+            st = os.fstat(fds[0])
             # Populate the page tables in one go when every byte is read (checksums, then the copy);
             # a reader of a part of the payload (a peer's shard) faults in only what it touches.
+            # (CPython's mmap() releases the GIL: a populating thread does not stop the others.)
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-            m = mmap.mmap(fds[0], size, flags, mmap.PROT_READ)
+            m = mmap.mmap(fds[0], st.st_size, flags, mmap.PROT_READ)
         finally:
             for fd in fds:
                 os.close(fd)
-        return resp["manifest"], m
+        return OpenedSlot(resp["manifest"], m, (st.st_dev, st.st_ino, st.st_size))
 
     def drop(self, *, rank: int | None = None, ranks: list[int] | None = None, version: int | None = None,
              kind: str = "data") -> int:

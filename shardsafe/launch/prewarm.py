@@ -462,7 +462,10 @@ def serve(preload: Sequence[str], sock: socket.socket) -> Optional[dict]:
 def _run_child(req: dict) -> None:
     """Run the trainer as ``python ARGV...`` would, in this (forked) interpreter."""
     import runpy
+    from ..holder import early_open
     from .discovery import wait_before_store_connect
+    # A restarted trainer maps its newest snapshot while it sets up, instead of inside its restore.
+    early_open.start()
     # Forked trainers start within milliseconds of each other, before rank 0 has its store up: without this
     # each of them loses torch's ~0.5 s connect back-off (discovery.wait_before_store_connect).
     wait_before_store_connect()

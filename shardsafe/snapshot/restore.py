@@ -21,6 +21,7 @@ import xxhash
 from .. import collectives
 from ..errors import ShardsafeError
 from ..holder.client import HolderClient
+from ..holder.early_open import EarlyOpen
 from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
 from .pinning import PinnedMapping
@@ -197,17 +198,23 @@ class _Attempt:
     rebuild_s: float = 0.0
     on_phase: Callable[[str, int], None] = None   # type: ignore[assignment]  # fault injection hook
     h2d: str = "pinned"     # restore_h2d: how copies into GPU tensors read the mapping (pinning.py)
+    early: Optional[EarlyOpen] = None   # this rank's slot, mapped while the trainer started (holder/early_open.py)
 
 
 def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *, rank: int, coll: Collectives,
                         on_event: Callable[..., None] | None = None, exchange=None,
                         nodes: list[str] | None = None, persist=None,
-                        on_phase: Callable[[str, int], None] | None = None, h2d: str = "pinned") -> RestoreResult:
+                        on_phase: Callable[[str, int], None] | None = None, h2d: str = "pinned",
+                        early: Optional[EarlyOpen] = None) -> RestoreResult:
     """Run on every rank at start. Returns what was restored (version -1: nothing, fresh start).
 
     ``h2d`` (config ``restore_h2d``): how a restore into GPU tensors reads the holder's memory, "pinned"
     (the verified mapping page-locked while it verifies, the copies are DMA; pageable if the driver refuses)
     or "pageable" (shardsafe/snapshot/pinning.py).
+
+    ``early``: this rank's newest slot, opened with its page tables filled while the trainer started
+    (shardsafe/holder/early_open.py); used if the version chosen is that one in the same shared memory, verified
+    like any other, and closed here in any case.
 
     Raises RestoreError whenever any tier holds something for this job and nothing is restorable (more lost
     nodes than parity covers, every copy corrupt, snapshots of another layout): silently starting from
@@ -223,14 +230,20 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     if candidates:
         _check_world_size(client, rank, coll, mine_d)
     st = _Attempt(rank, {"agree": time.perf_counter() - t0, "rebuild": 0.0, "verify": 0.0, "apply": 0.0}, [], [],
-                  on_phase=on_phase or (lambda name, version: None), h2d=h2d)
+                  on_phase=on_phase or (lambda name, version: None), h2d=h2d, early=early)
     live = adapter.capture().tensors
     res = None
-    for version in candidates:
-        res = _try_version(version, adapter, client, coll, st, data, parity, exchange, live)
-        if res is not None:
-            _fence_and_keep(client, rank, res.version, mine_d, mine_p, exchange)
-            break
+    try:
+        for version in candidates:
+            res = _try_version(version, adapter, client, coll, st, data, parity, exchange, live)
+            if res is not None:
+                _fence_and_keep(client, rank, res.version, mine_d, mine_p, exchange)
+                break
+    finally:
+        if early is not None:
+            early.discard()   # not claimed (no candidate, another version): its mapping goes now
+    if res is not None and early is not None:
+        res.notes = {**(res.notes or {}), **early.notes(res.version)}
     if res is None:
         # Memory could not serve (nothing held, or more losses than parity covers): the persistent tier.
         res, disk_refusals = (_restore_persistent(adapter, persist, rank=rank, coll=coll, live=live, h2d=h2d)
@@ -300,10 +313,8 @@ def _try_version(version: int, adapter: StateAdapter, client, coll: Collectives,
         if tier == "parity" and not _rebuild(version, client, coll, st, exchange, lost):
             return None
         t1 = time.perf_counter()
-        # Mapped without MAP_POPULATE: the hash threads fill the page tables, each for its own segments.
-        manifest, pin, bad, is_corrupt = _open_verified(
-            lambda: client.open(rank=rank, version=version, populate=False), adapter, live, populate=True,
-            h2d=st.h2d)
+        manifest, pin, bad, is_corrupt = _open_verified(lambda: _open_held(client, st, version), adapter, live,
+                                                        populate=True, h2d=st.h2d)
         status = _OK if not bad else (_CORRUPT if is_corrupt else _REFUSED)
         st.on_phase("restore-verify", version)
         if bad:
@@ -344,6 +355,19 @@ def _try_version(version: int, adapter: StateAdapter, client, coll: Collectives,
                             + (f" (ranks {sorted(corrupt)} had corrupt copies)" if corrupt else ""))
         return res
     return None
+
+
+def _open_held(client: HolderClient, st: _Attempt, version: int) -> tuple[dict, object, bool]:
+    """(manifest, read-only mapping, whether its page tables are filled) of this rank's ``version``: the early
+    open's mapping when it is the same slot, else a fresh one mapped without MAP_POPULATE (the hash threads
+    fill its page tables, each for its own segments)."""
+    held = client.open_slot(rank=st.rank, version=version, populate=False)
+    if st.early is not None:   # claimed once: later candidates get None
+        mm = st.early.claim(st.rank, version, held.ident)
+        if mm is not None:
+            held.mm.close()
+            return held.manifest, mm, True
+    return held.manifest, held.mm, False
 
 
 def _rebuild(version: int, client, coll: Collectives, st: _Attempt, exchange, lost: list[int]) -> bool:
@@ -445,13 +469,15 @@ def _refusal_message(st: _Attempt, data, nodes, exchange, persist, disk_refusals
 def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live, *, populate: bool = False,
                    h2d: str = "pinned") -> tuple:
     """Open a payload (holder slot or file) and check it: layout against the live tensors, every xxh3
-    segment, then the adapter's own checks. Returns (manifest, mapping, problems, corrupt): the mapping is a
+    segment, then the adapter's own checks. ``opener`` returns (manifest, mapping, whether the mapping's page
+    tables are filled already); ``populate``: fill them beside the hash otherwise. Returns (manifest, mapping,
+    problems, corrupt): the mapping is a
     PinnedMapping (closed by the caller; its ``mm`` is None when nothing opened), being page-locked for the
     H2D copies while the segments verify when a live tensor is on a GPU; corrupt says the problems are bytes
     that fail their checksums (repairable from parity)."""
     manifest, pin, corrupt = None, PinnedMapping(None, {}), False
     try:
-        manifest, mm = opener()
+        manifest, mm, populated = opener()
         pin = PinnedMapping(mm, {})
         try:
             mf.check_matches(manifest, live, tuple(adapter.optional_prefixes))
@@ -462,7 +488,7 @@ def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live, *, 
         pin = PinnedMapping(mm, live, h2d)   # the layout matches: pin beside the verification
         buf = memoryview(mm)
         try:
-            bad = mf.verify(manifest, buf, populate=populate)
+            bad = mf.verify(manifest, buf, populate=populate and not populated)
         finally:
             buf.release()
         corrupt = bool(bad)
@@ -496,7 +522,8 @@ def _restore_persistent(adapter: StateAdapter, persist, *, rank: int, coll: Coll
     common = sorted(set.intersection(*[set(e[0]) for e in held]), reverse=True)
     refusals: list[str] = []
     for version in common:
-        manifest, pin, bad, _ = _open_verified(lambda: persist.open(version, rank), adapter, live, h2d=h2d)
+        manifest, pin, bad, _ = _open_verified(lambda: (*persist.open(version, rank), False), adapter, live,
+                                               h2d=h2d)
         if bad:
             log.error("[rank %d] persistent version %d in %s failed verification, not loaded: %s", rank, version,
                       persist.dir, "; ".join(bad[:3]))

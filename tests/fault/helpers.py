@@ -78,6 +78,13 @@ def restores(run_dir):
     return out
 
 
+def early_opens(run_dir):
+    """(attempt, rank) -> how the restore's early open went ("used", "missed: why"; shardsafe.holder.early_open)."""
+    return {(int(e.get("attempt") or 0), e["rank"]): e.get("notes", {}).get("early_open", "absent")
+            for e in read_jsonl(os.path.join(str(run_dir), "events.jsonl"))
+            if e.get("kind") == "restore_end" and e.get("version", -1) >= 0}
+
+
 def trainer_logs(run_dir):
     txt = ""
     for f in sorted(os.listdir(run_dir)):

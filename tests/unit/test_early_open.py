@@ -1,0 +1,178 @@
+"""The early open (shardsafe.holder.early_open): a restarted trainer maps its newest held snapshot while it starts.
+
+Real holder processes, real shared memory and fork. What must hold: the restore uses the early mapping only for
+the version and shared memory it chose, verifies it like any other (corruption after the early open is caught),
+and no mapping outlives its use (unclaimed, discarded, or inherited by a forked child).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from shardsafe.holder import early_open
+from shardsafe.holder.client import HolderClient
+from shardsafe.payload import manifest as mf
+from shardsafe.snapshot.restore import Collectives, restore_from_holder
+
+from .test_snapshot_restore import ToyAdapter, snap
+
+
+@pytest.fixture
+def held(holder_factory):
+    """(client, env of a trainer of rank 0 on the holder's node)"""
+    (h,) = holder_factory(1, job="ejob", budget_gb=0.2)
+    env = {"SHARDSAFE_JOB_ID": "ejob", "RANK": "0", "SHARDSAFE_NODE": "n0", "SHARDSAFE_HOLDER_DIR": h.paths.root}
+    c = HolderClient(h.paths, timeout_s=10).connect()
+    yield c, env
+    c.close()
+    early_open.take()
+
+
+def _mapped(mm) -> tuple[int, int]:
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    return int(arr.ctypes.data), len(mm)
+
+
+def _in_maps(addr: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+
+def test_the_restore_uses_the_early_opened_slot_and_is_bit_exact(held):
+    c, env = held
+    src = ToyAdapter(1)
+    snap(c, ToyAdapter(5), 9)
+    snap(c, src, 10)
+    e = early_open.start(env)
+    assert e is not None and early_open.start(env) is e   # once per process
+    assert early_open.take() is e and early_open.take() is None
+    dst = ToyAdapter(2)
+    res = restore_from_holder(dst, c, rank=0, coll=Collectives(), early=e)
+    assert (res.version, res.tier) == (10, "memory"), res.message
+    assert res.notes["early_open"] == "used" and res.notes["early_open_version"] == 10, res.notes
+    for k in src.t:
+        assert torch.equal(src.t[k], dst.t[k]), k
+
+
+def test_corruption_after_the_early_open_is_caught_and_an_older_version_restored(held):
+    c, env = held
+    old = ToyAdapter(1)
+    snap(c, old, 1)
+    snap(c, ToyAdapter(2), 2)
+    e = early_open.start(env)
+    assert e.wait(30)
+    assert e.version == 2, e.why
+    man, _ = c.open(rank=0, version=2)
+    entry = next(x for x in man["entries"] if x["name"] == "master")
+    for m in c._maps.values():   # the pipeline's writable mappings: flip a byte of version 2 behind the holder's back
+        buf = memoryview(m)
+        good = mf.verify(man, buf) == []
+        buf.release()
+        if good:
+            m[entry["offset"] + 1234] ^= 0x10
+            break
+    else:
+        pytest.fail("no writable mapping holds version 2")
+    dst = ToyAdapter(3)
+    res = restore_from_holder(dst, c, rank=0, coll=Collectives(), early=early_open.take())
+    assert res.version == 1, res.message
+    assert res.notes["early_open"].startswith("missed: opened version 2, which failed verification"), res.notes
+    assert all(torch.equal(old.t[k], dst.t[k]) for k in old.t)
+
+
+def test_another_slot_or_version_is_refused_and_the_mapping_closed(held):
+    c, env = held
+    snap(c, ToyAdapter(1), 4)
+    e = early_open.start(env)
+    assert e.wait(30)
+    held_slot = c.open_slot(rank=0, version=4, populate=False)
+    held_slot.mm.close()
+    addr, _ = _mapped(e._slot.mm)
+    assert _in_maps(addr)
+    other = (held_slot.ident[0], held_slot.ident[1] + 1, held_slot.ident[2])
+    assert e.claim(0, 4, other) is None          # the holder serves version 4 from other memory now
+    assert not _in_maps(addr) and "other shared memory" in e.why
+    assert e.claim(0, 4, held_slot.ident) is None   # spent: claimed once
+
+
+def test_a_version_the_restore_does_not_choose_is_closed_by_the_restore(held):
+    c, env = held
+    snap(c, ToyAdapter(1), 7)
+    e = early_open.start(env)
+    assert e.wait(30)
+    addr, _ = _mapped(e._slot.mm)
+    c.drop(rank=0, version=7)                    # gone from the holder before the restore asks
+    res = restore_from_holder(ToyAdapter(2), c, rank=0, coll=Collectives(), early=early_open.take())
+    assert res.version == -1
+    assert not _in_maps(addr)                    # the restore closed the unclaimed mapping
+
+
+def test_a_forked_child_closes_its_inherited_copy(held):
+    c, env = held
+    snap(c, ToyAdapter(1), 3)
+    e = early_open.start(env)
+    assert e.wait(30)
+    addr, _ = _mapped(e._slot.mm)
+    pid = os.fork()
+    if pid == 0:   # a data-loader worker, say: it never restores
+        code = 3 if _in_maps(addr) else (4 if early_open.take() is not None else 0)
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _in_maps(addr)                        # the parent keeps its own for the restore
+    early_open.take().discard()
+    assert not _in_maps(addr)
+
+
+def test_only_a_trainer_of_a_shardsafe_job_with_a_holder_opens_early(held, tmp_path):
+    _, env = held
+    assert early_open.start({k: v for k, v in env.items() if k != "SHARDSAFE_JOB_ID"}) is None
+    assert early_open.start({k: v for k, v in env.items() if k != "RANK"}) is None
+    assert early_open.start({**env, "SHARDSAFE_EARLY_OPEN": "0"}) is None
+    assert early_open.start({**env, "SHARDSAFE_HOLDER_DIR": str(tmp_path / "none")}) is None   # no holder there
+    e = early_open.start({**env, "RANK": "5"})   # a rank the holder has nothing of
+    assert e.wait(30)
+    assert e.version == -1 and "no sealed version of rank 5" in e.why
+    assert early_open.take() is e
+
+
+def test_deepspeed_loading_in_a_trainer_starts_it(held, monkeypatch):
+    """A trainer torchrun started itself (no fork server): the automatic activation opens early when DeepSpeed
+    loads; the fork server's children start it before the script (tests/fault check that path end to end)."""
+    import types
+
+    from shardsafe.adapters import autoload
+    c, env = held
+    snap(c, ToyAdapter(1), 8)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    autoload._patch_deepspeed(types.SimpleNamespace(initialize=lambda *a, **k: None))
+    e = early_open.take()
+    assert e is not None and e.wait(30) and e.version == 8, e and e.why
+    e.discard()
+
+
+@pytest.mark.parametrize("env", [
+    {"SHARDSAFE_JOB_ID": "j1"},
+    {"SHARDSAFE_JOB_ID": "j1", "SHARDSAFE_NODE": "nodeA", "SHARDSAFE_HOLDER_DIR": "/x/h"},
+    {"SHARDSAFE_JOB_ID": "j1", "SLURMD_NODENAME": "sn3", "XDG_RUNTIME_DIR": "/run/user/7"},
+    {"SHARDSAFE_JOB_ID": "j1", "SHARDSAFE_NODE": "a", "SLURMD_NODENAME": "b", "XDG_RUNTIME_DIR": "/r"},
+])
+def test_the_activations_holder_socket_is_the_holders(env, monkeypatch):
+    """adapters/autoload.py derives the socket path with os alone (it may import nothing of shardsafe in a program
+    without a holder): it must be the path shardsafe.holder.paths derives from the same environment."""
+    from shardsafe.adapters import autoload
+    from shardsafe.holder.paths import HolderPaths, default_holder_dir, default_node_name
+    for k in ("SHARDSAFE_NODE", "SLURMD_NODENAME", "SHARDSAFE_HOLDER_DIR", "XDG_RUNTIME_DIR"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    want = HolderPaths(default_holder_dir(), env["SHARDSAFE_JOB_ID"], default_node_name()).socket
+    assert autoload.holder_socket() == want
