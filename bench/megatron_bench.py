@@ -54,6 +54,7 @@ def worker(a: argparse.Namespace) -> None:
     from megatron.core.utils import unwrap_model
     from shardsafe.adapters.megatron import protect
     from shardsafe.config import ShardsafeConfig
+    from shardsafe.holder import early_open
 
     torch.set_num_threads(1)
     ex.init_distributed(600.0)   # NCCL on GPUs (one per rank), gloo with the CPU shims otherwise
@@ -163,7 +164,7 @@ def worker(a: argparse.Namespace) -> None:
     floor_s: list[float] = []
 
     base = os.path.join(a.ckpt_dir, "dist_ckpt")
-    save_pc, save_durable, load_warm, load_cold, restore, phases = [], [], [], [], [], []
+    save_pc, save_durable, load_warm, load_cold, restore, phases, early_s = [], [], [], [], [], [], []
     checks = {"megatron_load_restores_state": True, "shardsafe_restore_bit_exact": True}
     for i in range(a.repeats):
         paths = {}
@@ -201,6 +202,13 @@ def worker(a: argparse.Namespace) -> None:
         load_cold.append(mx(time.perf_counter() - t0))
         overwrite()
         sync()
+        if a.early_open:   # as a restarted trainer does while it sets up (holder/early_open.py), timed apart
+            dist.barrier()
+            t0 = time.perf_counter()
+            eo = early_open.start()
+            assert eo is not None, "early open: SHARDSAFE_JOB_ID / RANK / the holder socket missing"
+            eo.wait()
+            early_s.append(mx(time.perf_counter() - t0))
         dist.barrier()
         t0 = time.perf_counter()
         version = prot.runtime.try_restore(prot.adapter)
@@ -209,6 +217,8 @@ def worker(a: argparse.Namespace) -> None:
         assert version is not None, prot.runtime.restored.message
         checks["shardsafe_restore_bit_exact"] &= equal(skip_step=False)
         phases.append(prot.runtime.restored.phases)
+        assert not a.early_open or (prot.runtime.restored.notes or {}).get("early_open") == "used", \
+            prot.runtime.restored.notes
         sync()
         dist.barrier()
         t0 = time.perf_counter()
@@ -227,7 +237,7 @@ def worker(a: argparse.Namespace) -> None:
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     res["checks"] = {k: bool(f) for k, f in zip(checks, flags.tolist())}
     res.update(save_pagecache_s=save_pc, save_durable_s=save_durable, load_warm_s=load_warm, load_cold_s=load_cold,
-               restore_s=restore, restore_phases=phases, floor_s=floor_s)
+               restore_s=restore, restore_phases=phases, floor_s=floor_s, early_open_s=early_s)
     if rank == 0:
         with open(os.path.join(a.out, "bench_result.json"), "w") as f:
             json.dump(res, f)
@@ -258,6 +268,7 @@ def report(res: dict, a: argparse.Namespace) -> dict:
         "ratio_save_durable_vs_stall": round(med(res["save_durable_s"]) / floor, 1),
         "ratio_save_pagecache_vs_stall": round(med(res["save_pagecache_s"]) / floor, 1),
         "restore_s": round(restore_s, 4),
+        "early_open_s": round(med(res["early_open_s"]), 4) if res.get("early_open_s") else 0.0,
         "restore_phases_s_rank0": {k: round(med([p[k] for p in res["restore_phases"]]), 4)
                                    for k in res["restore_phases"][0]},
         "copy_floor_s": round(med(res["floor_s"]), 4),
@@ -283,6 +294,9 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--budget-gb", type=float, default=4.0)
+    p.add_argument("--early-open", action="store_true",
+                   help="open and populate the slot before each restore, as a restarted trainer does while it sets up "
+                        "(shardsafe.holder.early_open); its time is printed apart")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     if a.repeats < 5:
@@ -296,7 +310,8 @@ def main() -> int:
                                      max_restarts=0, memory_budget_gb=a.budget_gb, attempt_timeout_s=1800))
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out", tmp, "--ckpt-dir", tmp,
             "--hidden", str(a.hidden), "--layers", str(a.layers), "--heads", str(a.heads), "--vocab", str(a.vocab),
-            "--seq", str(a.seq), "--repeats", str(a.repeats), "--warmup", str(a.warmup), "--budget-gb", str(a.budget_gb)]
+            "--seq", str(a.seq), "--repeats", str(a.repeats), "--warmup", str(a.warmup), "--budget-gb", str(a.budget_gb)] \
+        + (["--early-open"] if a.early_open else [])
     t0 = time.time()
     if not run.run(argv).ok:
         print(f"benchmark failed; logs kept in {tmp}", file=sys.stderr)
@@ -325,6 +340,9 @@ def main() -> int:
           f"{out['restore_phases_s_rank0']})")
     print(f"copy floor (same bytes, one copy into the live tensors' memory, same run) {out['copy_floor_s']:7.3f} s -> "
           f"restore is {out['ratio_restore_vs_copy_floor']}x the floor (target <= 1.5x)")
+    if a.early_open:
+        print(f"early open              {out['early_open_s']:8.3f} s    (before the restore, beside the trainer's set-up; "
+              "not in the restore's time)")
     print(f"dist_checkpointing.load, warm cache    {out['load_warm_s']:7.3f} s -> restore is "
           f"{out['ratio_load_warm_vs_restore']}x faster (target >= 5x)")
     print(f"dist_checkpointing.load, cold cache    {out['load_cold_s']:7.3f} s -> restore is "

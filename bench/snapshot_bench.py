@@ -60,6 +60,7 @@ def worker(a: argparse.Namespace) -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     from ds_pretrain_gpt import TinyGPT, batch, pipeline_model
     from shardsafe.adapters.deepspeed import initialize
+    from shardsafe.holder.early_open import EarlyOpen
     from shardsafe.snapshot.restore import restore_from_holder
 
     torch.set_num_threads(1)
@@ -123,7 +124,7 @@ def worker(a: argparse.Namespace) -> None:
     res["copy_s"], res["memcpy_s"] = copy_s, memcpy_s
     # -- disk checkpoints -------------------------------------------------------------------------------
     base = os.path.join(a.ckpt_dir, "ckpt")
-    save_pc, save_durable, load_warm, load_cold, restore, phases = [], [], [], [], [], []
+    save_pc, save_durable, load_warm, load_cold, restore, phases, early_s = [], [], [], [], [], [], []
     for i in range(a.repeats):
         for durable in (False, True):
             tag = f"r{i}{'d' if durable else 'p'}"
@@ -150,9 +151,17 @@ def worker(a: argparse.Namespace) -> None:
             import cProfile   # where one restore's time goes (rank 0, last repeat): --profile
             prof = cProfile.Profile()
             prof.enable()
+        early = None
+        if a.early_open:   # as a restarted trainer does while it sets up (holder/early_open.py), timed apart
+            t0 = time.perf_counter()
+            early = EarlyOpen(hook.runtime.paths, rank).start()
+            early.wait()
+            early_s.append(mx(time.perf_counter() - t0))
+            dist.barrier()
         t0 = time.perf_counter()
-        r = restore_from_holder(hook.adapter, hook.runtime.client, rank=rank, coll=hook.runtime.coll)
+        r = restore_from_holder(hook.adapter, hook.runtime.client, rank=rank, coll=hook.runtime.coll, early=early)
         restore.append(mx(time.perf_counter() - t0))
+        assert not a.early_open or (r.notes or {}).get("early_open") == "used", r.notes
         if prof is not None:
             prof.disable()
             prof.dump_stats(os.environ["SHARDSAFE_BENCH_PROFILE"])
@@ -164,7 +173,7 @@ def worker(a: argparse.Namespace) -> None:
                 shutil.rmtree(os.path.join(base, t), ignore_errors=True)
         dist.barrier()
     res.update(save_pagecache_s=save_pc, save_durable_s=save_durable, load_warm_s=load_warm, load_cold_s=load_cold,
-               restore_s=restore, restore_phases=phases)
+               restore_s=restore, restore_phases=phases, early_open_s=early_s)
     if rank == 0:
         with open(os.path.join(a.out, "bench_result.json"), "w") as f:
             json.dump(res, f)
@@ -194,6 +203,7 @@ def report(res: dict, a: argparse.Namespace) -> dict:
         "ratio_save_durable_vs_stall": round(med(res["save_durable_s"]) / stall_floor, 1),
         "ratio_save_pagecache_vs_stall": round(med(res["save_pagecache_s"]) / stall_floor, 1),
         "restore_s": round(med(res["restore_s"]), 4),
+        "early_open_s": round(med(res["early_open_s"]), 4) if res.get("early_open_s") else 0.0,
         "restore_phases_s_rank0": {k: round(med([p[k] for p in res["restore_phases"]]), 4) for k in res["restore_phases"][0]},
         "load_warm_s": round(med(res["load_warm_s"]), 4), "load_cold_s": round(med(res["load_cold_s"]), 4),
         "ratio_load_warm_vs_restore": round(med(res["load_warm_s"]) / med(res["restore_s"]), 2),
@@ -216,6 +226,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--budget-gb", type=float, default=6.0)
     p.add_argument("--pp", type=int, default=0, help="pipeline stages (PipelineModule x 2 data-parallel ranks)")
+    p.add_argument("--early-open", action="store_true",
+                   help="open and populate the slot before each restore, as a restarted trainer does while it sets up "
+                        "(shardsafe.holder.early_open); its time is printed apart")
     p.add_argument("--json", action="store_true")
     p.add_argument("--profile", default="", help="write a cProfile of rank 0's last restore to this file")
     a = p.parse_args()
@@ -231,7 +244,7 @@ def main() -> int:
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out", tmp, "--ckpt-dir", tmp,
             "--vocab", str(a.vocab), "--d-model", str(a.d_model), "--layers", str(a.layers), "--heads", str(a.heads),
             "--seq", str(a.seq), "--repeats", str(a.repeats), "--warmup", str(a.warmup), "--budget-gb", str(a.budget_gb),
-            "--pp", str(a.pp)]
+            "--pp", str(a.pp)] + (["--early-open"] if a.early_open else [])
     if not run.run(argv).ok:
         print(f"benchmark failed; logs kept in {tmp}", file=sys.stderr)
         return 1
@@ -251,6 +264,9 @@ def main() -> int:
     print(f"save_checkpoint (page cache) {out['save_pagecache_s']:.3f} s -> stall is {out['ratio_save_pagecache_vs_stall']}x smaller")
     print(f"restore from holder   {out['restore_s']:8.3f} s    (checksums verified; rank 0 phases "
           f"{out['restore_phases_s_rank0']})")
+    if a.early_open:
+        print(f"early open            {out['early_open_s']:8.3f} s    (before the restore, beside the trainer's set-up; "
+              "not in the restore's time)")
     print(f"load_checkpoint warm  {out['load_warm_s']:8.3f} s    -> restore is {out['ratio_load_warm_vs_restore']}x faster")
     print(f"load_checkpoint cold  {out['load_cold_s']:8.3f} s    -> restore is {out['ratio_load_cold_vs_restore']}x faster")
     return 0

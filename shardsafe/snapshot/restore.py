@@ -24,7 +24,7 @@ from ..holder.client import HolderClient
 from ..holder.early_open import EarlyOpen
 from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
-from .pinning import PinnedMapping
+from .pinning import PinnedMapping, unmap_later
 from .state import StateAdapter
 
 log = logging.getLogger("shardsafe.snapshot.restore")
@@ -137,7 +137,7 @@ class PeerPayloads:
     def close(self) -> None:
         for man, mm, views, _ in self._open.values():
             views.clear()
-            mm.close()
+            unmap_later(mm)   # the pages the casts touched have page tables to tear down: not on the restore's path
         self._open.clear()
 
 
