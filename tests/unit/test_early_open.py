@@ -45,6 +45,14 @@ def _in_maps(addr: int) -> bool:
     return False
 
 
+def _opened(c, env, version: int):
+    """A snapshot of rank 0 at ``version``, opened early: (the early open, the address of its mapping)."""
+    snap(c, ToyAdapter(1), version)
+    e = early_open.start(env)
+    assert e.wait(30) and e.version == version, e.why
+    return e, _mapped(e._slot.mm)[0]
+
+
 def test_the_restore_uses_the_early_opened_slot_and_is_bit_exact(held):
     c, env = held
     src = ToyAdapter(1)
@@ -89,12 +97,9 @@ def test_corruption_after_the_early_open_is_caught_and_an_older_version_restored
 
 def test_another_slot_or_version_is_refused_and_the_mapping_closed(held):
     c, env = held
-    snap(c, ToyAdapter(1), 4)
-    e = early_open.start(env)
-    assert e.wait(30)
+    e, addr = _opened(c, env, 4)
     held_slot = c.open_slot(rank=0, version=4, populate=False)
     held_slot.mm.close()
-    addr, _ = _mapped(e._slot.mm)
     assert _in_maps(addr)
     other = (held_slot.ident[0], held_slot.ident[1] + 1, held_slot.ident[2])
     assert e.claim(0, 4, other) is None          # the holder serves version 4 from other memory now
@@ -104,10 +109,7 @@ def test_another_slot_or_version_is_refused_and_the_mapping_closed(held):
 
 def test_a_version_the_restore_does_not_choose_is_closed_by_the_restore(held):
     c, env = held
-    snap(c, ToyAdapter(1), 7)
-    e = early_open.start(env)
-    assert e.wait(30)
-    addr, _ = _mapped(e._slot.mm)
+    _, addr = _opened(c, env, 7)
     c.drop(rank=0, version=7)                    # gone from the holder before the restore asks
     res = restore_from_holder(ToyAdapter(2), c, rank=0, coll=Collectives(), early=early_open.take())
     assert res.version == -1
@@ -116,10 +118,7 @@ def test_a_version_the_restore_does_not_choose_is_closed_by_the_restore(held):
 
 def test_a_forked_child_closes_its_inherited_copy(held):
     c, env = held
-    snap(c, ToyAdapter(1), 3)
-    e = early_open.start(env)
-    assert e.wait(30)
-    addr, _ = _mapped(e._slot.mm)
+    _, addr = _opened(c, env, 3)
     pid = os.fork()
     if pid == 0:   # a data-loader worker, say: it never restores
         code = 3 if _in_maps(addr) else (4 if early_open.take() is not None else 0)
