@@ -62,7 +62,6 @@ class EarlyOpen:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._claimed = threading.Event()
-        self._pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name="shardsafe-early-open", daemon=True)
 
     def start(self) -> "EarlyOpen":
@@ -92,7 +91,7 @@ class EarlyOpen:
         if slot is not None:
             _close(slot.mm)   # discarded while it opened
         self._done.set()
-        if not self._claimed.wait(CLAIM_WAIT_S):
+        if self.version >= 0 and not self._claimed.wait(CLAIM_WAIT_S):
             log.info("[rank %d] early-opened snapshot version %d unclaimed after %.0f s: closed", self.rank,
                      self.version, CLAIM_WAIT_S)
             self.discard()
@@ -134,7 +133,8 @@ class EarlyOpen:
         if self._used and restored == self.version:
             how = "used"
         elif self._used:
-            how = f"missed: opened version {self.version}, which failed verification; version {restored} was restored"
+            how = (f"missed: opened version {self.version}, which was not restorable on every rank; version "
+                   f"{restored} was restored")
         else:
             how = "missed: " + (self.why or f"opened version {self.version}, the restore chose version {restored}")
         return {"early_open": how, "early_open_version": self.version, "early_open_s": round(self.seconds, 6)}
@@ -164,8 +164,7 @@ def start(environ: Mapping[str, str] = os.environ) -> Optional[EarlyOpen]:
         return None
     with _current_lock:
         if _current is None:
-            paths = HolderPaths(environ.get("SHARDSAFE_HOLDER_DIR") or default_holder_dir(), job,
-                                environ.get("SHARDSAFE_NODE") or default_node_name())
+            paths = HolderPaths(default_holder_dir(environ), job, default_node_name(environ))
             if not os.path.exists(paths.socket):
                 return None   # no holder for this job on this node (a first start): nothing to open
             _current = EarlyOpen(paths, int(rank)).start()
@@ -185,7 +184,7 @@ def _after_fork_in_child() -> None:
     # it never restores, so its copy goes now, before it could keep memory the holder frees alive.
     global _current, _current_lock
     got, _current, _current_lock = _current, None, threading.Lock()
-    if got is not None and got._pid != os.getpid():
+    if got is not None:
         slot, got._slot = got._slot, None
         if slot is not None:
             _close(slot.mm)

@@ -4,19 +4,20 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import Mapping
 
 
-def default_node_name() -> str:
+def default_node_name(environ: Mapping[str, str] = os.environ) -> str:
     """The failure domain this process lives in (simulated nodes set SHARDSAFE_NODE)."""
-    return os.environ.get("SHARDSAFE_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return environ.get("SHARDSAFE_NODE") or environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def default_holder_dir() -> str:
+def default_holder_dir(environ: Mapping[str, str] = os.environ) -> str:
     """Where holders put their sockets when the config does not say: SHARDSAFE_HOLDER_DIR, else a directory
     of this user's under XDG_RUNTIME_DIR or /tmp."""
-    if os.environ.get("SHARDSAFE_HOLDER_DIR"):
-        return os.environ["SHARDSAFE_HOLDER_DIR"]
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    if environ.get("SHARDSAFE_HOLDER_DIR"):
+        return environ["SHARDSAFE_HOLDER_DIR"]
+    base = environ.get("XDG_RUNTIME_DIR") or "/tmp"
     return os.path.join(base, f"shardsafe-{os.getuid()}")
 
 
