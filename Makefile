@@ -5,10 +5,12 @@ BIN := $(VENV)/bin
 export DS_ACCELERATOR := cpu
 export DS_BUILD_OPS := 0
 export OMP_NUM_THREADS := 1
+# DeepSpeed's JIT-built CPU ops live in the venv (scripts/build_deepspeed_ops.py builds them with it).
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: venv demo test test-slurm test-mcore019 clean
 
-$(BIN)/.ready: setup.py Makefile kernels/csrc/copy_hash.c
+$(BIN)/.ready: setup.py Makefile kernels/csrc/copy_hash.c scripts/build_deepspeed_ops.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip wheel setuptools
 	# torch first: the CPU wheel on this machine; GPU clusters bring their own torch.
@@ -18,6 +20,7 @@ $(BIN)/.ready: setup.py Makefile kernels/csrc/copy_hash.c
 	# on 3.11: a side folder that the Megatron-LM tests and examples put first on PYTHONPATH.
 	test -d $(VENV)/mcore-0.17.1/megatron || $(BIN)/pip install -q --no-deps --ignore-requires-python \
 		--target $(VENV)/mcore-0.17.1 megatron-core==0.17.1 pyyaml==6.0.4
+	$(BIN)/python scripts/build_deepspeed_ops.py
 	touch $@
 
 venv: $(BIN)/.ready

@@ -58,7 +58,7 @@ def one_run(a: argparse.Namespace, preload: tuple[str, ...], k: int) -> dict:
     try:
         if a.engine == "deepspeed":
             cmd = [sys.executable, os.path.join(ROOT, "examples", "ds_pretrain_gpt.py"), "--steps", str(a.steps),
-                   "--zero-stage", "2", "--dtype", "bf16", "--out", d]
+                   "--zero-stage", "2", "--dtype", "bf16", "--optimizer", a.optimizer, "--out", d]
         else:
             cmd = [sys.executable, os.path.join(ROOT, "examples", "megatron_pretrain_gpt.py"), "--steps", str(a.steps),
                    "--tp", "2", "--bf16", "--shardsafe", "--out", d]
@@ -114,7 +114,7 @@ def kill_phases(ev: list[dict]) -> dict:
 def _train_cmd(a: argparse.Namespace, d: str) -> list[str]:
     if a.engine == "deepspeed":
         return [os.path.join(ROOT, "examples", "ds_pretrain_gpt.py"), "--steps", str(a.steps), "--zero-stage", "2",
-                "--dtype", "bf16", "--out", d]
+                "--dtype", "bf16", "--optimizer", a.optimizer, "--out", d]
     return [os.path.join(ROOT, "examples", "megatron_pretrain_gpt.py"), "--steps", str(a.steps), "--tp", "2",
             "--bf16", "--shardsafe", "--out", d]
 
@@ -283,6 +283,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kill-at", type=int, default=8)
+    p.add_argument("--optimizer", default="torch-adamw",
+                   help="the DeepSpeed example's --optimizer (fused-adamw: DeepSpeed's default FusedAdam, whose CPU "
+                        "op every trainer loads at start)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--launcher", choices=["local", "elastic", "all"], default="local",
                    help="local: forked vs cold restarts under the local launcher; elastic: kill -> next iteration "

@@ -11,6 +11,11 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# DeepSpeed's CPU ops (FusedAdam's CPU build, DeepSpeedCPUAdam, DeepSpeedCPULion) are JIT-compiled by torch's
+# cpp_extension into ~/.cache/torch_extensions by op name, and rebuilt when a venv at another path loads them
+# (the build file names the venv's include paths): ~35 s per op on this machine, every time two checkouts take
+# turns. One build folder per venv keeps each checkout's builds.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 _HOLDER_ROOT = tempfile.mkdtemp(prefix="shardsafe-test-holders-")
 os.environ["SHARDSAFE_HOLDER_DIR"] = _HOLDER_ROOT
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

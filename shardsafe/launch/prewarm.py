@@ -350,18 +350,32 @@ def _send(sock: socket.socket, msg: dict) -> None:
 def _preload(modules: Sequence[str]) -> list[str]:
     """Import ``modules``; a submodule this version of its package does not have (e.g. a DeepSpeed module
     added in a later release) is skipped with a line in the server's log, anything else that fails to
-    import fails the server (the trainers, started cold, would fail on it too and say why)."""
+    import fails the server (the trainers, started cold, would fail on it too and say why).
+
+    An entry ``module:function`` imports the module and calls ``function()``: work a trainer does at start
+    that the server can do once for all of them (``shardsafe.adapters.ds_prewarm``). It returns a line for
+    the server's log; if it raises, the line says so and the server goes on without it (the trainers then
+    do that work themselves, as a cold start would)."""
     done = []
-    for m in modules:
+    for entry in modules:
+        m, _, fn = entry.partition(":")
         try:
-            importlib.import_module(m)
+            mod = importlib.import_module(m)
         except ModuleNotFoundError as e:
             if "." not in m or e.name != m:
                 raise
             print(f"fork server: {m} does not exist in this version of {m.split('.')[0]}; not preloaded",
                   file=sys.stderr, flush=True)
             continue
-        done.append(m)
+        if fn:
+            try:
+                said = getattr(mod, fn)()
+            except Exception as e:   # noqa: BLE001 - an optimization; the trainers do the work themselves
+                print(f"fork server: {entry} failed ({type(e).__name__}: {e}); the trainers do that work themselves",
+                      file=sys.stderr, flush=True)
+                continue
+            print(f"fork server: {entry}: {said}", file=sys.stderr, flush=True)
+        done.append(entry)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         raise PrewarmError(f"importing {', '.join(done)} initialized CUDA; a forked trainer could not use it. "
@@ -491,7 +505,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     import argparse
     ap = argparse.ArgumentParser(prog="python -m shardsafe.launch.prewarm",
                                  description="fork server for pre-warmed trainer starts (started by the launcher)")
-    ap.add_argument("--preload", default="", help="comma-separated modules to import before forking")
+    ap.add_argument("--preload", default="", help="comma-separated modules to import before forking "
+                                                   "(module:function also calls function())")
     ap.add_argument("--fd", type=int, required=True, help="this end of the launcher's socket pair")
     a = ap.parse_args(argv)
     req = serve([m.strip() for m in a.preload.split(",") if m.strip()], socket.socket(fileno=a.fd))

@@ -1,6 +1,6 @@
 import pytest
 
-from .helpers import close_fork_servers, run_job
+from .helpers import PLAIN_DEEPSPEED, close_fork_servers, reference_preload, run_job
 
 
 @pytest.fixture(scope="package", autouse=True)
@@ -12,17 +12,20 @@ def _shared_fork_servers():
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """Uninterrupted, unprotected runs (plain deepspeed.initialize), one per configuration."""
+    """Uninterrupted, unprotected runs (plain deepspeed.initialize), one per configuration; ``cold``: its
+    trainers start cold, else they fork from a server that imported the frameworks only (helpers.py says
+    which references are cold and why). A cold reference also serves a test that asks for a forked one."""
     cache = {}
 
-    def get(stage, dtype, steps, extra=(), world=2):
+    def get(stage, dtype, steps, extra=(), world=2, cold=False):
         key = (stage, dtype, steps, tuple(extra), world)
-        if key not in cache:
-            d = tmp_path_factory.mktemp(f"ref-z{stage}-{dtype}-{steps}-w{world}")
-            res = run_job(d, stage=stage, dtype=dtype, steps=steps, shardsafe=False, max_restarts=0, extra=extra,
-                          nodes=world, nproc=1)
-            assert res.ok, f"reference run failed; see {d}"
-            cache[key] = d
-        return cache[key]
+        if (key, True) in cache or (key, cold) in cache:
+            return cache.get((key, True)) or cache[(key, cold)]
+        d = tmp_path_factory.mktemp(f"ref-z{stage}-{dtype}-{steps}-w{world}" + ("-cold" if cold else ""))
+        res = run_job(d, stage=stage, dtype=dtype, steps=steps, shardsafe=False, max_restarts=0, extra=extra,
+                      nodes=world, nproc=1, preload=reference_preload(PLAIN_DEEPSPEED, cold))
+        assert res.ok, f"reference run failed; see {d}"
+        cache[(key, cold)] = d
+        return d
 
     return get

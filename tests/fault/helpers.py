@@ -5,7 +5,7 @@ import sys
 import tempfile
 import uuid
 
-from shardsafe.launch import PRELOAD_DEEPSPEED, LaunchConfig, LocalLauncher, trainer_env
+from shardsafe.launch import PRELOAD_DEEPSPEED, PRELOAD_MEGATRON, LaunchConfig, LocalLauncher, trainer_env
 from shardsafe.launch.prewarm import ForkServer
 from shardsafe.runcheck import read_jsonl
 
@@ -13,11 +13,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(ROOT, "examples", "ds_pretrain_gpt.py")
 
 
+# Unprotected runs (the references) fork their trainers from a server that imported the frameworks and nothing
+# of shardsafe's runtime (py-cpuinfo's answer is remembered as for protected runs), unless they start cold. A
+# cold trainer pays its imports and first-step compilations itself: an 8-rank reference took 26.5 s cold and
+# 6.9 s forked on this 2-core machine, and the references were a third of the suite's time. The references that
+# pin "a forked trainer computes what a cold one does" stay cold (cold=True at their call sites): DeepSpeed
+# ZeRO-1/2/3 in fp32, bf16 and fp16 (test_deepspeed_resume.py), workers forked under torch elastic
+# (test_launch.py), Megatron's tp2_dp2 and Megatron-LM's loop (test_megatron_resume.py, where a cold plain run
+# also shows what a program without the flags imports). SHARDSAFE_TEST_COLD_REFERENCES=1 starts every
+# reference cold.
+PLAIN_DEEPSPEED = tuple(m for m in PRELOAD_DEEPSPEED if m not in ("shardsafe.runtime", "shardsafe.adapters.deepspeed"))
+PLAIN_MEGATRON = tuple(m for m in PRELOAD_MEGATRON if m not in ("shardsafe.runtime", "shardsafe.adapters.megatron"))
+ALL_REFERENCES_COLD = os.environ.get("SHARDSAFE_TEST_COLD_REFERENCES", "0") == "1"
+
+
+def reference_preload(plain: tuple, cold: bool) -> tuple:
+    """What an unprotected reference run's trainers are forked from: nothing (cold) or ``plain``."""
+    return () if cold or ALL_REFERENCES_COLD else plain
+
+
 def run_job(run_dir, *, stage, dtype, steps, nodes=2, nproc=1, inject="", extra=(), shardsafe=True,
             max_restarts=3, budget_gb=0.5, start_holders=True, job_id=None, watcher=None, preload=None):
     """Protected runs fork their trainers from a pre-warmed server (shardsafe.launch.prewarm); unprotected
-    (reference) runs start every trainer cold, so each bit-exact comparison also checks that a forked
-    trainer computes what a cold one does."""
+    runs start every trainer cold unless given a ``preload`` (``reference_preload``)."""
     if preload is None:
         preload = PRELOAD_DEEPSPEED if shardsafe else ()
     cfg = LaunchConfig(nodes=nodes, nproc_per_node=nproc, job_id=job_id or f"t{uuid.uuid4().hex[:8]}",

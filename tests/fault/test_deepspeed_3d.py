@@ -18,7 +18,7 @@ from shardsafe.launch import PRELOAD_DEEPSPEED
 from shardsafe.payload.manifest import load_tensors
 from shardsafe.runcheck import compare_runs, effective_losses, read_jsonl
 
-from .helpers import restores, run_job, trainer_logs
+from .helpers import PLAIN_DEEPSPEED, reference_preload, restores, run_job, trainer_logs
 
 STEPS = 10
 PP2 = ["--pp", "2"]
@@ -231,7 +231,8 @@ def test_pipeline_export_equals_save_checkpoint_and_resumes_bit_exact(tmp_path, 
     from .test_export import _cmp
     ref, vanilla = tmp_path / "ref", tmp_path / "vanilla_ckpt"
     res = run_job(ref, stage=stage, dtype="bf16", steps=STEPS, shardsafe=False, max_restarts=0, nodes=4, nproc=1,
-                  extra=[*PP2, "--save-dir", str(vanilla), "--save-at", "6"])
+                  extra=[*PP2, "--save-dir", str(vanilla), "--save-at", "6"],
+                  preload=reference_preload(PLAIN_DEEPSPEED, cold=False))
     assert res.ok, trainer_logs(str(ref))[-3000:]
     disk, prot = tmp_path / "persist", tmp_path / "protected"
     job = f"exp3d{stage}"

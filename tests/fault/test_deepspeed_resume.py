@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_kill_rank_then_kill_during_copy(tmp_path, reference, stage, dtype):
-    ref = reference(stage, dtype, STEPS)
+    ref = reference(stage, dtype, STEPS, cold=True)   # also pins: forked trainers compute what cold ones do
     res = run_job(tmp_path, stage=stage, dtype=dtype, steps=STEPS, inject="kill-rank:1@6;kill-copy:0@11")
     assert res.ok and res.attempts == 3, res
     assert [f["rank"] for f in res.failures] == [1, 0] and all(f["rc"] == -9 for f in res.failures)
@@ -80,7 +80,7 @@ def test_fp16_with_dynamic_loss_scaler(tmp_path, reference, monkeypatch):
     that refusal."""
     monkeypatch.setenv("SHARDSAFE_TEST_FORCE_FP16", "1")
     scaler = ["--fp16-scale-power", "20", "--fp16-scale-window", "3", "--fp16-hysteresis", "1"]
-    ref = reference(2, "fp16", STEPS, extra=scaler)
+    ref = reference(2, "fp16", STEPS, extra=scaler, cold=True)
     # Restarts mid-window (after versions 6-7 and 11), where a scaler started afresh would grow at other steps.
     res = run_job(tmp_path, stage=2, dtype="fp16", steps=STEPS, inject="kill-rank:1@8;kill-copy:0@12", extra=scaler)
     assert res.ok and res.attempts == 3, res

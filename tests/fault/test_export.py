@@ -18,7 +18,7 @@ from shardsafe.launch import PRELOAD_DEEPSPEED
 from shardsafe.payload.manifest import load_tensors
 from shardsafe.runcheck import effective_losses
 
-from .helpers import ROOT, run_job, trainer_logs
+from .helpers import PLAIN_DEEPSPEED, ROOT, reference_preload, run_job, trainer_logs
 
 pytestmark = pytest.mark.slow
 SAVE_AT, STEPS = 6, 10
@@ -66,7 +66,8 @@ def test_export_equals_vanilla_checkpoint_and_resumes_bit_exact(tmp_path, stage)
     ref = tmp_path / "ref"
     vanilla = tmp_path / "vanilla_ckpt"
     res = run_job(ref, stage=stage, dtype="bf16", steps=STEPS, shardsafe=False, max_restarts=0,
-                  extra=["--save-dir", str(vanilla), "--save-at", str(SAVE_AT)])
+                  extra=["--save-dir", str(vanilla), "--save-at", str(SAVE_AT)],
+                  preload=reference_preload(PLAIN_DEEPSPEED, cold=False))
     assert res.ok, f"plain run failed; see {ref}"
     disk = tmp_path / "persist"
     prot = tmp_path / "protected"
@@ -91,8 +92,8 @@ def test_export_equals_vanilla_checkpoint_and_resumes_bit_exact(tmp_path, stage)
         _cmp(a, b, f, diffs)
         assert not diffs, diffs[:10]
 
-    # A fresh, unprotected job loads the export with plain engine.load_checkpoint and goes on. It is not the
-    # reference (the cold plain run is), so its trainers may fork from the package's fork server.
+    # A fresh, unprotected job loads the export with plain engine.load_checkpoint and goes on (its trainers forked
+    # like the plain run's: helpers.reference_preload).
     cont = tmp_path / "continued"
     res = run_job(cont, stage=stage, dtype="bf16", steps=STEPS, shardsafe=False, max_restarts=0,
                   extra=["--load", str(out)], preload=PRELOAD_DEEPSPEED)

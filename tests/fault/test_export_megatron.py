@@ -58,11 +58,6 @@ def _command(args_file: str) -> list[str]:
             f"@{args_file}", "--train-iters", str(ITERS)]
 
 
-def _run(cmd: list[str], log) -> subprocess.CompletedProcess:
-    with open(log, "w") as f:
-        return subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=600)
-
-
 def _deep_equal(x, y, path: str, diffs: list[str]) -> None:
     if torch.is_tensor(x):
         ok = torch.is_tensor(y) and x.dtype == y.dtype and x.shape == y.shape and (
@@ -114,15 +109,17 @@ def _export_and_compare(tmp_path, args_file: str, *, plain_runs_to_the_end: bool
     the item-for-item comparison. ``plain_runs_to_the_end``: the plain run goes on to ITERS (Megatron
     saves at AT on its save interval, and at the end), so it is also the uninterrupted reference.
 
-    The plain run and the export replay are the commands a user runs (``torchrun``, started cold); the
-    protected run goes through the local launcher (2 simulated nodes x 2 ranks, one holder each), its
-    trainers forked from the package's fork server like every protected run in tests/fault."""
+    The export replays the command a user runs (``torchrun``, started cold). The plain run (one node x 4 ranks,
+    as that command) and the protected run (2 simulated nodes x 2 ranks, one holder each) go through the local
+    launcher, their trainers forked from the package's fork servers (helpers.reference_preload; Megatron-LM's
+    cold reference in test_megatron_resume.py pins that a forked trainer computes what a cold one does)."""
     vanilla, disk, exported = tmp_path / "vanilla", tmp_path / "persist", tmp_path / "exported"
     base = _command(args_file) + ["--exit-interval", str(AT)]
-    plain = _command(args_file) if plain_runs_to_the_end else base
-    p = _run(plain + ["--save", str(vanilla), "--save-interval", str(AT), "--out", str(tmp_path / "plain")],
-             tmp_path / "plain.log")
-    assert p.returncode == 0, (tmp_path / "plain.log").read_text()[-3000:]
+    until = [] if plain_runs_to_the_end else ["--exit-interval", str(AT)]
+    res = run_megatron(tmp_path / "plain", [f"@{args_file}", "--train-iters", str(ITERS), *until, "--save", str(vanilla),
+                                            "--save-interval", str(AT)],
+                       script=MEGATRON_LM, shardsafe=False, max_restarts=0, nodes=1, nproc=4, env=_trainer_env())
+    assert res.ok, trainer_logs(str(tmp_path / "plain"))[-3000:]
     protected = tmp_path / "protected"
     res = run_megatron(protected, [f"@{args_file}", "--train-iters", str(ITERS), "--exit-interval", str(AT),
                                    "--shardsafe-persist-dir", str(disk), "--shardsafe-persist-every", "2",

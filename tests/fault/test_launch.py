@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 def launch(run_dir, inject, **kw):
     """Workers are forked from each node's fork server (shardsafe.launch.prewarm) plugged into torch elastic; the
-    references start cold, so the bit-exact checks also cover forked vs cold workers."""
+    reference starts cold, so the bit-exact checks also cover workers forked under torch elastic vs cold ones."""
     cfg = ElasticConfig(nodes=NODES, nproc_per_node=1, run_dir=str(run_dir), inject=inject, memory_budget_gb=0.5,
                         max_restarts=3, keep_alive_s=2, keep_alive_misses=3, timeout_s=420, preload=PRELOAD_DEEPSPEED,
                         **kw)
@@ -97,7 +97,7 @@ def test_kill_rank_then_node_loss_with_ranks_moved_to_other_nodes(tmp_path, refe
     the address 127.0.1{K:02}.1), so rank 1 runs on node2 (which holds
     rank 2's snapshots) and rank 2 on the empty node3: restore moves rank 2's snapshots to node3 and
     rebuilds rank 1 from parity on node2."""
-    ref = reference(2, "bf16", STEPS, world=NODES)
+    ref = reference(2, "bf16", STEPS, world=NODES, cold=True)
     res, wall = launch(tmp_path, "kill-rank:2@4;kill-node:node1@7")
     assert res.ok and res.attempts == 3, (res, agent_logs(tmp_path)[-3000:])
     assert [(f["cause"], f.get("rank"), f.get("node")) for f in res.failures] == \

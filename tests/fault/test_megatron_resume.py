@@ -32,7 +32,7 @@ from shardsafe.launch import PRELOAD_MEGATRON, LaunchConfig
 from shardsafe.runcheck import compare_runs, losses_by_attempt, read_jsonl
 
 from .._probes import installed_version
-from .helpers import launch, restores, trainer_logs
+from .helpers import PLAIN_MEGATRON, launch, reference_preload, restores, trainer_logs
 
 pytestmark = pytest.mark.slow
 
@@ -63,20 +63,23 @@ needs_lm = pytest.mark.skipif(not os.path.isdir(os.path.join(MCORE_017, "megatro
 
 
 def run_megatron(run_dir, script_args, *, script=OWN_LOOP, nodes=2, nproc=2, inject="", shardsafe=True,
-                 max_restarts=2, env=None):
-    """One job under the local launcher; trainers write losses/final state into run_dir."""
+                 max_restarts=2, env=None, cold=False):
+    """One job under the local launcher; trainers write losses/final state into run_dir.
+
+    Protected runs fork their trainers from a pre-warmed server shared by the package (helpers.launch:
+    megatron.core is imported once, not per job, rank and attempt). Unprotected runs (the references) fork
+    from a server that imported the frameworks only, or with ``cold`` start cold (and niced: the host is
+    shared), so that bit-exact check also compares forked trainers with cold ones (helpers.reference_preload)."""
     run_dir = str(run_dir)
-    # Protected runs fork their trainers from a pre-warmed server shared by the package (helpers.launch:
-    # megatron.core is imported once, not per job, rank and attempt); the references start cold (and
-    # niced: the host is shared), so every bit-exact check also compares forked trainers with cold ones.
     cfg = LaunchConfig(nodes=nodes, nproc_per_node=nproc, job_id=f"mt{uuid.uuid4().hex[:8]}", run_dir=run_dir,
                        inject=inject, max_restarts=max_restarts, memory_budget_gb=0.5, start_holders=shardsafe,
                        attempt_timeout_s=240, env=dict(env or {}))
-    nice = ["nice", "-n", "5"] if shutil.which("nice") and not shardsafe else []
+    preload = PRELOAD_MEGATRON if shardsafe else reference_preload(PLAIN_MEGATRON, cold)
+    nice = ["nice", "-n", "5"] if shutil.which("nice") and not preload else []
     cmd = [*nice, sys.executable, script, *script_args, "--out", run_dir]
     if shardsafe:
         cmd += ["--shardsafe", "--shardsafe-timeout-s", "30"]
-    return launch(cfg, cmd, preload=PRELOAD_MEGATRON if shardsafe else ())
+    return launch(cfg, cmd, preload=preload)
 
 
 def lm_env() -> dict[str, str]:
@@ -90,16 +93,18 @@ def lm_args(*extra: str) -> list[str]:
 
 @pytest.fixture(scope="session")
 def megatron_reference(tmp_path_factory):
-    """Uninterrupted runs without shardsafe (plain Megatron), cached per (script, arguments)."""
+    """Uninterrupted runs without shardsafe (plain Megatron), cached per (script, arguments); ``cold`` as in
+    ``run_megatron`` (a cold reference also serves a test that asks for a forked one)."""
     cache: dict = {}
 
-    def get(key: str, script_args: list[str], *, script=OWN_LOOP, env=None):
-        if key not in cache:
-            d = tmp_path_factory.mktemp(f"mref-{key}")
-            res = run_megatron(d, script_args, script=script, shardsafe=False, max_restarts=0, env=env)
-            assert res.ok, f"reference run failed; see {d}:\n{trainer_logs(str(d))[-3000:]}"
-            cache[key] = d
-        return cache[key]
+    def get(key: str, script_args: list[str], *, script=OWN_LOOP, env=None, cold=False):
+        if (key, True) in cache or (key, cold) in cache:
+            return cache.get((key, True)) or cache[(key, cold)]
+        d = tmp_path_factory.mktemp(f"mref-{key}" + ("-cold" if cold else ""))
+        res = run_megatron(d, script_args, script=script, shardsafe=False, max_restarts=0, env=env, cold=cold)
+        assert res.ok, f"reference run failed; see {d}:\n{trainer_logs(str(d))[-3000:]}"
+        cache[(key, cold)] = d
+        return d
 
     return get
 
@@ -143,7 +148,7 @@ def seeded_fault(layout: str, first: int, last: int) -> tuple[int, int]:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_kill_rank_resumes_bit_exact(tmp_path, megatron_reference, layout):
     args = [*LAYOUTS[layout], "--steps", str(STEPS)]
-    ref = megatron_reference(layout, args)
+    ref = megatron_reference(layout, args, cold=layout == "tp2_dp2")   # cold: helpers.reference_preload
     rank, at = seeded_fault(layout, 3, STEPS - 2)
     res = run_megatron(tmp_path, args, inject=f"kill-rank:{rank}@{at}")
     assert res.ok and res.attempts == 2, (res, trainer_logs(str(tmp_path))[-3000:])
@@ -248,7 +253,7 @@ def test_megatron_lm_pretrain_kill_and_resume(tmp_path, megatron_reference):
     iteration 4 (inside Megatron-LM's train_step, through shardsafe's optimizer-step wrapper); the restart
     restores inside setup_model_and_optimizer and iterations 4-6 and the final state match exactly."""
     steps = 6
-    ref = megatron_reference("megatron_lm", lm_args(), script=MEGATRON_LM, env=lm_env())
+    ref = megatron_reference("megatron_lm", lm_args(), script=MEGATRON_LM, env=lm_env(), cold=True)
     res = run_megatron(tmp_path, lm_args(), script=MEGATRON_LM, env=lm_env(), inject="kill-rank:2@4")
     assert res.ok and res.attempts == 2, (res, trainer_logs(str(tmp_path))[-3000:])
     assert res.failures[0]["rank"] == 2 and res.failures[0]["rc"] == -9
@@ -268,8 +273,9 @@ def test_megatron_lm_unmodified_entry_protected_by_its_flags_alone(tmp_path, meg
     imports nothing of shardsafe beyond the hook; with it, a SIGKILL of rank 2 before iteration 4 resumes from
     the snapshot and ends bit-identical to the plain run."""
     steps = 6
+    # cold: what a plain start of this program imports (a fork server's child has the server's modules)
     ref = megatron_reference("megatron_lm_plain_entry", [*lm_args(), "--plain-entry"], script=MEGATRON_LM,
-                             env=lm_env())
+                             env=lm_env(), cold=True)
     hook_only = ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload"]
     for r in range(4):
         with open(os.path.join(str(ref), f"modules_rank{r}.json")) as f:

@@ -2,8 +2,8 @@
 
 Real processes: a real server process imports its preloads and forks real children that run real
 scripts; exits, signals and a SIGKILLed server are the real thing. Whether a forked DeepSpeed trainer
-computes bit for bit what a cold one does is checked by every fault test (tests/fault: the protected
-runs are forked, the references start cold) and by ``shardsafe demo``.
+computes bit for bit what a cold one does is checked by the fault tests whose references start cold
+(tests/fault/helpers.py: reference_preload) and by ``shardsafe demo``.
 """
 from __future__ import annotations
 
@@ -179,6 +179,46 @@ def test_preload_errors(tmp_path):
     s.start(timeout_s=60)
     s.close()
     assert "json.no_such_submodule does not exist in this version of json" in open(tmp_path / "b.log").read()
+
+
+CPU_INFO_PROBE = textwrap.dedent("""
+    import json, sys, time
+    import cpuinfo
+    t = time.perf_counter()
+    info = cpuinfo.get_cpu_info()
+    info["flags"].append("mutated-by-the-caller")     # a caller's change must not reach the next call
+    again = cpuinfo.get_cpu_info()
+    json.dump({"flags": again["flags"], "vendor": again.get("vendor_id_raw"), "s": time.perf_counter() - t,
+               "doc": cpuinfo.get_cpu_info.__doc__ or ""}, open(sys.argv[1], "w"))
+""")
+
+
+def test_function_entries_run_once_in_the_server_and_a_failing_one_is_skipped(tmp_path):
+    """``module:function`` preload entries: shardsafe.adapters.ds_prewarm:remember_cpu_info asks py-cpuinfo once in
+    the server; a forked trainer gets the same flags and vendor as its own cold call would (asked here, in a
+    fresh interpreter), without the subprocess py-cpuinfo starts per call; an entry that raises is logged and
+    skipped, the server serves anyway."""
+    entry = "shardsafe.adapters.ds_prewarm:remember_cpu_info"
+    log = tmp_path / "prewarm.log"
+    s = ForkServer([entry, "json:no_such_function"], env=dict(os.environ), log_path=str(log)).start(timeout_s=120)
+    try:
+        script = tmp_path / "cpuinfo_probe.py"
+        script.write_text(CPU_INFO_PROBE)
+        p = _spawn(s, [sys.executable, str(script), str(tmp_path / "forked.json")], env=s.env, log=str(tmp_path / "f.log"))
+        assert p.wait(timeout=60) == 0, open(tmp_path / "f.log").read()
+    finally:
+        s.close()
+    text = log.read_text()
+    assert f"{entry}: py-cpuinfo asked once" in text, text
+    assert "json:no_such_function failed (AttributeError" in text and "the trainers do that work themselves" in text
+    cold = subprocess.run([sys.executable, str(script), str(tmp_path / "cold.json")], capture_output=True, text=True,
+                          timeout=120)
+    assert cold.returncode == 0, cold.stderr
+    forked, fresh = json.load(open(tmp_path / "forked.json")), json.load(open(tmp_path / "cold.json"))
+    assert forked["flags"] == fresh["flags"] and forked["vendor"] == fresh["vendor"]
+    assert "mutated-by-the-caller" not in forked["flags"]
+    assert "asked once by the fork server" in forked["doc"] and "asked once" not in fresh["doc"]
+    print(f"two get_cpu_info() calls: forked {forked['s']:.3f} s, cold {fresh['s']:.3f} s")
 
 
 def test_a_dead_server_kills_and_reports_its_trainers(tmp_path, server):
