@@ -20,7 +20,8 @@ $(BIN)/.ready: setup.py Makefile kernels/csrc/copy_hash.c scripts/build_deepspee
 	# on 3.11: a side folder that the Megatron-LM tests and examples put first on PYTHONPATH.
 	test -d $(VENV)/mcore-0.17.1/megatron || $(BIN)/pip install -q --no-deps --ignore-requires-python \
 		--target $(VENV)/mcore-0.17.1 megatron-core==0.17.1 pyyaml==6.0.4
-	$(BIN)/python scripts/build_deepspeed_ops.py
+	$(BIN)/python scripts/build_deepspeed_ops.py || echo "make venv: DeepSpeed's CPU ops were not built (above);" \
+		"the first trainer that loads one builds it, or fails saying why"
 	touch $@
 
 venv: $(BIN)/.ready
