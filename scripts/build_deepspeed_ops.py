@@ -3,7 +3,7 @@
 DeepSpeed JIT-compiles its CPU optimizers with torch's cpp_extension the first time a process loads them:
 FusedAdam's CPU build (``"AdamW"`` without ``torch_adam``, DeepSpeed's default), DeepSpeedCPUAdam and
 DeepSpeedCPULion (``offload_optimizer``). On the 2-core development machine each build takes 30-40 s, and
-the first test or demo trainer that loads the op pays it while the other ranks wait in a collective. Built
+the first test or demo trainer that loads the op pays it while the node's other ranks wait for its lock. Built
 here, into ``TORCH_EXTENSIONS_DIR`` (the Makefile points it into the venv), every later load finds the build
 up to date and only dlopens it.
 

@@ -51,9 +51,9 @@ bf16 optimizers import the Muon optimizer, which compiles its kernels with torch
 (a submodule an older DeepSpeed lacks is skipped). Then what loading one of DeepSpeed's JIT-built CPU ops costs
 every trainer (FusedAdam's CPU build is DeepSpeed's default optimizer; CPUAdam/Lion/Adagrad under offload):
 torch's cpp_extension module (it imports setuptools, 0.06 s) and py-cpuinfo's answer, asked once for every
-trainer instead of twice per op each trainer loads (2.3 s per trainer: adapters/ds_prewarm.py). shardsafe's own runtime last: ~35 modules that ``initialize`` imported on
-every restart (0.07 s here, 0.11 s where no bytecode cache is written; they start no thread and open nothing
-at import)."""
+trainer instead of twice per op each trainer loads (2.3 s per trainer: adapters/ds_prewarm.py). shardsafe's
+own runtime last: ~35 modules that ``initialize`` imported on every restart (0.07 s here, 0.11 s where no
+bytecode cache is written; they start no thread and open nothing at import)."""
 
 PRELOAD_MEGATRON = ("torch", "torch._dynamo", "megatron.core", "shardsafe.runtime", "shardsafe.adapters.megatron")
 """The heavy imports of a megatron-core trainer (megatron.core alone: ~4 s CPU here), then shardsafe's runtime."""

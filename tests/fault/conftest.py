@@ -1,6 +1,6 @@
 import pytest
 
-from .helpers import PLAIN_DEEPSPEED, close_fork_servers, reference_preload, run_job
+from .helpers import PLAIN_DEEPSPEED, cached_reference, close_fork_servers, reference_preload, run_job
 
 
 @pytest.fixture(scope="package", autouse=True)
@@ -18,14 +18,13 @@ def reference(tmp_path_factory):
     cache = {}
 
     def get(stage, dtype, steps, extra=(), world=2, cold=False):
-        key = (stage, dtype, steps, tuple(extra), world)
-        if (key, True) in cache or (key, cold) in cache:
-            return cache.get((key, True)) or cache[(key, cold)]
-        d = tmp_path_factory.mktemp(f"ref-z{stage}-{dtype}-{steps}-w{world}" + ("-cold" if cold else ""))
-        res = run_job(d, stage=stage, dtype=dtype, steps=steps, shardsafe=False, max_restarts=0, extra=extra,
-                      nodes=world, nproc=1, preload=reference_preload(PLAIN_DEEPSPEED, cold))
-        assert res.ok, f"reference run failed; see {d}"
-        cache[(key, cold)] = d
-        return d
+        def run():
+            d = tmp_path_factory.mktemp(f"ref-z{stage}-{dtype}-{steps}-w{world}" + ("-cold" if cold else ""))
+            res = run_job(d, stage=stage, dtype=dtype, steps=steps, shardsafe=False, max_restarts=0, extra=extra,
+                          nodes=world, nproc=1, preload=reference_preload(PLAIN_DEEPSPEED, cold))
+            assert res.ok, f"reference run failed; see {d}"
+            return d
+
+        return cached_reference(cache, (stage, dtype, steps, tuple(extra), world), cold, run)
 
     return get

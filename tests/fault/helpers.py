@@ -33,6 +33,16 @@ def reference_preload(plain: tuple, cold: bool) -> tuple:
     return () if cold or ALL_REFERENCES_COLD else plain
 
 
+def cached_reference(cache: dict, key, cold: bool, run):
+    """The session's reference run for ``key``: ``run()`` (its run directory) once per (key, cold); a cold run
+    also serves a caller that asks for a forked one."""
+    for k in ((key, True), (key, cold)):
+        if k in cache:
+            return cache[k]
+    cache[(key, cold)] = run()
+    return cache[(key, cold)]
+
+
 def run_job(run_dir, *, stage, dtype, steps, nodes=2, nproc=1, inject="", extra=(), shardsafe=True,
             max_restarts=3, budget_gb=0.5, start_holders=True, job_id=None, watcher=None, preload=None):
     """Protected runs fork their trainers from a pre-warmed server (shardsafe.launch.prewarm); unprotected

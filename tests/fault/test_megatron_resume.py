@@ -32,7 +32,7 @@ from shardsafe.launch import PRELOAD_MEGATRON, LaunchConfig
 from shardsafe.runcheck import compare_runs, losses_by_attempt, read_jsonl
 
 from .._probes import installed_version
-from .helpers import PLAIN_MEGATRON, launch, reference_preload, restores, trainer_logs
+from .helpers import PLAIN_MEGATRON, cached_reference, launch, reference_preload, restores, trainer_logs
 
 pytestmark = pytest.mark.slow
 
@@ -98,13 +98,13 @@ def megatron_reference(tmp_path_factory):
     cache: dict = {}
 
     def get(key: str, script_args: list[str], *, script=OWN_LOOP, env=None, cold=False):
-        if (key, True) in cache or (key, cold) in cache:
-            return cache.get((key, True)) or cache[(key, cold)]
-        d = tmp_path_factory.mktemp(f"mref-{key}" + ("-cold" if cold else ""))
-        res = run_megatron(d, script_args, script=script, shardsafe=False, max_restarts=0, env=env, cold=cold)
-        assert res.ok, f"reference run failed; see {d}:\n{trainer_logs(str(d))[-3000:]}"
-        cache[(key, cold)] = d
-        return d
+        def run():
+            d = tmp_path_factory.mktemp(f"mref-{key}" + ("-cold" if cold else ""))
+            res = run_megatron(d, script_args, script=script, shardsafe=False, max_restarts=0, env=env, cold=cold)
+            assert res.ok, f"reference run failed; see {d}:\n{trainer_logs(str(d))[-3000:]}"
+            return d
+
+        return cached_reference(cache, key, cold, run)
 
     return get
 
