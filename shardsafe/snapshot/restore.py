@@ -59,10 +59,16 @@ class Collectives:
 
     def all_gather_versions(self, *lists: list[int]) -> list[list[list[int]]]:
         """For each rank, each of ``lists`` (newest MAX_VERSIONS versions each), as plain ints."""
+        return self.gather_versions_and(list(lists), [])[0]
+
+    def gather_versions_and(self, lists: list[list[int]], extra: list[int]) -> tuple[list[list[list[int]]], list[list[int]]]:
+        """:meth:`all_gather_versions` of ``lists`` and every rank's ``extra`` ints (one length on every rank), in
+        one all-gather: (for each rank its lists, for each rank its extra)."""
         rows = [(sorted(v, reverse=True) + [-1] * MAX_VERSIONS)[:MAX_VERSIONS] for v in lists]
-        outs = self.gather_ints([x for r in rows for x in r])
-        return [[[x for x in o[i * MAX_VERSIONS:(i + 1) * MAX_VERSIONS] if x >= 0] for i in range(len(lists))]
-                for o in outs]
+        outs = self.gather_ints([x for r in rows for x in r] + [int(x) for x in extra])
+        n = len(lists) * MAX_VERSIONS
+        return ([[[x for x in o[i * MAX_VERSIONS:(i + 1) * MAX_VERSIONS] if x >= 0] for i in range(len(lists))]
+                 for o in outs], [o[n:] for o in outs])
 
     def gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (the same length on every rank), in rank order."""
@@ -184,7 +190,11 @@ _OK, _CORRUPT, _REFUSED = 0, 1, 2
 def new_timeline(coll: Collectives) -> int:
     """A fresh timeline id, the same on every rank (rank 0's random draw): every snapshot sealed from now on
     carries it, so copies made by an abandoned branch can never be combined with this branch's."""
-    return int(coll.gather_ints([secrets.randbits(62) + 1])[0][0])
+    return int(coll.gather_ints([_timeline_draw()])[0][0])
+
+
+def _timeline_draw() -> int:
+    return secrets.randbits(62) + 1
 
 
 @dataclass
@@ -224,11 +234,15 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     t0 = time.perf_counter()
     emit("restore_start")
     mine_d, mine_p = _held_versions(client, rank, exchange)
-    everyone = coll.all_gather_versions(mine_d, mine_p)
+    # One all-gather says what every rank holds, at which world size its newest copy was taken, and the new
+    # timeline's id (rank 0's draw): each collective of a restore is paid by every restart, in the ring's
+    # latency at thousands of ranks.
+    everyone, extra = coll.gather_versions_and([mine_d, mine_p], [_world_size_seen(client, rank, mine_d),
+                                                                   _timeline_draw()])
     data, parity = [e[0] for e in everyone], [e[1] for e in everyone]
+    timeline = int(extra[0][1])
     candidates = sorted({v for vs in data for v in vs}, reverse=True)
-    if candidates:
-        _check_world_size(client, rank, coll, mine_d)
+    _check_world_size([x[0] for x in extra], coll.world_size)
     st = _Attempt(rank, {"agree": time.perf_counter() - t0, "rebuild": 0.0, "verify": 0.0, "apply": 0.0}, [], [],
                   on_phase=on_phase or (lambda name, version: None), h2d=h2d, early=early)
     live = adapter.capture().tensors
@@ -254,7 +268,7 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
         if res is None:
             res = RestoreResult(message="no snapshot in memory for this job: starting fresh"
                                 + (" (nor in the persistent tier)" if persist is not None else ""))
-    res.timeline = new_timeline(coll)
+    res.timeline = timeline
     res.seconds = time.perf_counter() - t0
     res.phases = res.phases or {k: round(v, 6) for k, v in st.phases.items()}
     emit("restore_end", tier=res.tier, version=res.version, seconds=res.seconds, bytes=res.nbytes,
@@ -275,21 +289,26 @@ def _held_versions(client: Optional[HolderClient], rank: int, exchange) -> tuple
         return [], []
 
 
-def _check_world_size(client: Optional[HolderClient], rank: int, coll: Collectives, mine: list[int]) -> None:
-    """Snapshots of a job that ran at another world size are not 'lost ranks': say what changed."""
-    seen = -1
-    if client is not None and mine:
-        try:
-            man, mm = client.open(rank=rank, version=max(mine), populate=False)
-            mm.close()
-            seen = int(man.get("world_size", -1))
-        except (HolderFailure, OSError, ValueError):
-            seen = -1
-    sizes = {w for (w,) in coll.gather_ints([seen]) if w >= 0}
-    if sizes and sizes != {coll.world_size}:
+def _world_size_seen(client: Optional[HolderClient], rank: int, mine: list[int]) -> int:
+    """The world size this rank's newest held copy was taken at (-1: none, or unreadable)."""
+    if client is None or not mine:
+        return -1
+    try:
+        man, mm = client.open(rank=rank, version=max(mine), populate=False)
+        mm.close()
+        return int(man.get("world_size", -1))
+    except (HolderFailure, OSError, ValueError):
+        return -1
+
+
+def _check_world_size(seen: list[int], world_size: int) -> None:
+    """Snapshots of a job that ran at another world size are not 'lost ranks': say what changed. ``seen``: every
+    rank's :func:`_world_size_seen` (the same list on every rank, so every rank raises or none)."""
+    sizes = {w for w in seen if w >= 0}
+    if sizes and sizes != {world_size}:
         raise RestoreError(
             f"the holders hold snapshots of this job taken at world size {sorted(sizes)}, and this job runs at world "
-            f"size {coll.world_size}: shardsafe restores onto the layout it snapshotted (same ranks, same "
+            f"size {world_size}: shardsafe restores onto the layout it snapshotted (same ranks, same "
             "parallelism). Nothing was loaded or deleted. Run with the original world size, or export the snapshot "
             "(`shardsafe export`) and load it with your framework's resharding loader under a new shardsafe job_id.")
 
@@ -321,7 +340,9 @@ def _try_version(version: int, adapter: StateAdapter, client, coll: Collectives,
             log.error("[rank %d] snapshot version %d failed verification, not loaded: %s", rank, version,
                       "; ".join(bad[:5]))
             st.refusals.append(f"version {version}: rank {rank}: " + "; ".join(bad[:3]))
-        votes = coll.gather_ints([status, int(manifest.get("timeline", 0)) if manifest else -1])
+        # The vote carries each copy's digest too: the apply's peer-payload path checks peers' copies against it.
+        votes = coll.gather_ints([status, int(manifest.get("timeline", 0)) if manifest else -1,
+                                  manifest_digest(manifest) if manifest and not bad else 0])
         st.phases["verify"] += time.perf_counter() - t1
         statuses = [v[0] for v in votes]
         newly = {r for r, x in enumerate(statuses) if x == _CORRUPT}
@@ -347,7 +368,7 @@ def _try_version(version: int, adapter: StateAdapter, client, coll: Collectives,
             pin.close()
             log.warning("[rank %d] version %d is not restorable on every rank; trying an older one", rank, version)
             return None
-        res = _apply(adapter, client, coll, st, version, manifest, pin, tier)
+        res = _apply(adapter, client, coll, st, version, manifest, pin, tier, digests=[v[2] for v in votes])
         res.lost_ranks = lost
         res.repaired_ranks = sorted(corrupt)
         if lost:
@@ -385,13 +406,14 @@ def _rebuild(version: int, client, coll: Collectives, st: _Attempt, exchange, lo
 
 
 def _apply(adapter: StateAdapter, client, coll: Collectives, st: _Attempt, version: int, manifest: dict,
-           pin: PinnedMapping, tier: str) -> RestoreResult:
+           pin: PinnedMapping, tier: str, *, digests: list[int]) -> RestoreResult:
+    """Apply the verified ``manifest`` of ``version``; ``digests``: every rank's :func:`manifest_digest` of the copy
+    it verified and voted on."""
     t2 = time.perf_counter()
     views = _HalfwayHook(mf.views(manifest, pin.mm), lambda: st.on_phase("restore-apply", version))
     try:
         pin.wait()
         if adapter.uses_peer_payloads:
-            digests = [e[0] for e in coll.gather_ints([manifest_digest(manifest)])]
             peers = PeerPayloads(client, version, coll, digests)
             try:
                 adapter.apply(views, mf.from_jsonable(manifest["meta"]), peers=peers)

@@ -181,3 +181,39 @@ def test_peer_shards_are_read_from_the_holder_only_for_params_in_host_memory():
     from shardsafe.snapshot.restore import PeerPayloads
     assert PeerPayloads.pays_off([torch.zeros(2), torch.zeros(3, dtype=torch.bfloat16)])
     assert not PeerPayloads.pays_off([torch.zeros(2), torch.zeros(2, device="meta")])
+
+
+class CountingCollectives(Collectives):
+    """One rank's collectives, each call recorded: every collective of a restore is a ring's latency per restart
+    at thousands of ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def gather_ints(self, values):
+        self.calls.append(f"gather_ints[{len(values)}]")
+        return super().gather_ints(values)
+
+    def all_true(self, flag):
+        self.calls.append("all_true")
+        return super().all_true(flag)
+
+
+def test_a_restore_from_memory_is_two_collectives_and_a_fresh_start_one(client):
+    """What every rank holds, the world size of its newest copy and the new timeline's id travel in one
+    all-gather; the vote on a version carries the copies' digests (for the peer-payload path). A fresh
+    start is the first all-gather alone."""
+    coll = CountingCollectives()
+    res = restore_from_holder(ToyAdapter(2), client, rank=0, coll=coll)
+    assert res.version == -1 and coll.calls == ["gather_ints[10]"], coll.calls
+    assert res.timeline > 0
+    src = ToyAdapter(1)
+    snap(client, src, 5)
+    coll = CountingCollectives()
+    dst = ToyAdapter(3)
+    res = restore_from_holder(dst, client, rank=0, coll=coll)
+    assert (res.version, res.tier) == (5, "memory") and all(torch.equal(src.t[k], dst.t[k]) for k in src.t)
+    assert coll.calls == ["gather_ints[10]", "gather_ints[3]"], coll.calls
+    assert res.timeline > 0 and res.timeline != restore_from_holder(ToyAdapter(3), client, rank=0,
+                                                                      coll=Collectives()).timeline
