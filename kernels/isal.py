@@ -20,7 +20,7 @@ import importlib.util
 import os
 import threading
 from collections import OrderedDict
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -39,22 +39,23 @@ _load_error: str | None = None
 _load_lock = threading.Lock()
 
 
-def _candidates() -> list[str]:
-    out: list[str] = []
+def _candidates() -> Iterator[str]:
+    """The libraries to try, in order, each looked up only when the ones before it did not load:
+    ``ctypes.util.find_library`` runs ``ldconfig -p`` (and gcc where that finds nothing), 30 ms of every
+    trainer's start here when the wheel's copy was there all along."""
     env = os.environ.get("SHARDSAFE_ISAL_LIB")
     if env:
-        out.append(env)
+        yield env
     # find_spec locates the wheel without importing pyeclib (which would load liberasurecode).
     spec = importlib.util.find_spec("pyeclib")
     if spec is not None and spec.submodule_search_locations:
         for loc in spec.submodule_search_locations:
             libs = os.path.join(os.path.dirname(loc), "pyeclib.libs")
-            out.extend(sorted(glob.glob(os.path.join(libs, "libisal*.so*"))))
-    out.append("libisal.so.2")
+            yield from sorted(glob.glob(os.path.join(libs, "libisal*.so*")))
+    yield "libisal.so.2"
     found = ctypes.util.find_library("isal")
     if found:
-        out.append(found)
-    return out
+        yield found
 
 
 def _bind(lib: ctypes.CDLL) -> None:

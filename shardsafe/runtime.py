@@ -21,6 +21,7 @@ from .payload import checksum
 from .config import ENV_HOLDER_BUDGET, ConfigError, ShardsafeConfig
 from .persist import PersistentStore
 from .parity.exchange import ExchangeError, ParityExchange, gather_places, plan_parity
+from .parity.placement import migrate
 from .parity.topology import TopologyError
 from .faults import Injector, current_attempt
 from .holder import early_open
@@ -240,7 +241,6 @@ class Runtime(BaseRuntime):
         emit = self.events.emit
         if self.world_size > 1:
             # Torch elastic may have put this rank on another node than its snapshot: move it first.
-            from .parity.placement import migrate
             mig = migrate(self.client, rank=self.rank, world_size=self.world_size, node=self.cfg.node,
                           rank_nodes=self.nodes, group=self.coll.group)
             if mig.moves:

@@ -51,6 +51,10 @@ from typing import Mapping, Optional, Sequence
 
 from ..errors import ShardsafeError
 from ..errors import ConfigError
+# What every forked trainer would import at its start otherwise (imported here, the server's, once): the wait
+# for the store (discovery) and the codec Python encodes host names with for a TCP connect.
+from .discovery import wait_before_store_connect
+import encodings.idna  # noqa: F401,E402
 
 log = logging.getLogger("shardsafe.prewarm")   # the name it logged under before the move into shardsafe.launch
 
@@ -477,7 +481,6 @@ def _run_child(req: dict) -> None:
     """Run the trainer as ``python ARGV...`` would, in this (forked) interpreter."""
     import runpy
     from ..holder import early_open
-    from .discovery import wait_before_store_connect
     # A restarted trainer maps its newest snapshot while it sets up, instead of inside its restore.
     early_open.start()
     # Forked trainers start within milliseconds of each other, before rank 0 has its store up: without this

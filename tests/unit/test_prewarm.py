@@ -221,6 +221,37 @@ def test_function_entries_run_once_in_the_server_and_a_failing_one_is_skipped(tm
     print(f"two get_cpu_info() calls: forked {forked['s']:.3f} s, cold {fresh['s']:.3f} s")
 
 
+OPS_PROBE = textwrap.dedent("""
+    import json, sys
+    import deepspeed.ops
+    inherited = "__compatible_ops__" in vars(deepspeed.ops)
+    json.dump({"inherited": inherited, "ops": deepspeed.ops.__compatible_ops__}, open(sys.argv[1], "w"))
+""")
+
+
+def test_deepspeed_op_probe_runs_in_the_server_and_answers_what_a_cold_trainer_finds(tmp_path):
+    """``shardsafe.adapters.ds_prewarm:probe_compatible_ops`` (CPU accelerator): the forked trainer finds DeepSpeed's
+    op-compatibility answer already made (it would otherwise run a C compiler for async_io at its start), and it
+    is the answer a cold interpreter computes for itself."""
+    entry = "shardsafe.adapters.ds_prewarm:probe_compatible_ops"
+    log = tmp_path / "prewarm.log"
+    s = ForkServer(["deepspeed", entry], env=dict(os.environ), log_path=str(log)).start(timeout_s=120)
+    try:
+        script = tmp_path / "ops_probe.py"
+        script.write_text(OPS_PROBE)
+        p = _spawn(s, [sys.executable, str(script), str(tmp_path / "forked.json")], env=s.env, log=str(tmp_path / "f.log"))
+        assert p.wait(timeout=60) == 0, open(tmp_path / "f.log").read()
+    finally:
+        s.close()
+    assert f"{entry}: DeepSpeed's op compatibility probed once" in log.read_text(), log.read_text()
+    cold = subprocess.run([sys.executable, str(script), str(tmp_path / "cold.json")], capture_output=True, text=True,
+                          timeout=120)
+    assert cold.returncode == 0, cold.stderr
+    forked, fresh = json.load(open(tmp_path / "forked.json")), json.load(open(tmp_path / "cold.json"))
+    assert forked["inherited"] and not fresh["inherited"]
+    assert forked["ops"] == fresh["ops"] and len(fresh["ops"]) > 5, (forked, fresh)
+
+
 def test_a_dead_server_kills_and_reports_its_trainers(tmp_path, server):
     script = _probe(tmp_path)
     p = _spawn(server, [sys.executable, script, "sleep"], env={**server.env, "SHARDSAFE_TEST_OUT": str(tmp_path / "s.json")},
