@@ -193,28 +193,33 @@ CPU_INFO_PROBE = textwrap.dedent("""
 """)
 
 
+def _forked_and_cold(tmp_path, preload: list[str], probe: str) -> tuple[dict, dict, str]:
+    """Run the ``probe`` script (it writes JSON to its argv[1]) forked from a server that preloaded ``preload``, then in
+    a fresh interpreter: (forked answer, cold answer, the server's log)."""
+    log = tmp_path / "prewarm.log"
+    script = tmp_path / "probe.py"
+    script.write_text(probe)
+    s = ForkServer(preload, env=dict(os.environ), log_path=str(log)).start(timeout_s=120)
+    try:
+        p = _spawn(s, [sys.executable, str(script), str(tmp_path / "forked.json")], env=s.env, log=str(tmp_path / "f.log"))
+        assert p.wait(timeout=60) == 0, open(tmp_path / "f.log").read()
+    finally:
+        s.close()
+    cold = subprocess.run([sys.executable, str(script), str(tmp_path / "cold.json")], capture_output=True, text=True,
+                          timeout=120)
+    assert cold.returncode == 0, cold.stderr
+    return json.load(open(tmp_path / "forked.json")), json.load(open(tmp_path / "cold.json")), log.read_text()
+
+
 def test_function_entries_run_once_in_the_server_and_a_failing_one_is_skipped(tmp_path):
     """``module:function`` preload entries: shardsafe.adapters.ds_prewarm:remember_cpu_info asks py-cpuinfo once in
     the server; a forked trainer gets the same flags and vendor as its own cold call would (asked here, in a
     fresh interpreter), without the subprocess py-cpuinfo starts per call; an entry that raises is logged and
     skipped, the server serves anyway."""
     entry = "shardsafe.adapters.ds_prewarm:remember_cpu_info"
-    log = tmp_path / "prewarm.log"
-    s = ForkServer([entry, "json:no_such_function"], env=dict(os.environ), log_path=str(log)).start(timeout_s=120)
-    try:
-        script = tmp_path / "cpuinfo_probe.py"
-        script.write_text(CPU_INFO_PROBE)
-        p = _spawn(s, [sys.executable, str(script), str(tmp_path / "forked.json")], env=s.env, log=str(tmp_path / "f.log"))
-        assert p.wait(timeout=60) == 0, open(tmp_path / "f.log").read()
-    finally:
-        s.close()
-    text = log.read_text()
+    forked, fresh, text = _forked_and_cold(tmp_path, [entry, "json:no_such_function"], CPU_INFO_PROBE)
     assert f"{entry}: py-cpuinfo asked once" in text, text
     assert "json:no_such_function failed (AttributeError" in text and "the trainers do that work themselves" in text
-    cold = subprocess.run([sys.executable, str(script), str(tmp_path / "cold.json")], capture_output=True, text=True,
-                          timeout=120)
-    assert cold.returncode == 0, cold.stderr
-    forked, fresh = json.load(open(tmp_path / "forked.json")), json.load(open(tmp_path / "cold.json"))
     assert forked["flags"] == fresh["flags"] and forked["vendor"] == fresh["vendor"]
     assert "mutated-by-the-caller" not in forked["flags"]
     assert "asked once by the fork server" in forked["doc"] and "asked once" not in fresh["doc"]
@@ -234,20 +239,8 @@ def test_deepspeed_op_probe_runs_in_the_server_and_answers_what_a_cold_trainer_f
     op-compatibility answer already made (it would otherwise run a C compiler for async_io at its start), and it
     is the answer a cold interpreter computes for itself."""
     entry = "shardsafe.adapters.ds_prewarm:probe_compatible_ops"
-    log = tmp_path / "prewarm.log"
-    s = ForkServer(["deepspeed", entry], env=dict(os.environ), log_path=str(log)).start(timeout_s=120)
-    try:
-        script = tmp_path / "ops_probe.py"
-        script.write_text(OPS_PROBE)
-        p = _spawn(s, [sys.executable, str(script), str(tmp_path / "forked.json")], env=s.env, log=str(tmp_path / "f.log"))
-        assert p.wait(timeout=60) == 0, open(tmp_path / "f.log").read()
-    finally:
-        s.close()
-    assert f"{entry}: DeepSpeed's op compatibility probed once" in log.read_text(), log.read_text()
-    cold = subprocess.run([sys.executable, str(script), str(tmp_path / "cold.json")], capture_output=True, text=True,
-                          timeout=120)
-    assert cold.returncode == 0, cold.stderr
-    forked, fresh = json.load(open(tmp_path / "forked.json")), json.load(open(tmp_path / "cold.json"))
+    forked, fresh, text = _forked_and_cold(tmp_path, ["deepspeed", entry], OPS_PROBE)
+    assert f"{entry}: DeepSpeed's op compatibility probed once" in text, text
     assert forked["inherited"] and not fresh["inherited"]
     assert forked["ops"] == fresh["ops"] and len(fresh["ops"]) > 5, (forked, fresh)
 
