@@ -23,7 +23,7 @@ A forked trainer sees what ``python [-u] SCRIPT ARGS`` (or ``python [-u] -m MODU
 would see: its own session (``start_new_session``), stdin from /dev/null, the stdout and stderr it was
 given (else the server's),
 exactly the environment it was given, sys.argv and sys.path[0] as the interpreter sets them, its own
-python and numpy random seeds, default signal handlers; the script runs as ``__main__`` and the process
+python and numpy random seeds, the signal dispositions the launcher passes a cold one (``_AT_START``); the script runs as ``__main__`` and the process
 exits through the normal interpreter shutdown (atexit handlers run). What it shares with its siblings:
 modules imported by the server (imported once, with the server's environment: the launcher starts it
 with the environment its trainers share) and the str hash seed (PYTHONHASHSEED fixes that for cold
@@ -55,6 +55,13 @@ from ..errors import ConfigError
 # for the store (discovery) and the codec Python encodes host names with for a TCP connect.
 from .discovery import wait_before_store_connect
 import encodings.idna  # noqa: F401,E402
+
+# The signal dispositions a cold interpreter started by the launcher would have: what this process inherited
+# (recorded as the server starts, before any preload could install a handler) after Python's own start-up rule,
+# SIGINT -> KeyboardInterrupt unless it came ignored. A launcher run under nohup, or as a shell's background job,
+# passes SIGHUP or SIGINT ignored, and its cold trainers keep them ignored: so do the forked ones.
+_RESET_SIGNALS = (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
+_AT_START = {sig: signal.getsignal(sig) for sig in _RESET_SIGNALS}
 
 log = logging.getLogger("shardsafe.prewarm")   # the name it logged under before the move into shardsafe.launch
 
@@ -392,9 +399,8 @@ def _child(req: dict, sock: socket.socket, fds: dict[str, int]) -> dict:
     gc.enable()
     sock.close()
     os.setsid()
-    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig, how in _AT_START.items():   # as a cold interpreter would find them (_AT_START)
+        signal.signal(sig, how if how is not None else signal.SIG_DFL)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)   # as the interpreter sets it at start
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)

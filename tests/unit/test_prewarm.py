@@ -38,6 +38,8 @@ PROBE = textwrap.dedent("""
         "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
         "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         "sigpipe": signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN,
+        "ignored": sorted(s.name for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGUSR1)
+                          if signal.getsignal(s) == signal.SIG_IGN),
         "fds": sorted(int(f) for f in os.listdir("/proc/self/fd")),
         "pid": os.getpid(), "ppid": os.getppid(), "gc": gc.isenabled(),
     }
@@ -105,7 +107,7 @@ def test_a_forked_trainer_looks_like_a_cold_one(tmp_path, server):
     f, f2, c = results["forked"], results["forked2"], results["cold"]
     assert f["ppid"] == server.proc.pid and c["ppid"] == os.getpid()   # really forked, really cold
     for key in ("argv", "path0", "cwd", "name", "file", "rank", "only", "leader", "stdin", "sigint", "sigterm",
-                "sigpipe", "gc"):
+                "sigpipe", "ignored", "gc"):
         assert f[key] == c[key], (key, f[key], c[key])
     assert f["leader"] and f["stdin"] == "/dev/null" and f["name"] == "__main__"
     assert f["fds"] == c["fds"], (f["fds"], c["fds"])   # no descriptor of the server leaks into a trainer
@@ -243,6 +245,31 @@ def test_deepspeed_op_probe_runs_in_the_server_and_answers_what_a_cold_trainer_f
     assert f"{entry}: DeepSpeed's op compatibility probed once" in text, text
     assert forked["inherited"] and not fresh["inherited"]
     assert forked["ops"] == fresh["ops"] and len(fresh["ops"]) > 5, (forked, fresh)
+
+
+def test_signals_the_launcher_ignores_stay_ignored_in_a_forked_trainer(tmp_path):
+    """A launcher under ``nohup`` (SIGHUP ignored) or started as a shell's background job (SIGINT ignored) passes
+    those dispositions to its cold trainers; a forked trainer gets the same, not a fresh handler."""
+    script = _probe(tmp_path)
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGHUP)}
+    try:
+        s = ForkServer(["numpy"], env=dict(os.environ), log_path=str(tmp_path / "prewarm.log")).start(timeout_s=120)
+        try:
+            got = {}
+            for how in ("forked", "cold"):
+                out, log = str(tmp_path / f"{how}.json"), str(tmp_path / f"{how}.log")
+                env = {**s.env, "SHARDSAFE_TEST_OUT": out}
+                rc = (_spawn(s, [sys.executable, script, "0"], env, log).wait(timeout=60) if how == "forked"
+                      else _cold(script, ["0"], env, log, str(tmp_path)))
+                assert rc == 0, open(log).read()
+                got[how] = json.load(open(out))
+        finally:
+            s.close()
+    finally:
+        for sig, how in old.items():
+            signal.signal(sig, how)
+    assert got["cold"]["ignored"] == ["SIGHUP", "SIGINT"], got["cold"]
+    assert got["forked"]["ignored"] == got["cold"]["ignored"] and got["forked"]["sigint"] == got["cold"]["sigint"]
 
 
 def test_a_dead_server_kills_and_reports_its_trainers(tmp_path, server):
