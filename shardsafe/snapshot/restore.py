@@ -340,9 +340,10 @@ def _try_version(version: int, adapter: StateAdapter, client, coll: Collectives,
             log.error("[rank %d] snapshot version %d failed verification, not loaded: %s", rank, version,
                       "; ".join(bad[:5]))
             st.refusals.append(f"version {version}: rank {rank}: " + "; ".join(bad[:3]))
-        # The vote carries each copy's digest too: the apply's peer-payload path checks peers' copies against it.
-        votes = coll.gather_ints([status, int(manifest.get("timeline", 0)) if manifest else -1,
-                                  manifest_digest(manifest) if manifest and not bad else 0])
+        # The vote carries each copy's digest too, for an adapter that reads its peers' copies from the holder
+        # (PeerPayloads checks them against it); 0 for the others (the same on every rank: a class attribute).
+        digest = manifest_digest(manifest) if manifest and not bad and adapter.uses_peer_payloads else 0
+        votes = coll.gather_ints([status, int(manifest.get("timeline", 0)) if manifest else -1, digest])
         st.phases["verify"] += time.perf_counter() - t1
         statuses = [v[0] for v in votes]
         newly = {r for r, x in enumerate(statuses) if x == _CORRUPT}
