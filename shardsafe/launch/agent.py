@@ -356,6 +356,34 @@ def _restart_on_peer_failure(handler: Any, hooks: _AgentHooks) -> None:
     handler.num_nodes_waiting = num_nodes_waiting
 
 
+def forked_handler_class(base: type, forks: Any, who: str) -> type:
+    """torch elastic's worker handle (``base``: its SubprocessHandler) for workers forked by ``forks``, this
+    node's fork server, or started by torch's own Popen when the server cannot fork them (``who`` names them in
+    the one line that says why)."""
+
+    class ForkedHandler(base):
+        def _popen(self, args, env):
+            proc = forks.fork_or_cold(args, env=env, stdout=self._stdout.fileno() if self._stdout else None,
+                                      stderr=self._stderr.fileno() if self._stderr else None, who=who)
+            return proc if proc is not None else super()._popen(args, env)
+
+        def close(self, death_sig=None) -> None:
+            # torch signals the worker's process group (os.killpg) when poll() still said it runs. A forked
+            # worker is the fork server's child, not the agent's: when the server has reaped it (SIGKILLed by
+            # the hang watchdog a moment before, its exit message not read yet) its group is gone and killpg
+            # raises ProcessLookupError, which torch does not catch. The agent died of it and closed the
+            # rendezvous, ending a job that should have restarted. A Popen child is a zombie until the agent
+            # reaps it, so torch never meets this with its own workers.
+            try:
+                super().close(death_sig=death_sig)
+            except ProcessLookupError:
+                for f in (self._stdout, self._stderr):
+                    if f is not None:
+                        f.close()
+
+    return ForkedHandler
+
+
 def _start_fork_server(opts: AgentOptions, hooks: _AgentHooks):
     """This node's fork server (shardsafe.launch.prewarm), plugged into torch elastic's worker start: its
     ``get_subprocess_handler`` hands out handlers whose ``_popen`` forks from the server when it can and
@@ -381,14 +409,8 @@ def _start_fork_server(opts: AgentOptions, hooks: _AgentHooks):
         return None
     hooks.spare_pids.add(forks.proc.pid)
 
-    class ForkedHandler(SubprocessHandler):
-        def _popen(self, args, env):
-            proc = forks.fork_or_cold(args, env=env, stdout=self._stdout.fileno() if self._stdout else None,
-                                      stderr=self._stderr.fileno() if self._stderr else None,
-                                      who=f"[agent {opts.node}] workers")
-            return proc if proc is not None else super()._popen(args, env)
-
-    mp_api.get_subprocess_handler = lambda **kw: ForkedHandler(**kw)
+    handler_class = forked_handler_class(SubprocessHandler, forks, f"[agent {opts.node}] workers")
+    mp_api.get_subprocess_handler = lambda **kw: handler_class(**kw)
     log.info("[agent %s] workers are forked from the fork server (pid %d, preloaded %s in %.2f s)", opts.node,
              forks.proc.pid, ",".join(opts.preload), forks.ready_s)
     return forks

@@ -288,6 +288,29 @@ def test_a_dead_server_kills_and_reports_its_trainers(tmp_path, server):
         _spawn(server, [sys.executable, script, "0"], env=server.env, log=str(tmp_path / "x.log"))
 
 
+def test_closing_a_worker_the_server_already_reaped_does_not_raise(tmp_path, server):
+    """torch elastic stops a failed attempt's workers with the handler's close(): os.killpg of each worker whose
+    poll() said running. A worker the watchdog SIGKILLed a moment earlier may be reaped by the fork server before
+    its exit message is read; killpg then raised ProcessLookupError, the agent died of it and closed the
+    rendezvous (seen once in test_launch.py::test_hang_detected_by_the_progress_watchdog)."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+    from shardsafe.launch.agent import forked_handler_class
+    from shardsafe.launch.prewarm import ForkedProcess
+    script = _probe(tmp_path)
+    handler = forked_handler_class(SubprocessHandler, server, "test workers")(
+        entrypoint=sys.executable, args=(script, "sleep"), env={**server.env, "SHARDSAFE_TEST_OUT": str(tmp_path / "s.json")},
+        stdout=str(tmp_path / "out.log"), stderr=str(tmp_path / "err.log"), local_rank_id=0, numa_options=None)
+    assert isinstance(handler.proc, ForkedProcess), "the worker was not forked"
+    os.kill(handler.proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{handler.proc.pid}") and time.monotonic() < deadline:   # reaped by the server
+        time.sleep(0.01)
+    assert handler.proc.returncode is None   # the launcher has not read the exit message yet
+    handler.close(death_sig=signal.SIGTERM)
+    assert handler._stdout.closed and handler._stderr.closed
+    assert handler.proc.wait(timeout=30) == -signal.SIGKILL
+
+
 RANK_SCRIPT = textwrap.dedent("""
     import json, os, sys
     with open(os.path.join(sys.argv[1], f"r{os.environ['RANK']}.json"), "w") as f:
