@@ -14,8 +14,9 @@ rank r' (or nothing). shardsafe does not fight the rendezvous; before restoring,
    overwrite it), each node drops the slots of ranks that no longer run on it.
 
 The normal restore then finds each rank's payload in its own holder; what was lost with a node is
-still rebuilt from parity. Nothing moves when placement did not change (the common case: one
-collective of a few hundred bytes). A failed migration leaves every holder as it was and says why.
+still rebuilt from parity. When placement did not change (the common case) the listings never travel: each
+node's lowest rank checks that its holder holds only its node's ranks, and one vote of one integer says so
+(:func:`settled`). A failed migration leaves every holder as it was and says why.
 """
 from __future__ import annotations
 
@@ -93,11 +94,52 @@ def inventory_of(listing: Mapping[str, Any]) -> dict[tuple[int, str], dict[int, 
 def plan_migration(rank_nodes: list[str], inventories: Mapping[str, Inventory]) -> MigrationPlan:
     """The moves that bring every rank's newest snapshots to its current node (pure, deterministic).
 
+    Linear in the slots held (one pass over every inventory, then one over the ranks): it runs on every rank at
+    every restart that found a slot off its rank's node, and a rank x node loop is 2 s at 8k ranks.
+
     Args:
         rank_nodes: the node every rank of the job runs on now, by rank.
         inventories: node -> what that node's holder holds (nodes without a rank now are absent:
             nobody can read their holders).
     """
+    world = len(rank_nodes)
+    leader: dict[str, int] = {}
+    for r, n in enumerate(rank_nodes):
+        leader.setdefault(n, r)
+    # (rank, kind) -> the node off the rank's own node with its newest version (ties: the first node in name
+    # order), and the ranks each node holds that run elsewhere now
+    best: dict[tuple[int, str], tuple[int, str]] = {}
+    plan = MigrationPlan()
+    for node in sorted(inventories):
+        if node not in leader:
+            continue
+        stale: set[int] = set()
+        for (r, kind), vs in inventories[node].items():
+            if not vs or r >= world or rank_nodes[r] == node:
+                continue
+            stale.add(r)
+            top = max(vs)
+            if (r, kind) not in best or top > best[(r, kind)][0]:
+                best[(r, kind)] = (top, node)
+        if stale:
+            plan.drop_after[node] = sorted(stale)
+    for (r, kind), (top, src_node) in sorted(best.items()):
+        dst = rank_nodes[r]
+        here = inventories.get(dst, {}).get((r, kind), {})
+        if here and max(here) >= top:
+            continue
+        if here:
+            plan.clear_first.append((r, kind))
+        src = inventories[src_node][(r, kind)]
+        for v in sorted(src):
+            plan.moves.append(Move(r, kind, v, src_node, dst, leader[src_node], int(src[v]["nbytes"])))
+    return plan
+
+
+def plan_migration_reference(rank_nodes: list[str], inventories: Mapping[str, Inventory]) -> MigrationPlan:
+    """The spec of :func:`plan_migration`, as it was first written: a loop over ranks x nodes, quadratic (2 s at
+    8k ranks). tests/unit/test_launch_pieces.py holds the two equal over random placements; bench/placement_bench.py
+    times both."""
     world = len(rank_nodes)
     leader: dict[str, int] = {}
     for r, n in enumerate(rank_nodes):
@@ -132,6 +174,14 @@ def plan_migration(rank_nodes: list[str], inventories: Mapping[str, Inventory]) 
     return plan
 
 
+def settled(rank_nodes: list[str], node: str, inventory: Inventory) -> bool:
+    """Does ``node``'s holder hold slots only of ranks that run on ``node`` now? True for every node that has a
+    rank exactly when :func:`plan_migration` has nothing to move or drop (a move's source and a drop are a slot
+    held off its rank's node), so the nodes can find that out with one vote instead of exchanging listings."""
+    world = len(rank_nodes)
+    return all(not vs or r >= world or rank_nodes[r] == node for (r, _kind), vs in inventory.items())
+
+
 # ---- the collective ------------------------------------------------------------------------------------
 
 def migrate(client, *, rank: int, world_size: int, node: str, rank_nodes: Optional[list[str]] = None,
@@ -149,6 +199,10 @@ def migrate(client, *, rank: int, world_size: int, node: str, rank_nodes: Option
     """
     t0 = time.perf_counter()
     res = MigrationResult()
+    if rank_nodes is not None and _settled_everywhere(client, rank_nodes, rank=rank, node=node, group=group):
+        res.message = "placement: no slot to move"
+        res.seconds = time.perf_counter() - t0
+        return res
     gathered, inventories = _gather_inventories(client, rank=rank, world_size=world_size, node=node, group=group)
     if rank_nodes is None:
         rank_nodes = gathered
@@ -185,18 +239,33 @@ def migrate(client, *, rank: int, world_size: int, node: str, rank_nodes: Option
     return res
 
 
+def _listing(client, rank: int) -> dict:
+    from ..holder.protocol import HolderFailure
+    if client is None:
+        return {}
+    try:
+        return client.list()
+    except HolderFailure as e:   # as a holder without slots: the restore that follows decides
+        log.warning("[rank %d] cannot list the holder's slots for placement: %s", rank, e)
+        return {}
+
+
+def _settled_everywhere(client, rank_nodes: list[str], *, rank: int, node: str, group) -> bool:
+    """The common restart, where no rank changed node, in one vote: each node's lowest rank checks its holder
+    (:func:`settled`). The listings travel only when some node says no (at 8k ranks they are ~11 MB to every
+    rank, and planning over them is a pass over every node's slots)."""
+    ok = True
+    if node in rank_nodes and rank_nodes.index(node) == rank:
+        ok = settled(rank_nodes, node, inventory_of(_listing(client, rank)))
+    return all_true(ok, group)
+
+
 def _gather_inventories(client, *, rank: int, world_size: int, node: str, group) -> tuple[list[str], dict[str, dict]]:
     """(every rank's node, node -> what its holder has) from one JSON all-gather; the ranks of one node share
     its holder, and its lowest rank speaks for it."""
-    from ..holder.protocol import HolderFailure
-    listing: dict = {}
-    if client is not None:
-        try:
-            listing = client.list()
-        except HolderFailure as e:
-            log.warning("[rank %d] cannot list the holder's slots for placement: %s", rank, e)
     mine = {"node": node, "slots": [[r, k, v, i["nbytes"], i["capacity"], i["committed"]]
-                                    for (r, k), vs in inventory_of(listing).items() for v, i in vs.items()]}
+                                    for (r, k), vs in inventory_of(_listing(client, rank)).items()
+                                    for v, i in vs.items()]}
     everyone = gather_json(mine, group, world_size)
     inventories: dict[str, dict] = {}
     for e in everyone:

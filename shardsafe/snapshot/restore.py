@@ -155,8 +155,9 @@ def _plan_version(v: int, data: list[list[int]], parity: list[list[int]], exchan
         return "memory", []
     if exchange is None:
         return None
+    gone = set(missing)   # a set: every rank of every group is looked up in it
     for g in exchange.plan:
-        lost = [r for r in g.members if r in missing]
+        lost = [r for r in g.members if r in gone]
         if not lost:
             continue
         if len(lost) > g.m or any(v not in parity[r] or v not in data[r] for r in g.members if r not in lost):

@@ -5,6 +5,7 @@ import pytest
 from shardsafe.parity.exchange import ParityExchange, gather_places, plan_parity
 from shardsafe.holder.client import HolderClient
 from shardsafe.holder.paths import HolderPaths
+from shardsafe.parity import placement
 from shardsafe.parity.placement import migrate
 from shardsafe.snapshot.restore import Collectives, restore_from_holder
 from shardsafe.snapshot.pipeline import GlooAgreement, SnapshotPipeline
@@ -49,14 +50,20 @@ def _scenario(rank, world, root, first, second, lose):
     client = HolderClient(HolderPaths(root, "mjob", node), timeout_s=10).connect()
     places = gather_places(rank, world, node, rank)
     ex = ParityExchange(plan_parity(places, group_size=0, parity_shards=1), rank, timeout_s=10)
-    mig = migrate(client, rank=rank, world_size=world, node=node, rank_nodes=[p.node for p in places])
+    gathers = []   # the holders' listings exchanged (all-gathers of JSON) by this rank's migrate()
+    real_gather = placement.gather_json
+    placement.gather_json = lambda *a, **k: gathers.append(1) or real_gather(*a, **k)
+    try:
+        mig = migrate(client, rank=rank, world_size=world, node=node, rank_nodes=[p.node for p in places])
+    finally:
+        placement.gather_json = real_gather
     live = Shard(rank, 0)
     res = restore_from_holder(live, client, rank=rank, coll=Collectives(None, world), exchange=ex,
                               nodes=[p.node for p in places])
     dist.barrier()
     return {"ok": mig.ok, "moved": sorted({m.rank for m in mig.moves}), "bytes": mig.nbytes, "deferred": mig.deferred,
             "version": res.version, "tier": res.tier, "equal": live.equals(Shard(rank, res.version)),
-            "holder_ranks": _ranks_of(client), "message": mig.message}
+            "holder_ranks": _ranks_of(client), "message": mig.message, "gathers": len(gathers)}
 
 
 def test_swapped_ranks_are_moved_and_restored_from_memory(holders):
@@ -68,6 +75,19 @@ def test_swapped_ranks_are_moved_and_restored_from_memory(holders):
     # every holder now holds exactly the ranks that run on its node (stale copies dropped)
     assert [o["holder_ranks"] for o in out] == [[0], [1], [2]], out
     assert "rank 1: n1 -> n2" in out[0]["message"] and "rank 2: n2 -> n1" in out[0]["message"]
+    assert [o["gathers"] for o in out] == [1, 1, 1]   # the vote said no: the listings were exchanged
+
+
+def test_unchanged_placement_is_settled_by_one_vote_without_exchanging_listings(holders):
+    """The common restart: every rank on its old node. No listing travels (at 8k ranks they are ~11 MB to every
+    rank), nothing moves or is dropped, and the restore finds every rank's copy in its own holder."""
+    out = run_ranks(WORLD, _scenario, holders, [0, 1, 2], [0, 1, 2], None, timeout_s=120, pg_timeout_s=10)
+    assert all(o["ok"] for o in out) and all(o["moved"] == [] for o in out), out
+    assert [o["gathers"] for o in out] == [0, 0, 0], out
+    assert [o["version"] for o in out] == [2, 2, 2] and all(o["equal"] for o in out), out
+    assert [o["tier"] for o in out] == ["memory"] * 3
+    assert [o["holder_ranks"] for o in out] == [[0], [1], [2]], out
+    assert out[0]["message"] == "placement: no slot to move"
 
 
 def test_node_loss_with_shifted_ranks_moves_survivors_and_rebuilds_the_lost(holders):
@@ -78,6 +98,7 @@ def test_node_loss_with_shifted_ranks_moves_survivors_and_rebuilds_the_lost(hold
     assert [o["version"] for o in out] == [2, 2, 2] and all(o["equal"] for o in out), out
     assert [o["tier"] for o in out] == ["parity"] * 3
     assert [o["holder_ranks"] for o in out] == [[0], [1], [2]], out
+    assert [o["gathers"] for o in out] == [1, 1, 1]
 
 
 

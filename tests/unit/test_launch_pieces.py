@@ -7,7 +7,8 @@ import pytest
 from shardsafe.launch import agent, cli, controller, discovery, elastic, markers
 from shardsafe.launch.errors import LaunchError
 from shardsafe.launch.incidents import Evidence, IncidentBook, exit_evidence
-from shardsafe.parity.placement import Move, inventory_of, plan_migration
+from shardsafe.parity.placement import (KINDS, Move, inventory_of, plan_migration, plan_migration_reference,
+                                        settled)
 
 
 # ---- incident book ---------------------------------------------------------------------------------------
@@ -244,6 +245,44 @@ def test_plan_is_empty_when_placement_is_unchanged_and_ignores_absent_nodes():
     # a node without a rank now cannot serve (nobody can read its holder): no move from it
     plan = plan_migration(["a", "a"], {"a": inv((0, "data", 5)), "z": inv((1, "data", 9))})
     assert not plan.moves and plan.drop_after == {}
+
+
+def test_linear_plan_equals_the_rank_by_node_plan_and_settled_says_when_it_is_empty():
+    """Random placements before and after a restart (ranks shuffled, nodes lost and added, ranks beyond a
+    shrunk world, equal newest versions on two nodes): the same moves, clears and drops as the spec, and every
+    node with a rank settled exactly when there is nothing to do -- the vote migrate() takes instead of the
+    listings' exchange."""
+    import random
+    rng = random.Random(20261204)
+    empty = 0
+    for _ in range(3000):
+        world = rng.randint(1, 9)
+        names = [f"n{i}" for i in range(rng.randint(1, 5))]
+        before = [rng.choice(names) for _ in range(world + rng.randint(0, 2))]
+        if rng.random() < 0.4:
+            after = before[:world]
+        else:
+            after = [rng.choice(names + ["spare"]) for _ in range(world)]
+        inventories = {n: {} for n in set(after)}
+        for r, n in enumerate(before):
+            if rng.random() < 0.15:
+                continue   # that copy was lost
+            for kind in KINDS:
+                for v in rng.sample(range(1, 6), rng.randint(0, 2)):
+                    inventories.setdefault(n, {}).setdefault((r, kind), {})[v] = {
+                        "nbytes": 10 * v + r, "capacity": 64, "committed": True}
+        if rng.random() < 0.2:   # an older copy left behind by an earlier placement
+            n, r = rng.choice(names), rng.randrange(world)
+            inventories.setdefault(n, {}).setdefault((r, "data"), {})[rng.randint(1, 6)] = {
+                "nbytes": 7, "capacity": 64, "committed": True}
+        got, want = plan_migration(after, inventories), plan_migration_reference(after, inventories)
+        assert (got.moves, got.clear_first, got.drop_after) == (want.moves, want.clear_first, want.drop_after), \
+            (after, inventories)
+        nothing_to_do = not want.moves and not want.drop_after
+        empty += nothing_to_do
+        assert all(settled(after, n, inventories.get(n, {})) for n in set(after)) == nothing_to_do, \
+            (after, inventories)
+    assert 300 < empty < 2700   # both outcomes exercised
 
 
 def test_inventory_of_keeps_sealed_slots_only():
