@@ -249,7 +249,10 @@ class LocalLauncher:
         t_fault = time.time()
         for rank, p in enumerate(procs):
             if c.node_name(rank // c.nproc_per_node) in nodes and p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:   # a forked trainer the fork server reaped, its exit not read yet
+                    pass
         for node in nodes:
             self.kill_node_holder(node)
         log.warning("injected node loss: %s at step %d (trainers and holder SIGKILLed)", "+".join(nodes), fault.step)
