@@ -1,0 +1,83 @@
+"""What shardsafe's own collectives cost on gloo as ranks are added: the vote, the all-gathers, placement's check.
+
+    .venv/bin/python bench/collective_bench.py [--ranks 4,8,16,32] [--iters 40]
+
+Runs itself under ``torch.distributed.run --standalone`` once per rank count (all ranks on this host, so above
+2 ranks they share the 2 cores and every hop waits for a process to be scheduled: the figures show how each
+collective grows with the ranks, not what a cluster's network gives). Per rank count, medians over --iters
+rounds, the variants alternating, each round after a barrier, rank 0's time:
+  * ``min_reduce`` (all_reduce MIN) of 1 and of 4 int64: the votes (shardsafe.collectives.all_true);
+  * ``gather_ints`` of 1 and of 10 int64: the restore's agreement and its vote;
+  * placement's exchange before a restore when no rank changed node: ``gather_json`` of one node's holder listing
+    (8 ranks x 2 data + 2 parity versions, the old path) against ``all_true`` (the vote that replaced it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def worker(iters: int) -> None:
+    import torch.distributed as dist
+    from shardsafe.collectives import all_true, gather_ints, gather_json, min_reduce
+    dist.init_process_group("gloo")
+    n = dist.get_world_size()
+    listing = {"node": "node00000", "slots": [[r, k, v, 1 << 30, 1 << 30, True] for r in range(8)
+                                              for k in ("data", "parity") for v in (100, 101)]}
+    cases = {
+        "min_reduce[1]": lambda: min_reduce([1], None, n),
+        "min_reduce[4]": lambda: min_reduce([1, 2, 3, 4], None, n),
+        "gather_ints[1]": lambda: gather_ints([1], None, n),
+        "gather_ints[10]": lambda: gather_ints(list(range(10)), None, n),
+        "placement: gather_json(listing)": lambda: gather_json(listing, None, n),
+        "placement: all_true": lambda: all_true(True, None, n),
+    }
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    names = list(cases)
+    for it in range(iters):
+        for name in (names if it % 2 == 0 else names[::-1]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            cases[name]()
+            times[name].append(time.perf_counter() - t0)
+    if dist.get_rank() == 0:
+        print(json.dumps({"ranks": n, **{k: statistics.median(v) for k, v in times.items()}}), flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", default="4,8,16,32")
+    p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        worker(a.iters)
+        return 0
+    rows = []
+    for n in (int(x) for x in a.ranks.split(",")):
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+                              os.path.abspath(__file__), "--worker", "--iters", str(a.iters)],
+                             env=env, capture_output=True, text=True, timeout=900)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("{")), None)
+        if out.returncode != 0 or line is None:
+            print(f"{n} ranks failed (exit {out.returncode}):\n{out.stderr[-2000:]}", file=sys.stderr)
+            return 1
+        rows.append(json.loads(line))
+    keys = [k for k in rows[0] if k != "ranks"]
+    print(f"gloo on this host, medians of {a.iters} rounds (rank 0), ms")
+    print(f"{'ranks':>5} " + " ".join(f"{k:>{max(10, len(k))}}" for k in keys) + "  gather/vote")
+    for r in rows:
+        ratio = r["placement: gather_json(listing)"] / r["placement: all_true"]
+        print(f"{r['ranks']:>5} " + " ".join(f"{r[k] * 1e3:>{max(10, len(k))}.2f}" for k in keys) + f"  {ratio:10.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
