@@ -56,8 +56,9 @@ JIT-built CPU ops costs every trainer (FusedAdam's CPU build is DeepSpeed's defa
 CPUAdam/Lion/Adagrad under offload): torch's cpp_extension module (it imports setuptools, 0.06 s) and
 py-cpuinfo's answer, asked once for every trainer instead of twice per op each trainer loads (2.3 s per trainer:
 adapters/ds_prewarm.py), and DeepSpeed's op-compatibility probe (a C compiler run, 0.04 s, on the CPU
-accelerator only: on a GPU it queries the device). shardsafe's own runtime last: ~35 modules that ``initialize`` imported on every restart (0.07 s here, 0.11 s where no
-bytecode cache is written; they start no thread and open nothing at import)."""
+accelerator only: on a GPU it queries the device). shardsafe's own runtime last: ~35 modules that
+``initialize`` imported on every restart (0.07 s here, 0.11 s where no bytecode cache is written; they start no
+thread and open nothing at import)."""
 
 PRELOAD_MEGATRON = ("torch", "torch._dynamo", "megatron.core", "shardsafe.runtime", "shardsafe.adapters.megatron")
 """The heavy imports of a megatron-core trainer (megatron.core alone: ~4 s CPU here), then shardsafe's runtime."""

@@ -24,7 +24,8 @@ would see: its own session (``start_new_session``), stdin from /dev/null, the st
 given (else the server's),
 exactly the environment it was given, sys.argv and sys.path[0] as the interpreter sets them, its own
 python and numpy random seeds, the signal dispositions the launcher passes a cold one (``_AT_START``); the
-script runs as ``__main__`` and the process exits through the normal interpreter shutdown (atexit handlers run). What it shares with its siblings:
+script runs as ``__main__`` and the process exits through the normal interpreter shutdown (atexit handlers
+run). What it shares with its siblings:
 modules imported by the server (imported once, with the server's environment: the launcher starts it
 with the environment its trainers share) and the str hash seed (PYTHONHASHSEED fixes that for cold
 starts too). The server never initializes CUDA (it refuses to serve if a preloaded module did), so

@@ -102,7 +102,6 @@ def plan_migration(rank_nodes: list[str], inventories: Mapping[str, Inventory]) 
         inventories: node -> what that node's holder holds (nodes without a rank now are absent:
             nobody can read their holders).
     """
-    world = len(rank_nodes)
     leader: dict[str, int] = {}
     for r, n in enumerate(rank_nodes):
         leader.setdefault(n, r)
@@ -115,7 +114,7 @@ def plan_migration(rank_nodes: list[str], inventories: Mapping[str, Inventory]) 
             continue
         stale: set[int] = set()
         for (r, kind), vs in inventories[node].items():
-            if not vs or r >= world or rank_nodes[r] == node:
+            if not _off_node(rank_nodes, node, r, vs):
                 continue
             stale.add(r)
             top = max(vs)
@@ -178,8 +177,13 @@ def settled(rank_nodes: list[str], node: str, inventory: Inventory) -> bool:
     """Does ``node``'s holder hold slots only of ranks that run on ``node`` now? True for every node that has a
     rank exactly when :func:`plan_migration` has nothing to move or drop (a move's source and a drop are a slot
     held off its rank's node), so the nodes can find that out with one vote instead of exchanging listings."""
-    world = len(rank_nodes)
-    return all(not vs or r >= world or rank_nodes[r] == node for (r, _kind), vs in inventory.items())
+    return not any(_off_node(rank_nodes, node, r, vs) for (r, _kind), vs in inventory.items())
+
+
+def _off_node(rank_nodes: list[str], node: str, rank: int, versions: Mapping[int, Any]) -> bool:
+    """Does ``node``'s holder hold versions of ``rank`` while the rank runs on another node now? Every move's
+    source and every drop is such a slot (ranks beyond the world are ignored: no rank runs them)."""
+    return bool(versions) and rank < len(rank_nodes) and rank_nodes[rank] != node
 
 
 # ---- the collective ------------------------------------------------------------------------------------
