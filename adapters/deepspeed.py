@@ -25,6 +25,7 @@ from .ds_client_state import (DS_CHECKPOINT_KEYS, client_state_at, client_state_
                               live_rng, program_layout)
 from .ds_layout import coords as parallel_coords
 from .ds_layout import describe, is_pipeline, parallel_layout
+from .ds_prewarm import memo_cpu_info
 
 log = logging.getLogger("shardsafe.deepspeed")
 
@@ -585,6 +586,10 @@ def protect(ds_initialize: Any, args: tuple, kwargs: dict, *, auto: str = ""):
     itself calls ``deepspeed.initialize``) to what turns it off; rank 0 says so in one log line."""
     # validate first: a typo fails fast, before the engine is built
     cfg = config_from_ds(read_config(config_source(args, kwargs)))
+    if cfg.enabled:
+        # DeepSpeed's CPU op builders (FusedAdam's CPU build, CPUAdam under offload) ask py-cpuinfo twice per op,
+        # 1.1 s a call here: a restarted trainer started cold reads this boot's answer instead (ds_prewarm.py)
+        memo_cpu_info(cfg.holder_dir)
     ret = ds_initialize(*args, **kwargs)
     engine = ret[0]
     program_args = kwargs.get("args", args[0] if args else None)

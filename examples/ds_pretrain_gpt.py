@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     if events is not None:
         events.emit("train_ready", iteration=engine.global_steps + 1)
     running = None
-    if events is not None and rank == 0 and a.running_tor_every > 0 and hasattr(events, "path"):
+    if events is not None and events.path is not None and rank == 0 and a.running_tor_every > 0:
         from shardsafe.tor import RunningTor
         running = RunningTor(events, every=a.running_tor_every)
     runtime = engine.shardsafe.runtime if engine.shardsafe else None

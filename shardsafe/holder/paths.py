@@ -59,5 +59,5 @@ class HolderPaths:
         d = os.path.join(root, job_id)
         try:
             return sorted(f[:-5] for f in os.listdir(d) if f.endswith(".sock"))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):   # a file in the root (py-cpuinfo's answer) is no job
             return []

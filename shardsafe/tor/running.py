@@ -15,10 +15,12 @@ from .errors import TorError
 __all__ = ["RunningTor"]
 
 
-def _scan_log_head(path: Path) -> tuple[float | None, int | None]:
+def _scan_log_head(path: Path | None) -> tuple[float | None, int | None]:
     """job_start time (else the first event's) and the job's first iteration (first train_ready), reading only
-    as far as needed: both sit near the top of the log."""
+    as far as needed: both sit near the top of the log. None for a process without a log (NullEventLog)."""
     t_start = first_t = first_it = None
+    if path is None:
+        return None, None
     try:
         with open(path, "rb") as fh:
             for line in fh:

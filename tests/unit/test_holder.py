@@ -6,6 +6,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -146,6 +147,14 @@ def test_status_cli(holder):
     txt = subprocess.run([sys.executable, "-m", "shardsafe.cli", "status", "--holder-dir", p.root, "--job-id",
                           p.job_id], capture_output=True, text=True, check=True).stdout
     assert "  rank 2 data: v3 sealed" in txt and "  engine1 rank 2 data: v1 sealed" in txt, txt
+    # without --job-id: every job with a holder under the root; a file there (py-cpuinfo's answer for the boot,
+    # adapters/ds_prewarm.py) is no job
+    (Path(p.root) / "cpuinfo-boot.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if k not in ("SHARDSAFE_JOB_ID", "SLURM_JOB_ID")}
+    out = subprocess.run([sys.executable, "-m", "shardsafe.cli", "status", "--holder-dir", p.root, "--json"],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["job_id"] == p.job_id, out.stdout
 
 
 def test_shutdown_is_answered_before_the_holder_stops(tmp_path, monkeypatch):

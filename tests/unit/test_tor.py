@@ -16,8 +16,8 @@ import zlib
 import pytest
 
 from shardsafe import tor
-from shardsafe.tor import (CATEGORIES, EventLog, RunningTor, TorError, compute_tor, predict_tor, read_events,
-                           report_dict, report_text, young_interval)
+from shardsafe.tor import (CATEGORIES, EventLog, NullEventLog, RunningTor, TorError, compute_tor, predict_tor,
+                           read_events, report_dict, report_text, young_interval)
 
 SRC = {"job_start": "launcher", "job_end": "launcher", "attempt_start": "launcher", "attempt_end": "launcher",
        "failure_detected": "launcher", "restart": "launcher", "holder_start": "holder", "holder_stop": "holder",
@@ -699,6 +699,16 @@ def test_running_tor(tmp_path):
     assert rt.update(2, 2.0) == pytest.approx(2 / 12)
     ev = [e for e in read_events(tmp_path) if e["kind"] == "running_tor"]
     assert len(ev) == 1 and ev[0]["tor"] == pytest.approx(2 / 12) and ev[0]["window_tor"] == pytest.approx(2 / 3)
+
+
+def test_running_tor_without_a_run_directory_logs_nothing_and_never_raises():
+    """A trainer started without SHARDSAFE_RUN_DIR (plain torchrun) has a NullEventLog: the running TOR has no log
+    head to read and writes nothing, and training goes on (it used to open(None) at construction)."""
+    now = [100.0]
+    rt = RunningTor(NullEventLog(), every=1, ideal_iteration_s=1.0, clock=lambda: now[0])
+    now[0] = 102.0
+    rt.update(1, 1.0)
+    assert rt.update(2, 1.0) is not None   # computed, though there is nowhere to log it
 
 
 def test_cli_json_prints_exactly_one_object(tmp_path, capsys):
