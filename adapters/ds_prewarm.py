@@ -52,8 +52,12 @@ def remember_cpu_info(cache_dir: Optional[str] = None) -> str:
 def memo_cpu_info(cache_dir: Optional[str] = None) -> None:
     """Make ``cpuinfo.get_cpu_info()`` answer from memory: on its first call this boot's answer is read from
     ``cache_dir`` (default the holder directory) or asked of py-cpuinfo and written there. Costs nothing until
-    something asks (DeepSpeed on a GPU with its CUDA ops never does). Idempotent."""
-    import cpuinfo
+    something asks (DeepSpeed on a GPU with its CUDA ops never does). Idempotent; nothing to do without
+    py-cpuinfo (DeepSpeed then falls back to lscpu)."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return
     if _MEMO.installed(cpuinfo.get_cpu_info):
         return
     _MEMO.install(cpuinfo, cache_path(cache_dir))
@@ -80,6 +84,7 @@ class _Memo:
     def __init__(self) -> None:
         self.original: Optional[Callable[[], dict]] = None
         self.path: Optional[str] = None
+        self.version = ""    # py-cpuinfo's version: an answer kept by another version is not used
         self.info: dict = {}
         self.source = ""
         self._fn: Optional[Callable[[], dict]] = None
@@ -89,21 +94,20 @@ class _Memo:
 
     def install(self, cpuinfo, path: Optional[str]) -> None:
         self.original, self.path, self.info, self.source = cpuinfo.get_cpu_info, path, {}, ""
-        version = ".".join(str(x) for x in getattr(cpuinfo, "CPUINFO_VERSION", ()))
+        self.version = ".".join(str(x) for x in getattr(cpuinfo, "CPUINFO_VERSION", ()))
 
         def get_cpu_info() -> dict:
-            return copy.deepcopy(self.answer(version)[0])
+            return copy.deepcopy(self.answer()[0])
 
         get_cpu_info.__doc__ = ("py-cpuinfo's answer, remembered by shardsafe for this boot of this host "
                                 "(shardsafe.adapters.ds_prewarm).")
         self._fn = get_cpu_info
         cpuinfo.get_cpu_info = get_cpu_info
 
-    def answer(self, version: str = "") -> tuple[dict, str]:
+    def answer(self) -> tuple[dict, str]:
+        """(the answer, where it came from); asks py-cpuinfo (and keeps its answer) only while none is kept."""
         if not self.info:
-            import cpuinfo
-            version = version or ".".join(str(x) for x in getattr(cpuinfo, "CPUINFO_VERSION", ()))
-            cached = _read(self.path, version) if self.path else None
+            cached = _read(self.path, self.version) if self.path else None
             if cached is not None:
                 self.info, self.source = cached, "answer of this boot read from " + self.path
             else:
@@ -112,7 +116,7 @@ class _Memo:
                     return info, "found no CPU flags"   # not remembered: the next call asks again
                 self.info, self.source = info, "asked once"
                 if self.path:
-                    _write(self.path, version, info)
+                    _write(self.path, self.version, info)
         return self.info, self.source
 
 

@@ -85,6 +85,13 @@ def test_another_users_file_is_ignored(memo):
     assert mod.get_cpu_info() == ANSWER and len(calls) == 1
 
 
+def test_without_py_cpuinfo_there_is_nothing_to_remember(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cpuinfo", None)   # import cpuinfo raises ImportError
+    monkeypatch.setattr(ds_prewarm, "_MEMO", ds_prewarm._Memo())
+    ds_prewarm.memo_cpu_info("/nonexistent")
+    assert ds_prewarm._MEMO.original is None
+
+
 def test_no_flags_is_not_remembered_and_asked_again(memo):
     mod, calls, path = memo(answer={})
     assert mod.get_cpu_info() == {} and mod.get_cpu_info() == {} and len(calls) == 2
