@@ -28,7 +28,7 @@ sees its last step done and trains nothing), and the second restores its own. At
 engine is retired: its newest committed version stays, its older one is freed, its snapshot thread stops.
 
 The LR schedule is the engine's: HF's schedulers (LambdaLR) are stepped and snapshotted by DeepSpeed, and the
-snapshot restores their state (adapters/deepspeed.py ``scheduler_state``). What ``TrainerState`` holds beyond
+snapshot restores their state (adapters/ds_checks.py ``scheduler_state``). What ``TrainerState`` holds beyond
 the step (``total_flos``, ``num_input_tokens_seen``, ``best_*``, stateful callbacks) is recorded in
 ``engine.shardsafe.extra["hf_trainer"]`` at every step end; ``log_history`` is not (it grows with the run; the
 restarted Trainer's history starts at v+1, the earlier entries went to the loggers already).
