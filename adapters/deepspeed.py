@@ -10,12 +10,13 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 
 from shardsafe.config import ConfigError, ShardsafeConfig
-from shardsafe.snapshot.state import RankState, StateAdapter, apply_rng, capture_rng, cast_like_owner
+from shardsafe.snapshot.state import (RankState, StateAdapter, apply_rng, capture_rng, cast_like_owner,
+                                      copy_and_cast)
 
 from . import rng_trackers
 from .cpu_adam_powers import AdamPowersTracker
@@ -171,29 +172,43 @@ class DeepSpeedStateAdapter(StateAdapter):
         }
         return st
 
-    def _lp_params_from_peers(self, peers: Any) -> bool:
-        """What ``update_lp_params()`` computes, without its all-gather, when this node's holder has
-        every data-parallel peer's snapshot: each rank casts every partition's fp32 master into its
-        own low-precision flat buffer -- the same ``copy_`` cast each owner would run before the
-        all-gather, so the result is bit-identical. Only for partitions in host memory (``peers.pays_off``:
-        on a GPU, NCCL's all-gather of the bf16 partitions is the cheaper way). Collective decision
-        (``peers.available``): either every rank takes this path or every rank all-gathers. False = use
-        ``update_lp_params``."""
+    def _lp_from_peers_plan(self, peers: Any) -> Optional[list[tuple[list, list[int]]]]:
+        """Whether the low-precision params come from the node's holder instead of ``update_lp_params()``'s
+        all-gather, decided before any state is written: when the node's holder has every data-parallel peer's
+        snapshot, each rank casts every partition's fp32 master into its own low-precision flat buffer -- the same
+        ``copy_`` cast each owner would run before the all-gather, so the result is bit-identical. Only for
+        partitions in host memory (``peers.pays_off``: on a GPU, NCCL's all-gather of the bf16 partitions is the
+        cheaper way). Collective decision (``peers.available``): either every rank takes this path or every rank
+        all-gathers. Returns, per parameter group, (its low-precision partitions, the data-parallel ranks owning
+        them), or None for ``update_lp_params``."""
         o = self.engine.optimizer
         if peers is None or self.kind != "DeepSpeedZeroOptimizer":
-            return False
+            return None
         import torch.distributed as dist
         groups = [dist.get_process_group_ranks(g) for g in o.real_dp_process_group]
         lp = [part for parts in o.parallel_partitioned_bit16_groups for part in parts]
         if not peers.available(sorted({r for g in groups for r in g}), usable=peers.pays_off(lp)):
-            return False
+            return None
+        return list(zip(o.parallel_partitioned_bit16_groups, groups))
+
+    def _own_lp_partition(self, plan: Optional[list], i: int) -> Optional[torch.Tensor]:
+        """This rank's low-precision partition of group ``i`` when ``plan`` derives it here (None: no plan)."""
+        if plan is None:
+            return None
+        import torch.distributed as dist
+        parts, ranks = plan[i]
+        return parts[ranks.index(dist.get_rank())].data
+
+    def _lp_from_peers(self, plan: list, peers: Any) -> None:
+        """The peers' partitions of ``plan`` cast from their snapshots in the node's holder (this rank's own were
+        cast with its masters' copy, ``copy_and_cast``)."""
+        import torch.distributed as dist
         me = dist.get_rank()
         with torch.no_grad():
-            for i, (parts, ranks) in enumerate(zip(o.parallel_partitioned_bit16_groups, groups)):
+            for i, (parts, ranks) in enumerate(plan):
                 for part, r in zip(parts, ranks):
-                    src = o.single_partition_of_fp32_groups[i] if r == me else peers.tensors(r)[f"opt/master/{i}"]
-                    cast_like_owner(part.data, src.data)
-        return True
+                    if r != me:
+                        cast_like_owner(part.data, peers.tensors(r)[f"opt/master/{i}"].data)
 
     # restore_from_holder passes a PeerPayloads: the lp params can come from the node's holder.
     uses_peer_payloads = True
@@ -256,9 +271,14 @@ class DeepSpeedStateAdapter(StateAdapter):
         if self.z3:
             o.checkpoint_event_prologue()   # release gathered/persistent params before touching partitions
         masters = self.masters()
+        plan = None if self.z3 else self._lp_from_peers_plan(peers)
         with torch.no_grad():
             for i, m in enumerate(masters):
-                m.copy_(tensors[f"opt/master/{i}"])
+                own = self._own_lp_partition(plan, i)
+                if own is not None:   # the owner's cast of its own partition, fused with the master's copy
+                    copy_and_cast(m, own, tensors[f"opt/master/{i}"])
+                else:
+                    m.copy_(tensors[f"opt/master/{i}"])
                 state = base.state[m]   # empty on a fresh engine: entries are created
                 prefix = f"opt/state/{i}/"
                 for name, v in tensors.items():
@@ -297,10 +317,11 @@ class DeepSpeedStateAdapter(StateAdapter):
         self.extra.clear()
         self.extra.update(meta.get("extra", {}))
         if not self.z3:
-            from_holder = self._lp_params_from_peers(peers)
-            if not from_holder:
+            if plan is not None:
+                self._lp_from_peers(plan, peers)
+            else:
                 o.update_lp_params()   # fp32 shard -> own low-precision partition -> all-gather over DP
-            self.restore_notes["lp_params"] = "from the node's holder" if from_holder else "all-gather"
+            self.restore_notes["lp_params"] = "from the node's holder" if plan is not None else "all-gather"
         else:
             with torch.no_grad():
                 for fp32, lp in zip(o.fp32_partitioned_groups_flat, o.fp16_partitioned_groups_flat):

@@ -126,7 +126,7 @@ def apply_rng(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], pref
     np.random.set_state((nm["name"], keys, nm["pos"], nm["has_gauss"], nm["cached"]))
 
 
-# --- casting a peer's fp32 shard the way its owner does -----------------------------------------------
+# --- casting fp32 masters into low-precision params the way their owner does --------------------------------
 
 CAST_CHUNK = 1 << 26   # elements per staged chunk (256 MiB of fp32) when source and destination differ in device
 
@@ -142,3 +142,30 @@ def cast_like_owner(dst: torch.Tensor, src: torch.Tensor) -> None:
     d, s = dst.view(-1), src.reshape(-1)
     for a in range(0, d.numel(), CAST_CHUNK):
         d[a:a + CAST_CHUNK].copy_(s[a:a + CAST_CHUNK].to(dst.device))
+
+
+# Elements per block of copy_and_cast: 256 KiB of fp32 (+ 128 KiB of bf16) stays in one core's L2 between the copy
+# that writes it and the cast that reads it. Measured on this project's 2-vCPU VM (224 MB of fp32 out of shared
+# memory, one thread): copy then cast 68 ms, blocks of 128 KiB / 256 KiB / 1 MiB / 4 MiB 61 / 58 / 63 / 70 ms.
+FUSE_BLOCK = 1 << 16
+
+
+def copy_and_cast(master: torch.Tensor, lp: torch.Tensor, src: torch.Tensor) -> None:
+    """``master.copy_(src)`` then ``lp.copy_(master)`` (an owner re-deriving its low-precision params from its fp32
+    master, as DeepSpeed's ``update_lp_params`` does for its own partition), in one pass over cache-sized blocks:
+    the cast reads what the copy just wrote from the cache instead of memory. Each element goes through the same
+    torch conversion as a whole-tensor ``copy_`` (elementwise round-to-nearest-even; NaNs too:
+    tests/unit/test_copy_cast.py), so ``lp`` is bit-identical to the unfused result. Falls back to the copy and
+    then :func:`cast_like_owner` unless all three are host tensors with the same number of elements and ``master``
+    and ``lp`` are contiguous (the blocks are flat views)."""
+    fusable = (master.device.type == lp.device.type == src.device.type == "cpu"
+               and master.numel() == lp.numel() == src.numel() and master.is_contiguous() and lp.is_contiguous())
+    if not fusable:
+        master.copy_(src)
+        cast_like_owner(lp, master)
+        return
+    m, d, s = master.view(-1), lp.view(-1), src.reshape(-1)
+    for a in range(0, m.numel(), FUSE_BLOCK):
+        block = m[a:a + FUSE_BLOCK]
+        block.copy_(s[a:a + FUSE_BLOCK])
+        d[a:a + FUSE_BLOCK].copy_(block)
