@@ -1,6 +1,6 @@
 """What shardsafe's own collectives cost on gloo as ranks are added: the vote, the all-gathers, placement's check.
 
-    .venv/bin/python bench/collective_bench.py [--ranks 4,8,16,32] [--iters 40]
+    .venv/bin/python bench/collective_bench.py [--ranks 4,8,16,32] [--iters 40] [--setup]
 
 Runs itself under ``torch.distributed.run --standalone`` once per rank count (all ranks on this host, so above
 2 ranks they share the 2 cores and every hop waits for a process to be scheduled: the figures show how each
@@ -10,6 +10,12 @@ rounds, the variants alternating, each round after a barrier, rank 0's time:
   * ``gather_ints`` of 1 and of 10 int64: the restore's agreement and its vote;
   * placement's exchange before a restore when no rank changed node: ``gather_json`` of one node's holder listing
     (8 ranks x 2 data + 2 parity versions, the old path) against ``all_true`` (the vote that replaced it).
+
+``--setup``: what creating shardsafe's world-wide gloo group costs (shardsafe.runtime: ``new_group(backend="gloo")``,
+paid by every rank at every start and restart), until its first vote has run: gloo's default connects every pair of
+ranks when the group is created (a full mesh: N - 1 connections and store lookups per rank), against
+``TORCH_GLOO_LAZY_INIT=1`` (torch connects a pair on its first use; a ring collective uses two neighbours). Medians
+of --iters groups per rank count, rank 0, each mode in its own launch (the variable is read when a group is made).
 """
 from __future__ import annotations
 
@@ -20,6 +26,29 @@ import statistics
 import subprocess
 import sys
 import time
+
+
+def setup_worker(iters: int) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from shardsafe.collectives import all_true
+    dist.init_process_group("gloo")
+    n = dist.get_world_size()
+    created, ready = [], []
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        g = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))
+        t1 = time.perf_counter()
+        all_true(True, g, n)
+        t2 = time.perf_counter()
+        created.append(t1 - t0)
+        ready.append(t2 - t0)
+    if dist.get_rank() == 0:
+        print(json.dumps({"ranks": n, "lazy": os.environ.get("TORCH_GLOO_LAZY_INIT", "0"),
+                          "created": statistics.median(created), "ready": statistics.median(ready)}), flush=True)
+    dist.destroy_process_group()
 
 
 def worker(iters: int) -> None:
@@ -54,28 +83,51 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", default="4,8,16,32")
     p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--setup", action="store_true", help="time the creation of a gloo group, full mesh vs lazy")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        worker(a.iters)
+        (setup_worker if a.setup else worker)(a.iters)
         return 0
+    if a.setup:
+        return setup_main(a)
     rows = []
     for n in (int(x) for x in a.ranks.split(",")):
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-                              os.path.abspath(__file__), "--worker", "--iters", str(a.iters)],
-                             env=env, capture_output=True, text=True, timeout=900)
-        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("{")), None)
-        if out.returncode != 0 or line is None:
-            print(f"{n} ranks failed (exit {out.returncode}):\n{out.stderr[-2000:]}", file=sys.stderr)
+        row = _launch(n, a)
+        if row is None:
             return 1
-        rows.append(json.loads(line))
+        rows.append(row)
     keys = [k for k in rows[0] if k != "ranks"]
     print(f"gloo on this host, medians of {a.iters} rounds (rank 0), ms")
     print(f"{'ranks':>5} " + " ".join(f"{k:>{max(10, len(k))}}" for k in keys) + "  gather/vote")
     for r in rows:
         ratio = r["placement: gather_json(listing)"] / r["placement: all_true"]
         print(f"{r['ranks']:>5} " + " ".join(f"{r[k] * 1e3:>{max(10, len(k))}.2f}" for k in keys) + f"  {ratio:10.1f}x")
+    return 0
+
+
+def _launch(n: int, a, env: dict | None = None) -> dict | None:
+    """One torchrun of n ranks on this host running the worker; rank 0's JSON line (None: it failed, said why)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+                          os.path.abspath(__file__), "--worker", "--iters", str(a.iters)] + (["--setup"] if a.setup else []),
+                         env=env, capture_output=True, text=True, timeout=900)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("{")), None)
+    if out.returncode != 0 or line is None:
+        print(f"{n} ranks failed (exit {out.returncode}):\n{out.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(line)
+
+
+def setup_main(a) -> int:
+    print(f"a world-wide gloo group until its first vote, medians of {a.iters} (rank 0), ms")
+    print(f"{'ranks':>5} {'full mesh: created':>19} {'ready':>8} {'lazy: created':>14} {'ready':>8}  full/lazy (ready)")
+    for n in (int(x) for x in a.ranks.split(",")):
+        full, lazy = _launch(n, a, {"TORCH_GLOO_LAZY_INIT": "0"}), _launch(n, a, {"TORCH_GLOO_LAZY_INIT": "1"})
+        if full is None or lazy is None:
+            return 1
+        print(f"{n:>5} {full['created'] * 1e3:>19.2f} {full['ready'] * 1e3:>8.2f} {lazy['created'] * 1e3:>14.2f} "
+              f"{lazy['ready'] * 1e3:>8.2f}  {full['ready'] / lazy['ready']:>8.2f}x")
     return 0
 
 

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from datetime import timedelta
 from typing import Any, Optional
 
+from .collectives import mesh_advice
 from .payload import checksum
 from .config import ENV_HOLDER_BUDGET, ConfigError, ShardsafeConfig
 from .persist import PersistentStore
@@ -138,6 +139,9 @@ class Runtime(BaseRuntime):
             import torch.distributed as dist
             # A dedicated gloo group: snapshot votes run in a background thread, never on the
             # training communicator (NCCL on GPU), and time out on their own.
+            advice = mesh_advice(world_size, dict(os.environ))
+            if advice and rank == 0:
+                log.warning("[rank 0] %s", advice)
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
         self.coll = Collectives(group, world_size)
         self.exchange = None

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..collectives import lazy_gloo_env
 from ..fatal import describe as describe_fatal, read_fatal
 from .controller import Keys, _store_client, publish
 from .markers import done_ranks, mark_rank_done
@@ -75,7 +76,9 @@ class AgentOptions:
         env = {"SHARDSAFE_NODE": self.node, "SHARDSAFE_JOB_ID": self.job_id,
                # Each round's rank-0 *worker* hosts the workers' store: an agent-hosted store would stay
                # cached in the other agents after that agent's node is lost (torch 2.x).
-               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+               # gloo groups connect pairs on first use, not as a full mesh at every restart (collectives.py)
+               **lazy_gloo_env(os.environ)}
         if self.run_dir:
             env["SHARDSAFE_RUN_DIR"] = self.run_dir
         if self.holder_dir:

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..collectives import lazy_gloo_env
 from ..errors import ConfigError
 from ..fatal import describe as describe_fatal, read_fatal
 from ..holder.client import holder_command, stop_holders
@@ -124,7 +125,7 @@ class LaunchResult:
 def trainer_env(cfg: LaunchConfig) -> dict[str, str]:
     """What every trainer of a LocalLauncher job gets before its per-rank variables (and what its fork
     server imports with)."""
-    return {**os.environ, **cfg.env, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    return {**os.environ, **lazy_gloo_env(os.environ), **cfg.env, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
 
 
 class LocalLauncher:

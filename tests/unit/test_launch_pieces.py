@@ -138,6 +138,26 @@ def test_torchrun_arguments_and_worker_env():
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and float(env["SHARDSAFE_JOB_START_T"]) == 12.5
 
 
+def test_launchers_make_gloo_connect_lazily_unless_the_user_said_otherwise(monkeypatch, tmp_path):
+    from shardsafe.collectives import LAZY_GLOO
+    from shardsafe.launch import LaunchConfig, trainer_env
+    o = agent.AgentOptions(node="n0", control="127.0.0.1:1", nnodes="1", nproc_per_node=1, job_id="j")
+    cfg = LaunchConfig(nodes=1, nproc_per_node=1, run_dir=str(tmp_path), job_id="j")
+    monkeypatch.delenv(LAZY_GLOO, raising=False)
+    assert o.worker_env()[LAZY_GLOO] == "1" and trainer_env(cfg)[LAZY_GLOO] == "1"
+    monkeypatch.setenv(LAZY_GLOO, "0")   # the user's choice is kept, by both launchers
+    assert o.worker_env()[LAZY_GLOO] == "0" and trainer_env(cfg)[LAZY_GLOO] == "0"
+
+
+def test_a_full_mesh_at_scale_is_worth_a_warning_and_a_lazy_or_small_group_is_not():
+    from shardsafe.collectives import LAZY_GLOO, MESH_ADVICE_RANKS, mesh_advice
+    assert mesh_advice(MESH_ADVICE_RANKS - 1, {}) is None
+    assert mesh_advice(16384, {LAZY_GLOO: "1"}) is None
+    msg = mesh_advice(16384, {LAZY_GLOO: "0"})
+    assert msg and f"export {LAZY_GLOO}=1" in msg and "16383 connections per rank" in msg
+    assert mesh_advice(MESH_ADVICE_RANKS, {}) is not None
+
+
 def test_launch_config_rejects_bad_settings(tmp_path):
     with pytest.raises(LaunchError):
         elastic.ElasticConfig(nodes=0, run_dir=str(tmp_path))
