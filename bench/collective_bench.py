@@ -46,8 +46,8 @@ def setup_worker(iters: int) -> None:
         created.append(t1 - t0)
         ready.append(t2 - t0)
     if dist.get_rank() == 0:
-        print(json.dumps({"ranks": n, "lazy": os.environ.get("TORCH_GLOO_LAZY_INIT", "0"),
-                          "created": statistics.median(created), "ready": statistics.median(ready)}), flush=True)
+        print(json.dumps({"ranks": n, "created": statistics.median(created), "ready": statistics.median(ready)}),
+              flush=True)
     dist.destroy_process_group()
 
 

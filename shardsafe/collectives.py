@@ -8,7 +8,7 @@ group) they return the local answer without touching torch.distributed.
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 __all__ = ["min_reduce", "all_true", "gather_ints", "gather_json", "lazy_gloo_env", "mesh_advice"]
 
@@ -21,14 +21,14 @@ LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"
 MESH_ADVICE_RANKS = 512   # from here on, a full mesh at every restart is worth a line in the log
 
 
-def lazy_gloo_env(env: dict) -> dict:
+def lazy_gloo_env(env: Mapping[str, str]) -> dict[str, str]:
     """What shardsafe's launchers add to their trainers' environment: lazy gloo connections unless ``env`` (the
     user's) says otherwise. It applies to every gloo group of the trainer (the program's own too: they connect on
     first use instead of at creation; what they compute is unchanged); torch versions without it ignore it."""
     return {LAZY_GLOO: env.get(LAZY_GLOO, "1")}
 
 
-def mesh_advice(world_size: int, env: dict) -> Optional[str]:
+def mesh_advice(world_size: int, env: Mapping[str, str]) -> Optional[str]:
     """A warning for rank 0 when shardsafe's world-wide gloo group is about to connect as a full mesh at a size
     where that costs the restart (None: lazy, or small)."""
     if world_size < MESH_ADVICE_RANKS or env.get(LAZY_GLOO, "0").strip().lower() in ("1", "true", "yes", "on"):

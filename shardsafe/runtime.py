@@ -137,11 +137,11 @@ class Runtime(BaseRuntime):
         group = None
         if world_size > 1:
             import torch.distributed as dist
-            # A dedicated gloo group: snapshot votes run in a background thread, never on the
-            # training communicator (NCCL on GPU), and time out on their own.
-            advice = mesh_advice(world_size, dict(os.environ))
+            advice = mesh_advice(world_size, os.environ)
             if advice and rank == 0:
                 log.warning("[rank 0] %s", advice)
+            # A dedicated gloo group: snapshot votes run in a background thread, never on the
+            # training communicator (NCCL on GPU), and time out on their own.
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
         self.coll = Collectives(group, world_size)
         self.exchange = None
