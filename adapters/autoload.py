@@ -108,8 +108,8 @@ def holder_socket(environ=os.environ) -> str:
 
 
 def _early_open() -> None:
-    """A trainer (``RANK`` set) of a job whose holder runs on this node maps its newest held snapshot while it sets
-    up (shardsafe.holder.early_open), from the moment its framework loads: the earliest point a trainer that
+    """A trainer (``RANK`` set) of a job whose holder runs on this node maps and verifies its newest held snapshot
+    while it sets up (shardsafe.holder.early_open), from the moment its framework loads: the earliest point a trainer that
     torchrun started itself reaches (the fork server's children start it before the script runs)."""
     sock = holder_socket()
     if os.environ.get("RANK") and sock and os.path.exists(sock):

@@ -205,7 +205,7 @@ def worker(a: argparse.Namespace) -> None:
         if a.early_open:   # as a restarted trainer does while it sets up (holder/early_open.py), timed apart
             dist.barrier()
             t0 = time.perf_counter()
-            eo = early_open.start()
+            eo = early_open.start({**os.environ, early_open.ENV_EARLY_OPEN: "1" if a.early_open == "verify" else "map"})
             assert eo is not None, "early open: SHARDSAFE_JOB_ID / RANK / the holder socket missing"
             eo.wait()
             early_s.append(mx(time.perf_counter() - t0))
@@ -218,6 +218,8 @@ def worker(a: argparse.Namespace) -> None:
         checks["shardsafe_restore_bit_exact"] &= equal(skip_step=False)
         phases.append(prot.runtime.restored.phases)
         assert not a.early_open or (prot.runtime.restored.notes or {}).get("early_open") == "used", \
+            prot.runtime.restored.notes
+        assert a.early_open != "verify" or prot.runtime.restored.notes.get("early_verify") == "used", \
             prot.runtime.restored.notes
         sync()
         dist.barrier()
@@ -294,9 +296,10 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--budget-gb", type=float, default=4.0)
-    p.add_argument("--early-open", action="store_true",
-                   help="open and populate the slot before each restore, as a restarted trainer does while it sets up "
-                        "(shardsafe.holder.early_open); its time is printed apart")
+    p.add_argument("--early-open", nargs="?", const="verify", choices=["verify", "map"], default=None,
+                   help="open the slot before each restore, as a restarted trainer does while it sets up "
+                        "(shardsafe.holder.early_open): 'verify' (the default, as SHARDSAFE_EARLY_OPEN unset) maps and "
+                        "verifies it, 'map' only maps it (the restore verifies); its time is printed apart")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     if a.repeats < 5:
@@ -311,7 +314,7 @@ def main() -> int:
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out", tmp, "--ckpt-dir", tmp,
             "--hidden", str(a.hidden), "--layers", str(a.layers), "--heads", str(a.heads), "--vocab", str(a.vocab),
             "--seq", str(a.seq), "--repeats", str(a.repeats), "--warmup", str(a.warmup), "--budget-gb", str(a.budget_gb)] \
-        + (["--early-open"] if a.early_open else [])
+        + (["--early-open", a.early_open] if a.early_open else [])
     t0 = time.time()
     if not run.run(argv).ok:
         print(f"benchmark failed; logs kept in {tmp}", file=sys.stderr)
@@ -341,7 +344,7 @@ def main() -> int:
     print(f"copy floor (same bytes, one copy into the live tensors' memory, same run) {out['copy_floor_s']:7.3f} s -> "
           f"restore is {out['ratio_restore_vs_copy_floor']}x the floor (target <= 1.5x)")
     if a.early_open:
-        print(f"early open              {out['early_open_s']:8.3f} s    (before the restore, beside the trainer's set-up; "
+        print(f"early open ({a.early_open:6s})     {out['early_open_s']:8.3f} s    (before the restore, beside the trainer's set-up; "
               "not in the restore's time)")
     print(f"dist_checkpointing.load, warm cache    {out['load_warm_s']:7.3f} s -> restore is "
           f"{out['ratio_load_warm_vs_restore']}x faster (target >= 5x)")

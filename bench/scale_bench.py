@@ -1,7 +1,7 @@
 """Snapshot and restore at real shard sizes: time per GiB from 0.25 to 2 GiB of state per rank.
 
     .venv/bin/python bench/scale_bench.py [--sizes 0.25,0.5,1,2] [--repeats 5] [--ranks 2] [--hash-threads 0]
-                                          [--early-open] [--json]
+                                          [--early-open [verify|map]] [--json]
 
 Two ranks (--ranks) on one simulated node, the real holder, snapshot pipeline and collective restore
 (restore_from_holder: vote, every xxh3 segment verified, copied in place). The rank state is synthetic:
@@ -14,9 +14,10 @@ small one, filled with random bytes; what is measured is shardsafe's own path, i
   * restore: the whole collective restore (agree, verify, apply) vs a memcpy of the same bytes into
     pre-faulted memory; its verify and apply phases apart;
   * checksums alone: xxh3 of the payload on 1 thread and on the configured threads.
-With --early-open each restore finds its slot opened and its page tables filled beforehand, as a restarted
-trainer's restore does (shardsafe/holder/early_open.py: the trainer opens it while it sets up); that open's own
-time is printed apart. A cost that grows faster than the bytes shows as a rising s/GiB column. This machine has 2 cores for 2 ranks:
+With --early-open each restore finds its slot opened, its page tables filled and its checksums verified
+beforehand (--early-open map: only opened), as a restarted trainer's restore does
+(shardsafe/holder/early_open.py: the trainer does it while it sets up); that early open's own time is printed
+apart. A cost that grows faster than the bytes shows as a rising s/GiB column. This machine has 2 cores for 2 ranks:
 one hash thread per rank is what auto-sizing picks here, so --hash-threads 2 oversubscribes. --ranks 1 gives
 the one rank both cores (auto-sizing: 2 hash threads), the nearest this machine comes to a GPU node's
 8-16 cores per rank. --device cuda puts the state on the rank's GPU (one per rank): the snapshot's floor is then
@@ -123,7 +124,7 @@ def worker(a: argparse.Namespace) -> None:
         early, eo = None, 0.0
         if a.early_open:   # as a restarted trainer does while it sets up (holder/early_open.py), timed apart
             t0 = time.perf_counter()
-            early = EarlyOpen(rt.paths, rank).start()
+            early = EarlyOpen(rt.paths, rank, verify=a.early_open == "verify").start()
             early.wait()
             eo = mx(time.perf_counter() - t0)
         dist.barrier()
@@ -133,6 +134,7 @@ def worker(a: argparse.Namespace) -> None:
         rest = mx(time.perf_counter() - t0)
         assert r.version == 100 + i, r.message
         assert not a.early_open or (r.notes or {}).get("early_open") == "used", r.notes
+        assert a.early_open != "verify" or r.notes.get("early_verify") == "used", r.notes
         man, mm = rt.client.open(rank=rank, version=100 + i)
         ranges = [rg for e in man["entries"] for rg in mf.chunk_ranges(e)]
         buf = memoryview(mm)
@@ -182,7 +184,7 @@ def run_size(a: argparse.Namespace, size: float) -> dict:
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out", tmp, "--size", str(size),
             "--repeats", str(a.repeats), "--warmup", str(a.warmup), "--budget-gb", str(budget),
             "--hash-threads", str(a.hash_threads), "--device", a.device, "--h2d", a.h2d] \
-        + (["--early-open"] if a.early_open else [])
+        + (["--early-open", a.early_open] if a.early_open else [])
     if not run.run(argv).ok:
         raise SystemExit(f"benchmark at {size} GiB failed; logs kept in {tmp}")
     with open(os.path.join(tmp, "scale_result.json")) as f:
@@ -221,9 +223,10 @@ def main() -> int:
                    help="where the rank state lives (cuda: one GPU per rank; floors: pinned D2H and H2D copies)")
     p.add_argument("--h2d", choices=["pinned", "pageable"], default="pinned",
                    help="restore_h2d: how a restore into GPU tensors reads the holder's memory (GPU only)")
-    p.add_argument("--early-open", action="store_true",
-                   help="open and populate the slot before the restore, as a restarted trainer does while it sets up "
-                        "(shardsafe.holder.early_open); its time is printed apart")
+    p.add_argument("--early-open", nargs="?", const="verify", choices=["verify", "map"], default=None,
+                   help="open the slot before each restore, as a restarted trainer does while it sets up "
+                        "(shardsafe.holder.early_open): 'verify' (the default, as SHARDSAFE_EARLY_OPEN unset) maps and "
+                        "verifies it, 'map' only maps it (the restore verifies); its time is printed apart")
     p.add_argument("--hash-threads", type=int, default=0, help="shardsafe hash_threads (0 = auto)")
     p.add_argument("--budget-gb", type=float, default=0.0, help="holder budget (0 = sized to the run)")
     p.add_argument("--json", action="store_true")
@@ -258,7 +261,7 @@ def main() -> int:
             f"{r['GiB_per_rank']:.2f} GiB {'/'.join(r['h2d_mode'])} (pin {r['pin_s']:.3f} s beside the verify, "
             f"apply waited {r['pin_wait_s']:.3f} s)" for r in rows))
     if a.early_open:
-        print("  early open (before the restore, beside the trainer's set-up; not in the restore column): " + ", ".join(
+        print(f"  early open, {a.early_open} (before the restore, beside the trainer's set-up; not in the restore column): " + ", ".join(
             f"{r['GiB_per_rank']:.2f} GiB {r['early_open_s'] / r['GiB_per_rank']:.3f} s/GiB" for r in rows))
     for r in rows:
         g = r["GiB_per_rank"]

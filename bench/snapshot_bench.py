@@ -154,7 +154,7 @@ def worker(a: argparse.Namespace) -> None:
         early = None
         if a.early_open:   # as a restarted trainer does while it sets up (holder/early_open.py), timed apart
             t0 = time.perf_counter()
-            early = EarlyOpen(hook.runtime.paths, rank).start()
+            early = EarlyOpen(hook.runtime.paths, rank, verify=a.early_open == "verify").start()
             early.wait()
             early_s.append(mx(time.perf_counter() - t0))
             dist.barrier()
@@ -162,6 +162,7 @@ def worker(a: argparse.Namespace) -> None:
         r = restore_from_holder(hook.adapter, hook.runtime.client, rank=rank, coll=hook.runtime.coll, early=early)
         restore.append(mx(time.perf_counter() - t0))
         assert not a.early_open or (r.notes or {}).get("early_open") == "used", r.notes
+        assert a.early_open != "verify" or r.notes.get("early_verify") == "used", r.notes
         if prof is not None:
             prof.disable()
             prof.dump_stats(os.environ["SHARDSAFE_BENCH_PROFILE"])
@@ -226,9 +227,10 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--budget-gb", type=float, default=6.0)
     p.add_argument("--pp", type=int, default=0, help="pipeline stages (PipelineModule x 2 data-parallel ranks)")
-    p.add_argument("--early-open", action="store_true",
-                   help="open and populate the slot before each restore, as a restarted trainer does while it sets up "
-                        "(shardsafe.holder.early_open); its time is printed apart")
+    p.add_argument("--early-open", nargs="?", const="verify", choices=["verify", "map"], default=None,
+                   help="open the slot before each restore, as a restarted trainer does while it sets up "
+                        "(shardsafe.holder.early_open): 'verify' (the default, as SHARDSAFE_EARLY_OPEN unset) maps and "
+                        "verifies it, 'map' only maps it (the restore verifies); its time is printed apart")
     p.add_argument("--json", action="store_true")
     p.add_argument("--profile", default="", help="write a cProfile of rank 0's last restore to this file")
     a = p.parse_args()
@@ -244,7 +246,7 @@ def main() -> int:
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out", tmp, "--ckpt-dir", tmp,
             "--vocab", str(a.vocab), "--d-model", str(a.d_model), "--layers", str(a.layers), "--heads", str(a.heads),
             "--seq", str(a.seq), "--repeats", str(a.repeats), "--warmup", str(a.warmup), "--budget-gb", str(a.budget_gb),
-            "--pp", str(a.pp)] + (["--early-open"] if a.early_open else [])
+            "--pp", str(a.pp)] + (["--early-open", a.early_open] if a.early_open else [])
     if not run.run(argv).ok:
         print(f"benchmark failed; logs kept in {tmp}", file=sys.stderr)
         return 1
@@ -265,7 +267,7 @@ def main() -> int:
     print(f"restore from holder   {out['restore_s']:8.3f} s    (checksums verified; rank 0 phases "
           f"{out['restore_phases_s_rank0']})")
     if a.early_open:
-        print(f"early open            {out['early_open_s']:8.3f} s    (before the restore, beside the trainer's set-up; "
+        print(f"early open ({a.early_open:6s})   {out['early_open_s']:8.3f} s    (before the restore, beside the trainer's set-up; "
               "not in the restore's time)")
     print(f"load_checkpoint warm  {out['load_warm_s']:8.3f} s    -> restore is {out['ratio_load_warm_vs_restore']}x faster")
     print(f"load_checkpoint cold  {out['load_cold_s']:8.3f} s    -> restore is {out['ratio_load_cold_vs_restore']}x faster")

@@ -199,7 +199,8 @@ phase_megatron_bench() {
   local out="${OUT_DIR:-/tmp}/megatron_bench.json"
   mkdir -p "$(dirname "$out")"
   # shellcheck disable=SC2086  # MEGATRON_BENCH_ARGS is a list of flags
-  # --early-open: the restore finds its slot mapped as a restarted trainer's does (shardsafe/holder/early_open.py)
+  # --early-open: the restore finds its slot mapped and verified as a restarted trainer's does
+  # (shardsafe/holder/early_open.py)
   PYTHONPATH="$REPO" "$PY" bench/megatron_bench.py --ranks "$ranks" --repeats 5 --early-open ${MEGATRON_BENCH_ARGS:-} \
     --json | tee "$out"
 }
@@ -219,10 +220,13 @@ phase_scale_gpu() {
   # the same restore from pageable memory (restore_h2d=pageable): what page-locking the mapping buys
   PYTHONPATH="$REPO" "$PY" bench/scale_bench.py --device cuda --ranks 1 --sizes 1 --repeats 5 --h2d pageable \
     | tee "$out/scale_gpu_1rank_pageable.txt" || return 1
-  # a restarted trainer's restore: the slot mapped (page tables filled) while it set up; the pinning then walks
-  # present pages (shardsafe/holder/early_open.py)
-  PYTHONPATH="$REPO" "$PY" bench/scale_bench.py --device cuda --ranks 1 --sizes 1,2 --repeats 5 --early-open \
+  # a restarted trainer's restore: the slot mapped (page tables filled) and verified while it set up, so the
+  # restore is the pinning (it walks present pages) and the H2D; then mapped only, the restore verifying beside
+  # the pinning (shardsafe/holder/early_open.py, SHARDSAFE_EARLY_OPEN=map)
+  PYTHONPATH="$REPO" "$PY" bench/scale_bench.py --device cuda --ranks 1 --sizes 1,2 --repeats 5 --early-open verify \
     | tee "$out/scale_gpu_1rank_early_open.txt" || return 1
+  PYTHONPATH="$REPO" "$PY" bench/scale_bench.py --device cuda --ranks 1 --sizes 1,2 --repeats 5 --early-open map \
+    | tee "$out/scale_gpu_1rank_early_map.txt" || return 1
   if [ "$gpus" -ge 2 ]; then
     PYTHONPATH="$REPO" "$PY" bench/scale_bench.py --device cuda --ranks "$gpus" --sizes 0.5,2 --repeats 5 \
       | tee "$out/scale_gpu_${gpus}ranks.txt" || return 1

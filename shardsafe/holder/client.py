@@ -26,11 +26,14 @@ class HolderUnavailable(HolderFailure):
 
 class OpenedSlot(NamedTuple):
     """A sealed version opened for reading: its manifest, a read-only mapping of its shared memory (the
-    caller closes it), and ``ident``: (device, inode, size) of that memory, equal for two mappings of one slot
-    and different once the holder has given the version another slot."""
+    caller closes it), ``ident``: (device, inode, size) of that memory, equal for two mappings of one slot
+    and different once the holder has given the version another slot, and ``sealing``: which of the holder's
+    seals made its content (equal for two opens only if nobody was handed the slot to write in between;
+    0 from a holder that does not say)."""
     manifest: dict
     mm: mmap.mmap
     ident: tuple[int, int, int]
+    sealing: int = 0
 
 
 class HolderClient:
@@ -186,7 +189,9 @@ class HolderClient:
         finally:
             for fd in fds:
                 os.close(fd)
-        return OpenedSlot(resp["manifest"], m, (st.st_dev, st.st_ino, st.st_size))
+        sealing = resp.get("sealing", 0)
+        return OpenedSlot(resp["manifest"], m, (st.st_dev, st.st_ino, st.st_size),
+                          sealing if isinstance(sealing, int) and not isinstance(sealing, bool) else 0)
 
     def drop(self, *, rank: int | None = None, ranks: list[int] | None = None, version: int | None = None,
              kind: str = "data") -> int:

@@ -1,25 +1,35 @@
-"""Early open: a restarted trainer maps its newest held snapshot, page tables filled, while it starts up.
+"""Early open: a restarted trainer maps and verifies its newest held snapshot while it starts up.
 
 Why. A restore verifies every byte of the slot it maps, and the mapping is new: the trainer that made the
 snapshot died with its page tables. Filling them costs ~270 ns per 4 KiB page on this project's VM
-(0.070 s/GiB, more than hashing the same bytes; bench/RESULTS.md), 2-3 s for a 13 GB shard, on the
-critical path of every recovery. The restarted trainer reaches its restore only after seconds of other
-work (the process group, the model, the engine, its optimizer), and none of that needs the mapping: this
-module makes it then, beside that work, so the restore finds the pages mapped.
+(0.070 s/GiB, more than hashing the same bytes; bench/RESULTS.md), 2-3 s for a 13 GB shard, and the
+checksums read every byte once more before the copy reads them again: with one core per rank verify-then-copy
+is ~1.6x a memcpy, on the critical path of every recovery. The restarted trainer reaches its restore only
+after seconds of other work (the process group, the model, the engine, its optimizer), and none of that needs
+the mapping: this module maps and verifies it then, beside that work, so the restore only copies.
 
 How. :func:`start`, called as the trainer starts (in the fork server's child before it runs the script, and
 by the automatic activation when DeepSpeed or Megatron-LM loads in a trainer torchrun started itself), opens
-in a daemon thread the newest version this rank's holder has sealed, with ``MAP_POPULATE``. :func:`take` hands
-it to the restore of the process's first protected engine, which uses it only when the holder still serves the
-version it chose from the same shared memory (:class:`~shardsafe.holder.client.OpenedSlot` ``ident``); the
-restore verifies every byte as always, so nothing is taken from the early open but the page tables. A
-mapping nobody claims is closed after :data:`CLAIM_WAIT_S` (it must not keep memory alive that the holder
-frees), and a process forked from the trainer (a data-loader worker) closes its inherited copy at once.
+in a daemon thread the newest version this rank's holder has sealed and checks every segment against its
+manifest's checksums (the process's hash threads fill the page tables of their segments as they go).
+:func:`take` hands it to the restore of the process's first protected engine, which uses the mapping only when
+the holder still serves the version it chose from the same shared memory (:class:`OpenedSlot` ``ident``), and
+the early verification only when, in addition, the manifest is the same and no writer was handed the slot
+since (the holder's ``sealing`` count of the restore's open equals the early open's): then the bytes are the
+ones verified, and the restore skips its own pass over them. A restore that asks while the early open still
+works waits for it (what is left costs it the same either way). In every other case (another version, a
+rebuilt or re-written slot, a problem found early) the restore verifies as before. Verification is as
+complete as before, a few seconds earlier: what it no longer sees is memory that changes without any writer
+in those seconds (a hardware fault ECC did not correct); ``SHARDSAFE_EARLY_OPEN=map`` keeps the verification
+in the restore for who wants that window closed too. A mapping nobody claims is closed after
+:data:`CLAIM_WAIT_S` (it must not keep memory alive that the holder frees), and a process forked from the
+trainer (a data-loader worker) closes its inherited copy at once.
 
 Only the environment is read: ``SHARDSAFE_JOB_ID`` and ``RANK`` (set by ``shardsafe launch``, the local
 launcher, the sbatch scripts, torchrun), the node and holder directory as the config's defaults derive them
 (:mod:`.paths`). A trainer whose job id or node comes from its config alone opens its slot in the restore, as
-before. ``SHARDSAFE_EARLY_OPEN=0`` turns it off.
+before. ``SHARDSAFE_EARLY_OPEN``: unset or ``1`` maps and verifies, ``map`` only maps (with ``MAP_POPULATE``),
+``0`` (or ``false``/``off``/``no``) turns it off.
 """
 from __future__ import annotations
 
@@ -28,8 +38,9 @@ import mmap
 import os
 import threading
 import time
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
 
+from ..errors import ConfigError
 from .client import HolderClient, OpenedSlot
 from .paths import HolderPaths, default_holder_dir, default_node_name
 from .protocol import HolderFailure
@@ -37,10 +48,17 @@ from .protocol import HolderFailure
 log = logging.getLogger("shardsafe.holder.early_open")
 
 ENV_EARLY_OPEN = "SHARDSAFE_EARLY_OPEN"
-"""``0`` (or ``false``/``off``/``no``) turns the early open off."""
+"""Unset or ``1``: map and verify; ``map``: map only; ``0`` (or ``false``/``off``/``no``): off."""
 CLAIM_WAIT_S = 600.0
 """How long an opened mapping waits for the restore to claim it before it is closed."""
 CONNECT_TIMEOUT_S = 10.0
+
+
+class Claimed(NamedTuple):
+    """What the restore takes from the early open: the mapping, page tables filled, and whether its bytes
+    verified against the manifest the restore opened, with no writer handed the slot since."""
+    mm: mmap.mmap
+    verified: bool
 
 
 class EarlyOpen:
@@ -49,20 +67,31 @@ class EarlyOpen:
     Args:
         paths: the node's holder for the job.
         rank: the global rank whose slot is opened (``RANK``).
+        verify: check the slot's checksums too (else only map it, with ``MAP_POPULATE``).
     """
 
-    def __init__(self, paths: HolderPaths, rank: int):
-        self.paths, self.rank = paths, rank
+    def __init__(self, paths: HolderPaths, rank: int, *, verify: bool = True):
+        self.paths, self.rank, self.verify = paths, rank, verify
         self.version = -1          # the version opened (-1: none)
-        self.seconds = 0.0         # connect, list, open and populate, in the thread
+        self.seconds = 0.0         # connect, list, open, populate (and verify), in the thread
+        self.verify_seconds = 0.0  # the verification's part of it
         self.why = ""              # why nothing was opened
+        self.problems: Optional[list[str]] = None   # what the verification found ([]: every segment good; None: not run)
+        self.verify_why = ""       # why the restore did not take the verification
         self._slot: Optional[OpenedSlot] = None
         self._used = False         # claimed by the restore, for the version it opened
+        self._verified_used = False
         self._spent = False        # claimed or discarded: a slot the thread opens afterwards is closed at once
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._claimed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shardsafe-early-open", daemon=True)
+        # Imported here, on the caller's thread (the trainer's main thread, as it starts), not in the daemon
+        # thread: a module import racing the main thread's imports of the same packages is best avoided.
+        self._mf = None
+        if verify:
+            from ..payload import manifest as mf
+            self._mf = mf
 
     def start(self) -> "EarlyOpen":
         self._thread.start()
@@ -76,13 +105,25 @@ class EarlyOpen:
             try:
                 versions = c.sealed_versions(self.rank)
                 if versions:
-                    slot = c.open_slot(rank=self.rank, version=max(versions), populate=True)
+                    # Verifying: the hash threads fill the page tables of their own segments (in parallel);
+                    # mapping only: MAP_POPULATE fills them in one call.
+                    slot = c.open_slot(rank=self.rank, version=max(versions), populate=not self.verify)
                 else:
                     self.why = f"the holder has no sealed version of rank {self.rank}"
             finally:
                 c.close()
         except (HolderFailure, OSError, ValueError, KeyError) as e:
             self.why = f"{type(e).__name__}: {e}"
+        if slot is not None and self._mf is not None:
+            t1 = time.perf_counter()
+            buf = memoryview(slot.mm)
+            try:
+                self.problems = self._mf.verify(slot.manifest, buf, populate=True)
+            except Exception as e:   # a malformed manifest, say: the restore verifies (and says so) itself
+                self.problems = [f"{type(e).__name__}: {e}"]
+            finally:
+                buf.release()
+            self.verify_seconds = time.perf_counter() - t1
         self.seconds = time.perf_counter() - t0
         with self._lock:
             if slot is not None and not self._spent:
@@ -97,28 +138,40 @@ class EarlyOpen:
             self.discard()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Until the open is done (or failed); False on timeout."""
+        """Until the open (and verification) is done (or failed); False on timeout."""
         return self._done.wait(timeout)
 
-    def claim(self, rank: int, version: int, ident: tuple[int, int, int], *, wait_s: float = CONNECT_TIMEOUT_S + 60.0
-              ) -> Optional[mmap.mmap]:
-        """The populated mapping if it is ``rank``'s ``version`` in the shared memory ``ident`` names (the restore's
-        own open of it); None otherwise. Waits for an open in progress: populating the rest of the pages costs the
-        restore the same either way. The mapping belongs to the caller from here; a second claim gets None."""
+    def claim(self, rank: int, version: int, held: OpenedSlot, *, wait_s: float = CONNECT_TIMEOUT_S + 60.0
+              ) -> Optional[Claimed]:
+        """The mapping if it is ``rank``'s ``version`` in the shared memory the restore's own open of it (``held``)
+        maps, with whether its early verification holds for ``held`` (same manifest, same sealing); None
+        otherwise. Waits for an open in progress. The mapping belongs to the caller from here; a second claim
+        gets None."""
         self._claimed.set()
         self._done.wait(wait_s)
         with self._lock:
             slot, self._slot, self._spent = self._slot, None, True
         if slot is None:
             return None
-        if rank != self.rank or version != self.version or ident != slot.ident:
+        if rank != self.rank or version != self.version or held.ident != slot.ident:
             _close(slot.mm)
             self.why = (f"opened version {self.version} of rank {self.rank}, the restore wanted version {version} of "
                         f"rank {rank}" + ("" if version != self.version or rank != self.rank else
                                           " from other shared memory (the holder moved it)"))
             return None
         self._used = True
-        return slot.mm
+        if self.problems is None:
+            self.verify_why = "not verified early (SHARDSAFE_EARLY_OPEN=map)"
+        elif self.problems:
+            self.verify_why = f"the early verification found {len(self.problems)} problem(s); verified again"
+        elif held.sealing <= 0 or held.sealing != slot.sealing:
+            self.verify_why = (f"the slot was sealed again since (sealing {slot.sealing} -> {held.sealing}); verified "
+                               "again")
+        elif held.manifest != slot.manifest:
+            self.verify_why = "the holder's manifest changed since the early open; verified again"
+        else:
+            self._verified_used = True
+        return Claimed(slot.mm, self._verified_used)
 
     def discard(self) -> None:
         """Close the mapping unless claimed (idempotent)."""
@@ -129,7 +182,8 @@ class EarlyOpen:
             _close(slot.mm)
 
     def notes(self, restored: int) -> dict:
-        """For the notes of a restore of version ``restored``: whether the early open served it and what it cost."""
+        """For the notes of a restore of version ``restored``: whether the early open (and its verification) served
+        it and what it cost."""
         if self._used and restored == self.version:
             how = "used"
         elif self._used:
@@ -137,7 +191,11 @@ class EarlyOpen:
                    f"{restored} was restored")
         else:
             how = "missed: " + (self.why or f"opened version {self.version}, the restore chose version {restored}")
-        return {"early_open": how, "early_open_version": self.version, "early_open_s": round(self.seconds, 6)}
+        verified = ("used" if self._verified_used and restored == self.version else
+                    "missed: " + (self.verify_why or ("not verified early (SHARDSAFE_EARLY_OPEN=map)"
+                                                      if not self.verify else how.removeprefix("missed: "))))
+        return {"early_open": how, "early_open_version": self.version, "early_open_s": round(self.seconds, 6),
+                "early_verify": verified, "early_verify_s": round(self.verify_seconds, 6)}
 
 
 def _close(mm: mmap.mmap) -> None:
@@ -151,8 +209,20 @@ _current: Optional[EarlyOpen] = None
 _current_lock = threading.Lock()
 
 
-def enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    return environ.get(ENV_EARLY_OPEN, "").strip().lower() not in ("0", "false", "off", "no")
+def mode(environ: Mapping[str, str] = os.environ) -> str:
+    """``verify`` (the default), ``map`` or ``off``, from ``SHARDSAFE_EARLY_OPEN``.
+
+    Raises:
+        ConfigError: another value (said with the ones accepted)."""
+    v = environ.get(ENV_EARLY_OPEN, "").strip().lower()
+    if v in ("0", "false", "off", "no"):
+        return "off"
+    if v == "map":
+        return "map"
+    if v in ("", "1", "true", "on", "yes", "verify"):
+        return "verify"
+    raise ConfigError(f"{ENV_EARLY_OPEN}={environ.get(ENV_EARLY_OPEN)!r}: expected 1 (map and verify, the default), "
+                     "map (map only; the restore verifies) or 0 (off)")
 
 
 def start(environ: Mapping[str, str] = os.environ) -> Optional[EarlyOpen]:
@@ -160,14 +230,20 @@ def start(environ: Mapping[str, str] = os.environ) -> Optional[EarlyOpen]:
     (or the one already started, or None)."""
     global _current
     job, rank = environ.get("SHARDSAFE_JOB_ID", ""), environ.get("RANK", "")
-    if not job or not rank.isdigit() or not enabled(environ):
+    try:
+        how = mode(environ)
+    except ConfigError as e:
+        # A trainer's start is no place to fail over a speed setting: the strictest mode that still helps.
+        log.error("%s; mapping only (the restore verifies)", e)
+        how = "map"
+    if not job or not rank.isdigit() or how == "off":
         return None
     with _current_lock:
         if _current is None:
             paths = HolderPaths(default_holder_dir(environ), job, default_node_name(environ))
             if not os.path.exists(paths.socket):
                 return None   # no holder for this job on this node (a first start): nothing to open
-            _current = EarlyOpen(paths, int(rank)).start()
+            _current = EarlyOpen(paths, int(rank), verify=how == "verify").start()
         return _current
 
 

@@ -80,6 +80,7 @@ class Holder(Serving, BackgroundWork):
         self._alloc_keys: set[tuple[Key, str]] = set()
         self._allocated = threading.Condition(self.lock)
         self._next_slot = 1
+        self._sealings = 0    # seals so far: Slot.sealing
         self._stop = threading.Event()
         # Wakes the accept loop at once when a stop is requested (it otherwise polls every 0.5 s for the
         # idle exit): the launchers wait for the holder's exit at the end of every job.
@@ -339,6 +340,8 @@ class Holder(Serving, BackgroundWork):
         with self.lock:
             s = self._find(key, kind, version, ("writing",))
             s.state, s.manifest, s.sealed_at = "sealed", manifest, time.time()
+            self._sealings += 1
+            s.sealing = self._sealings
         return {}
 
     def commit(self, req: dict) -> dict:
@@ -374,7 +377,8 @@ class Holder(Serving, BackgroundWork):
         key, kind, version = self._key(req), self._kind(req), req_int(req, "version")
         with self.lock:
             s = self._find(key, kind, version, ("sealed",))
-            return {"slot": s.slot_id, "manifest": s.manifest, "nbytes": s.nbytes, "committed": s.committed}, [s.seg.readonly_fd()]
+            return {"slot": s.slot_id, "manifest": s.manifest, "nbytes": s.nbytes, "committed": s.committed,
+                    "sealing": s.sealing}, [s.seg.readonly_fd()]
 
     def drop(self, req: dict) -> dict:
         kind, ranks, scope = self._kind(req), req_ranks(req), req_scope(req)

@@ -26,6 +26,8 @@ class Slot:
     pins: int = 0              # a flush or scrub is reading it: not handed out for writing
     doomed: bool = False       # dropped while pinned: closed when the last reader lets go
     scrubbed_at: float = 0.0
+    sealing: int = 0           # the holder's count of seals when this content was sealed (0: never sealed): two
+                               # opens that report the same one read bytes nobody was handed to write in between
 
     def info(self) -> dict[str, Any]:
         return {"slot": self.slot_id, "version": self.version, "state": self.state, "committed": self.committed,

@@ -488,7 +488,7 @@ def _run_child(req: dict) -> None:
     """Run the trainer as ``python ARGV...`` would, in this (forked) interpreter."""
     import runpy
     from ..holder import early_open
-    # A restarted trainer maps its newest snapshot while it sets up, instead of inside its restore.
+    # A restarted trainer maps and verifies its newest snapshot while it sets up, instead of inside its restore.
     early_open.start()
     # Forked trainers start within milliseconds of each other, before rank 0 has its store up: without this
     # each of them loses torch's ~0.5 s connect back-off (discovery.wait_before_store_connect).

@@ -2,7 +2,8 @@
 
 Agreement uses tensors only (no pickle): every rank all-gathers the versions its holder has
 sealed, the candidates are the versions present on all ranks, newest first. For a candidate,
-each rank opens and verifies its payload (checksums, layout against the live tensors); only if
+each rank opens and verifies its payload (checksums, layout against the live tensors; the checksums may have
+been verified while the trainer started, by the early open of that same sealed slot); only if
 *every* rank verified does any rank apply it, so ranks never end up at different versions.
 A torn write is never sealed, so it is never a candidate.
 """
@@ -223,9 +224,10 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     (the verified mapping page-locked while it verifies, the copies are DMA; pageable if the driver refuses)
     or "pageable" (shardsafe/snapshot/pinning.py).
 
-    ``early``: this rank's newest slot, opened with its page tables filled while the trainer started
-    (shardsafe/holder/early_open.py); used if the version chosen is that one in the same shared memory, verified
-    like any other, and closed here in any case.
+    ``early``: this rank's newest slot, opened with its page tables filled (and its checksums verified) while
+    the trainer started (shardsafe/holder/early_open.py); its mapping is used if the version chosen is that one
+    in the same shared memory, its verification only if the holder has not handed the slot to a writer since
+    and the manifest is the same (else this verifies it like any other); closed here in any case.
 
     Raises RestoreError whenever any tier holds something for this job and nothing is restorable (more lost
     nodes than parity covers, every copy corrupt, snapshots of another layout): silently starting from
@@ -380,17 +382,18 @@ def _try_version(version: int, adapter: StateAdapter, client, coll: Collectives,
     return None
 
 
-def _open_held(client: HolderClient, st: _Attempt, version: int) -> tuple[dict, object, bool]:
-    """(manifest, read-only mapping, whether its page tables are filled) of this rank's ``version``: the early
-    open's mapping when it is the same slot, else a fresh one mapped without MAP_POPULATE (the hash threads
-    fill its page tables, each for its own segments)."""
+def _open_held(client: HolderClient, st: _Attempt, version: int) -> tuple[dict, object, bool, bool]:
+    """(manifest, read-only mapping, whether its page tables are filled, whether its bytes verified) of this rank's
+    ``version``: the early open's mapping when it is the same slot (verified already when that open verified the
+    same sealing of it against the same manifest), else a fresh one mapped without MAP_POPULATE (the hash
+    threads fill its page tables, each for its own segments)."""
     held = client.open_slot(rank=st.rank, version=version, populate=False)
     if st.early is not None:   # claimed once: later candidates get None
-        mm = st.early.claim(st.rank, version, held.ident)
-        if mm is not None:
+        got = st.early.claim(st.rank, version, held)
+        if got is not None:
             held.mm.close()
-            return held.manifest, mm, True
-    return held.manifest, held.mm, False
+            return held.manifest, got.mm, True, got.verified
+    return held.manifest, held.mm, False, False
 
 
 def _rebuild(version: int, client, coll: Collectives, st: _Attempt, exchange, lost: list[int]) -> bool:
@@ -494,14 +497,15 @@ def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live, *, 
                    h2d: str = "pinned") -> tuple:
     """Open a payload (holder slot or file) and check it: layout against the live tensors, every xxh3
     segment, then the adapter's own checks. ``opener`` returns (manifest, mapping, whether the mapping's page
-    tables are filled already); ``populate``: fill them beside the hash otherwise. Returns (manifest, mapping,
+    tables are filled already, whether its segments verified already: the early open's, same sealing, same
+    manifest); ``populate``: fill them beside the hash otherwise. Returns (manifest, mapping,
     problems, corrupt): the mapping is a
     PinnedMapping (closed by the caller; its ``mm`` is None when nothing opened), being page-locked for the
     H2D copies while the segments verify when a live tensor is on a GPU; corrupt says the problems are bytes
     that fail their checksums (repairable from parity)."""
     manifest, pin, corrupt = None, PinnedMapping(None, {}), False
     try:
-        manifest, mm, populated = opener()
+        manifest, mm, populated, verified = opener()
         pin = PinnedMapping(mm, {})
         try:
             mf.check_matches(manifest, live, tuple(adapter.optional_prefixes))
@@ -510,11 +514,13 @@ def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live, *, 
             said = _adapter_problems(adapter, manifest, mm)
             return manifest, pin, said or [str(e)], False
         pin = PinnedMapping(mm, live, h2d)   # the layout matches: pin beside the verification
-        buf = memoryview(mm)
-        try:
-            bad = mf.verify(manifest, buf, populate=populate and not populated)
-        finally:
-            buf.release()
+        bad = []
+        if not verified:
+            buf = memoryview(mm)
+            try:
+                bad = mf.verify(manifest, buf, populate=populate and not populated)
+            finally:
+                buf.release()
         corrupt = bool(bad)
         if not bad:
             bad = _adapter_problems(adapter, manifest, mm)
@@ -546,7 +552,7 @@ def _restore_persistent(adapter: StateAdapter, persist, *, rank: int, coll: Coll
     common = sorted(set.intersection(*[set(e[0]) for e in held]), reverse=True)
     refusals: list[str] = []
     for version in common:
-        manifest, pin, bad, _ = _open_verified(lambda: (*persist.open(version, rank), False), adapter, live,
+        manifest, pin, bad, _ = _open_verified(lambda: (*persist.open(version, rank), False, False), adapter, live,
                                                h2d=h2d)
         if bad:
             log.error("[rank %d] persistent version %d in %s failed verification, not loaded: %s", rank, version,

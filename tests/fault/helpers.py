@@ -107,9 +107,10 @@ def restores(run_dir):
     return out
 
 
-def early_opens(run_dir):
-    """(attempt, rank) -> how the restore's early open went ("used", "missed: why"; shardsafe.holder.early_open)."""
-    return {(int(e.get("attempt") or 0), e["rank"]): e.get("notes", {}).get("early_open", "absent")
+def early_opens(run_dir, what: str = "early_open"):
+    """(attempt, rank) -> how the restore's early open (``what="early_verify"``: its verification) went ("used",
+    "missed: why"; shardsafe.holder.early_open)."""
+    return {(int(e.get("attempt") or 0), e["rank"]): e.get("notes", {}).get(what, "absent")
             for e in read_jsonl(os.path.join(str(run_dir), "events.jsonl"))
             if e.get("kind") == "restore_end" and e.get("version", -1) >= 0}
 

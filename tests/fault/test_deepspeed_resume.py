@@ -29,10 +29,12 @@ def test_kill_rank_then_kill_during_copy(tmp_path, reference, stage, dtype):
     assert got[0] == -1                              # fresh start
     assert got[1] in (4, 5)                          # newest version sealed by both ranks before step 6
     assert got[2] == 10                              # the torn v11 is never restored: the previous committed one is
-    # Rank 0, killed copying v11, held v10 as its newest: its forked trainer mapped it while it started up. (Rank 1
-    # may have sealed v11, which its trainer then opened early in vain.)
+    # Rank 0, killed copying v11, held v10 as its newest: its forked trainer mapped and verified it while it started
+    # up, and the restore hashed nothing again. (Rank 1 may have sealed v11, which its trainer then opened early in
+    # vain.)
     early = early_opens(tmp_path)
     assert early[(2, 0)] == "used", early
+    assert early_opens(tmp_path, "early_verify")[(2, 0)] == "used", early_opens(tmp_path, "early_verify")
     assert all(v == "used" or v.startswith("missed: opened version") for v in early.values()), early
     if stage != 3:   # one rank per node: the peers' shards are elsewhere, the lp params are all-gathered
         assert lp_paths(tmp_path) == {"all-gather"}
