@@ -1,6 +1,7 @@
 """What shardsafe's own collectives cost on gloo as ranks are added: the vote, the all-gathers, placement's check.
 
     .venv/bin/python bench/collective_bench.py [--ranks 4,8,16,32] [--iters 40] [--setup]
+    .venv/bin/python bench/collective_bench.py --parity-groups 1024,16384,131072
 
 Runs itself under ``torch.distributed.run --standalone`` once per rank count (all ranks on this host, so above
 2 ranks they share the 2 cores and every hop waits for a process to be scheduled: the figures show how each
@@ -16,6 +17,13 @@ paid by every rank at every start and restart), until its first vote has run: gl
 ranks when the group is created (a full mesh: N - 1 connections and store lookups per rank), against
 ``TORCH_GLOO_LAZY_INIT=1`` (torch connects a pair on its first use; a ring collective uses two neighbours). Medians
 of --iters groups per rank count, rank 0, each mode in its own launch (the variable is read when a group is made).
+
+``--parity-groups WORLDS``: what one rank pays at every start for ``ParityExchange`` (shardsafe/parity/exchange.py),
+which creates every parity group of the job on every rank (torch's ``new_group`` is called by all ranks in one
+order; a rank gets a handle for the groups it is not in). One process plays one rank of a world of each size
+(8 ranks per node, pure data parallel, the default plan) on torch's ``fake`` backend with an in-process store, with
+``TORCH_GLOO_LAZY_INIT=1`` as shardsafe's launchers set it, so no peer is needed: the time is torch's bookkeeping
+for the groups, plan building apart.
 """
 from __future__ import annotations
 
@@ -51,6 +59,27 @@ def setup_worker(iters: int) -> None:
     dist.destroy_process_group()
 
 
+def parity_groups(world: int) -> dict:
+    """One rank of a ``world``-rank job: seconds to plan the parity groups and to construct ParityExchange."""
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    from shardsafe.parity.exchange import ParityExchange, plan_parity
+    from shardsafe.parity.topology import RankPlace
+    rank = world // 2 + 3   # a rank in the middle: its group is created half way through the loop
+    dist.init_process_group("fake", rank=rank, world_size=world, store=dist.HashStore())
+    t0 = time.perf_counter()
+    plan = plan_parity([RankPlace(rank=r, node=f"node{r // 8:05d}", dp=r) for r in range(world)], group_size=0,
+                       parity_shards=1)
+    t1 = time.perf_counter()
+    ex = ParityExchange(plan, rank, timeout_s=60)
+    t2 = time.perf_counter()
+    out = {"world": world, "groups": len(plan), "group_size": len(ex.group.members), "plan_s": t1 - t0,
+           "exchange_s": t2 - t1}
+    dist.destroy_process_group()
+    return out
+
+
 def worker(iters: int) -> None:
     import torch.distributed as dist
     from shardsafe.collectives import all_true, gather_ints, gather_json, min_reduce
@@ -84,8 +113,25 @@ def main() -> int:
     p.add_argument("--ranks", default="4,8,16,32")
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--setup", action="store_true", help="time the creation of a gloo group, full mesh vs lazy")
+    p.add_argument("--parity-groups", default="", metavar="WORLDS",
+                   help="time ParityExchange's group creation for one rank of worlds of these sizes (comma-separated)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.parity_groups:
+        print("ParityExchange at start, one rank (torch's fake backend, lazy gloo groups); plan built apart")
+        print(f"{'ranks':>7} {'groups':>7} {'size':>5} {'plan s':>8} {'groups s':>9} {'us/group':>9}")
+        for w in (int(x) for x in a.parity_groups.split(",")):
+            out = subprocess.run([sys.executable, "-c", "import json, sys; sys.path.insert(0, sys.argv[1]); "
+                                  "import collective_bench as c; print(json.dumps(c.parity_groups(int(sys.argv[2]))))",
+                                  os.path.dirname(os.path.abspath(__file__)), str(w)],
+                                 capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if out.returncode != 0:
+                print(f"{w} ranks failed (exit {out.returncode}):\n{out.stderr[-2000:]}", file=sys.stderr)
+                return 1
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"{r['world']:>7} {r['groups']:>7} {r['group_size']:>5} {r['plan_s']:>8.3f} {r['exchange_s']:>9.3f} "
+                  f"{r['exchange_s'] / r['groups'] * 1e6:>9.1f}")
+        return 0
     if a.worker:
         (setup_worker if a.setup else worker)(a.iters)
         return 0
