@@ -2,7 +2,8 @@
 kill -> next iteration under ``shardsafe launch`` (torch elastic), torch's rendezvous polling vs shardsafe's.
 
     .venv/bin/python bench/restart_bench.py [--engine deepspeed|megatron] [--runs 5] [--steps 20] [--json]
-    .venv/bin/python bench/restart_bench.py --launcher elastic [--runs 5]
+    .venv/bin/python bench/restart_bench.py --launcher elastic [--runs 5] [--compare-early-open]
+                                            [--model-args "--d-model 1024 ..."] [--holder-budget-gb 6]
     .venv/bin/python bench/restart_bench.py --launcher all [--runs 5]     # sbatch rows need root (local SLURM)
 
 One job per run under the local launcher (2 simulated nodes x 2 ranks, one holder each, a snapshot every
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -63,7 +65,7 @@ def one_run(a: argparse.Namespace, preload: tuple[str, ...], k: int) -> dict:
             cmd = [sys.executable, os.path.join(ROOT, "examples", "megatron_pretrain_gpt.py"), "--steps", str(a.steps),
                    "--tp", "2", "--bf16", "--shardsafe", "--out", d]
         cfg = LaunchConfig(nodes=2, nproc_per_node=2, job_id=f"rb{os.getpid()}x{k}", run_dir=d, max_restarts=1,
-                           inject=f"kill-rank:3@{a.kill_at}", memory_budget_gb=1.0, preload=preload)
+                           inject=f"kill-rank:3@{a.kill_at}", memory_budget_gb=a.holder_budget_gb, preload=preload)
         t0 = time.time()
         res = LocalLauncher(cfg).run(cmd)
         wall = time.time() - t0
@@ -114,9 +116,9 @@ def kill_phases(ev: list[dict]) -> dict:
 def _train_cmd(a: argparse.Namespace, d: str) -> list[str]:
     if a.engine == "deepspeed":
         return [os.path.join(ROOT, "examples", "ds_pretrain_gpt.py"), "--steps", str(a.steps), "--zero-stage", "2",
-                "--dtype", "bf16", "--optimizer", a.optimizer, "--out", d]
+                "--dtype", "bf16", "--optimizer", a.optimizer, "--out", d] + shlex.split(a.model_args)
     return [os.path.join(ROOT, "examples", "megatron_pretrain_gpt.py"), "--steps", str(a.steps), "--tp", "2",
-            "--bf16", "--shardsafe", "--out", d]
+            "--bf16", "--shardsafe", "--out", d] + shlex.split(a.model_args)
 
 
 def one_elastic_run(a: argparse.Namespace, poll: float, k: int) -> dict:
@@ -124,12 +126,16 @@ def one_elastic_run(a: argparse.Namespace, poll: float, k: int) -> dict:
     try:
         preload = PRELOAD_DEEPSPEED if a.engine == "deepspeed" else PRELOAD_MEGATRON
         cfg = ElasticConfig(nodes=2, nproc_per_node=2, run_dir=d, job_id=f"rbe{os.getpid()}x{k}", max_restarts=1,
-                            inject=f"kill-rank:3@{a.kill_at}", memory_budget_gb=1.0, preload=preload,
+                            inject=f"kill-rank:3@{a.kill_at}", memory_budget_gb=a.holder_budget_gb, preload=preload,
                             rendezvous_poll_s=poll, timeout_s=600)
         res = ElasticLauncher(cfg).run(_train_cmd(a, d))
         if not res.ok or res.attempts != 2:
             raise SystemExit(f"run failed ({res}); see {d}")
-        return kill_phases(read_jsonl(os.path.join(d, "events.jsonl")))
+        ev = read_jsonl(os.path.join(d, "events.jsonl"))
+        # how many of the restarted attempt's ranks took their early open's verification (holder/early_open.py)
+        early = sum(1 for e in ev if e.get("kind") == "restore_end" and int(e.get("attempt") or 0) == 1
+                    and (e.get("notes") or {}).get("early_verify") == "used")
+        return {**kill_phases(ev), "ranks early-verified": early}
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
@@ -140,7 +146,7 @@ def one_local_kill_run(a: argparse.Namespace, k: int) -> dict:
     try:
         preload = PRELOAD_DEEPSPEED if a.engine == "deepspeed" else PRELOAD_MEGATRON
         cfg = LaunchConfig(nodes=2, nproc_per_node=2, job_id=f"rbl{os.getpid()}x{k}", run_dir=d, max_restarts=1,
-                           inject=f"kill-rank:3@{a.kill_at}", memory_budget_gb=1.0, preload=preload)
+                           inject=f"kill-rank:3@{a.kill_at}", memory_budget_gb=a.holder_budget_gb, preload=preload)
         res = LocalLauncher(cfg).run([sys.executable] + _train_cmd(a, d))
         if not res.ok or res.attempts != 2:
             raise SystemExit(f"run failed ({res}); see {d}")
@@ -253,15 +259,33 @@ def main_launchers(a: argparse.Namespace) -> None:
 
 
 def main_elastic(a: argparse.Namespace) -> None:
-    got: dict[str, list[dict]] = {"torch poll 1 s": [], "shardsafe poll": []}
-    for k in range(a.runs):
-        for mode in (list(got) if k % 2 == 0 else list(got)[::-1]):
-            r = one_elastic_run(a, 1.0 if mode.startswith("torch") else -1.0, 2 * k + (mode != "torch poll 1 s"))
-            got[mode].append(r)
-            print(f"run {k} {mode:15s}: kill -> next iteration {r['kill -> next iteration']:.2f} s", file=sys.stderr,
-                  flush=True)
+    if a.compare_early_open:
+        # Both with shardsafe's polling; the trainers read SHARDSAFE_EARLY_OPEN from the launcher's environment.
+        modes = {"early open: map": ("map", -1.0), "early open: verify": ("1", -1.0)}
+        baseline = "the restore verifying (SHARDSAFE_EARLY_OPEN=map)"
+    else:
+        modes = {"torch poll 1 s": (None, 1.0), "shardsafe poll": (None, -1.0)}
+        baseline = "torch's rendezvous polling (1 s)"
+    names = list(modes)
+    got: dict[str, list[dict]] = {m: [] for m in names}
+    saved = os.environ.get("SHARDSAFE_EARLY_OPEN")
+    try:
+        for k in range(a.runs):
+            for mode in (names if k % 2 == 0 else names[::-1]):
+                env, poll = modes[mode]
+                if env is not None:
+                    os.environ["SHARDSAFE_EARLY_OPEN"] = env
+                r = one_elastic_run(a, poll, 2 * k + (mode != names[0]))
+                got[mode].append(r)
+                print(f"run {k} {mode:18s}: kill -> next iteration {r['kill -> next iteration']:.2f} s",
+                      file=sys.stderr, flush=True)
+    finally:
+        if saved is None:
+            os.environ.pop("SHARDSAFE_EARLY_OPEN", None)
+        else:
+            os.environ["SHARDSAFE_EARLY_OPEN"] = saved
     med = {m: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for m, rs in got.items()}
-    base, tuned = med["torch poll 1 s"], med["shardsafe poll"]
+    base, tuned = med[names[0]], med[names[1]]
     out = {"engine": a.engine, "launcher": "shardsafe launch (torch elastic)", "runs": a.runs, "ranks": 4,
            "medians": med, "ratio": tuned["kill -> next iteration"] / base["kill -> next iteration"],
            "load_average": os.getloadavg()[0]}
@@ -269,12 +293,14 @@ def main_elastic(a: argparse.Namespace) -> None:
         print(json.dumps(out))
         return
     print(f"kill -> next iteration under shardsafe launch: {a.engine}, 2 nodes x 2 ranks, forked workers, rank 3 "
-          f"SIGKILLed at step {a.kill_at}; medians of {a.runs} runs per mode (alternating); baseline = torch's "
-          "rendezvous polling (1 s) in the same run")
-    print(f"  {'phase':26s} {'torch poll 1 s':>15s} {'shardsafe poll':>15s}")
+          f"SIGKILLed at step {a.kill_at}; medians of {a.runs} runs per mode (alternating); baseline = {baseline} "
+          "in the same run" + (f"; trainer arguments {a.model_args!r}" if a.model_args else ""))
+    print(f"  {'phase':26s} {names[0]:>18s} {names[1]:>18s}")
     for key in [n for n, _ in PHASES] + ["kill -> next iteration"]:
-        print(f"  {key:26s} {base[key]:13.3f} s {tuned[key]:13.3f} s")
-    print(f"  shardsafe / torch: {out['ratio']:.2f}x")
+        print(f"  {key:26s} {base[key]:16.3f} s {tuned[key]:16.3f} s")
+    print(f"  {names[1]} / {names[0]}: {out['ratio']:.2f}x")
+    print(f"  ranks whose restore took the early verification (median of 4): {base['ranks early-verified']:.0f} / "
+          f"{tuned['ranks early-verified']:.0f}")
 
 
 def main() -> None:
@@ -286,6 +312,13 @@ def main() -> None:
     p.add_argument("--optimizer", default="torch-adamw",
                    help="the DeepSpeed example's --optimizer (fused-adamw: DeepSpeed's default FusedAdam, whose CPU "
                         "op every trainer loads at start)")
+    p.add_argument("--model-args", default="",
+                   help="more arguments for the example trainer (--launcher elastic|all), e.g. a larger model: "
+                        "'--vocab 8192 --d-model 1024 --layers 8 --heads 16' (with --holder-budget-gb to hold it)")
+    p.add_argument("--holder-budget-gb", type=float, default=1.0, help="each node's holder's memory budget")
+    p.add_argument("--compare-early-open", action="store_true",
+                   help="--launcher elastic: alternate the early open mapping only (SHARDSAFE_EARLY_OPEN=map, the "
+                        "baseline) and mapping and verifying (the default) instead of the two rendezvous pollings")
     p.add_argument("--json", action="store_true")
     p.add_argument("--launcher", choices=["local", "elastic", "all"], default="local",
                    help="local: forked vs cold restarts under the local launcher; elastic: kill -> next iteration "
