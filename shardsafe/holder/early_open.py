@@ -52,6 +52,7 @@ ENV_EARLY_OPEN = "SHARDSAFE_EARLY_OPEN"
 CLAIM_WAIT_S = 600.0
 """How long an opened mapping waits for the restore to claim it before it is closed."""
 CONNECT_TIMEOUT_S = 10.0
+_MAP_ONLY = "not verified early (SHARDSAFE_EARLY_OPEN=map)"
 
 
 class Claimed(NamedTuple):
@@ -161,7 +162,7 @@ class EarlyOpen:
             return None
         self._used = True
         if self.problems is None:
-            self.verify_why = "not verified early (SHARDSAFE_EARLY_OPEN=map)"
+            self.verify_why = _MAP_ONLY
         elif self.problems:
             self.verify_why = f"the early verification found {len(self.problems)} problem(s); verified again"
         elif held.sealing <= 0 or held.sealing != slot.sealing:
@@ -192,8 +193,7 @@ class EarlyOpen:
         else:
             how = "missed: " + (self.why or f"opened version {self.version}, the restore chose version {restored}")
         verified = ("used" if self._verified_used and restored == self.version else
-                    "missed: " + (self.verify_why or ("not verified early (SHARDSAFE_EARLY_OPEN=map)"
-                                                      if not self.verify else how.removeprefix("missed: "))))
+                    "missed: " + (self.verify_why or (_MAP_ONLY if not self.verify else how.removeprefix("missed: "))))
         return {"early_open": how, "early_open_version": self.version, "early_open_s": round(self.seconds, 6),
                 "early_verify": verified, "early_verify_s": round(self.verify_seconds, 6)}
 
