@@ -178,7 +178,7 @@ class LocalSlurm:
         preload = PRELOAD_DEEPSPEED if a.engine == "deepspeed" else PRELOAD_MEGATRON
         script = "pretrain_deepspeed.sbatch" if a.engine == "deepspeed" else "pretrain_megatron.sbatch"
         env = {**self.env, "SS_PYTHON": sys.executable, "SS_RUN_DIR": os.path.join(d, "run"),
-               "SS_HOLDER_DIR": os.path.join(d, "holders"), "SS_MEMORY_BUDGET_GB": "1.0", "SS_SPARES": "0",
+               "SS_HOLDER_DIR": os.path.join(d, "holders"), "SS_MEMORY_BUDGET_GB": str(a.holder_budget_gb), "SS_SPARES": "0",
                "SS_NPROC_PER_NODE": "2", "SS_INJECT": f"kill-rank:3@{a.kill_at}", "SS_PRELOAD": ",".join(preload),
                "SS_SCRIPT_ARGS": " ".join(_train_cmd(a, os.path.join(d, "out"))[1:]), "DS_ACCELERATOR": "cpu",
                "OMP_NUM_THREADS": "1"}
