@@ -27,6 +27,7 @@ from .ds_client_state import (DS_CHECKPOINT_KEYS, client_state_at, client_state_
 from .ds_layout import coords as parallel_coords
 from .ds_layout import describe, is_pipeline, parallel_layout
 from .ds_prewarm import memo_cpu_info
+from .ds_schedulers import ProgramSchedulers
 
 log = logging.getLogger("shardsafe.deepspeed")
 
@@ -59,6 +60,10 @@ class DeepSpeedStateAdapter(StateAdapter):
         # The engine's LR scheduler as initialize built it: Lightning's strategy then takes it out of the engine
         # (engine.lr_scheduler = None) and steps it itself; it is still this engine's schedule to snapshot.
         self._scheduler_at_init = engine.lr_scheduler
+        # A scheduler the program builds and steps itself over this optimizer (HF's Trainer without an "optimizer"
+        # block): snapshotted with the engine, put back before the first step after a restore (ds_schedulers.py).
+        self.program_schedulers = ProgramSchedulers(o.optimizer, lambda: self.lr_scheduler,
+                                                    rank=int(getattr(engine, "global_rank", 0)))
         # DeepSpeed's CPU Adam kernels keep beta1^t / beta2^t outside optimizer.state (cpu_adam_powers.py).
         # One tracker per optimizer: a second adapter on the same engine must not observe the calls twice.
         base = o.optimizer
@@ -163,6 +168,7 @@ class DeepSpeedStateAdapter(StateAdapter):
             "opt_scalars": scalars,
             "state_devices": {n: str(t.device) for n, t in st.tensors.items()},
             "lr_scheduler": scheduler_state(self.lr_scheduler),
+            "program_schedulers": self.program_schedulers.capture(),
             "counters": {k: int(getattr(e, k)) for k in COUNTERS},
             "loss_scaler": scaler, "overflow": bool(getattr(o, "overflow", False)),
             "extra": dict(self.extra), "ds_checkpoint": self.checkpoint_layout(), **rng.meta,
@@ -171,6 +177,10 @@ class DeepSpeedStateAdapter(StateAdapter):
             "adam_powers": self.adam_powers.state() if self.adam_powers is not None else None,
         }
         return st
+
+    def before_optimizer_step(self) -> None:
+        """Right before each optimizer step (the hook's ``_take_model_step``): the program's own schedulers."""
+        self.program_schedulers.before_step()
 
     def _lp_from_peers_plan(self, peers: Any) -> Optional[list[tuple[list, list[int]]]]:
         """Whether the low-precision params come from the node's holder instead of ``update_lp_params()``'s
@@ -297,6 +307,7 @@ class DeepSpeedStateAdapter(StateAdapter):
             g.update(saved)   # lr etc.: a restored scheduler does not rewrite param_group['lr']
         if self.lr_scheduler is not None and meta["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        self.program_schedulers.restore(meta.get("program_schedulers"), meta["param_groups"])
         for k, v in meta["counters"].items():
             setattr(e, k, v)
         if getattr(o, "loss_scaler", None) is not None:
@@ -395,6 +406,7 @@ class ShardsafeEngineHook:
         def _take_model_step(*args: Any, **kwargs: Any) -> Any:
             self._stepped = True
             rt.before_step(engine.global_steps + 1)
+            adapter.before_optimizer_step()
             return orig_take(*args, **kwargs)
 
         def step(*args: Any, **kwargs: Any) -> Any:

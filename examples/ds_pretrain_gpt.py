@@ -216,9 +216,14 @@ def ds_config(a: argparse.Namespace, world: int) -> dict:
     return cfg
 
 
-def final_state(engine) -> dict[str, torch.Tensor]:
-    """Everything that must match bit for bit: the rank state plus the low-precision model params."""
-    from shardsafe.adapters.deepspeed import DeepSpeedStateAdapter
+def final_state(engine, schedulers: tuple = ()) -> dict[str, torch.Tensor]:
+    """Everything that must match bit for bit: the rank state as shardsafe captures it, the low-precision model
+    params, and what the framework itself reports (``fw/``): the module's and the optimizer's ``state_dict()``,
+    the engine's counters, its LR scheduler, the loss scale, and the ``schedulers`` the program steps itself (HF's
+    Trainer, Lightning), so state the adapter does not capture shows up as a mismatch. Collective under ZeRO-3 (the
+    module's parameters are gathered)."""
+    from shardsafe.adapters.deepspeed import COUNTERS, DeepSpeedStateAdapter
+    from shardsafe.runcheck import flatten_state
     ad = DeepSpeedStateAdapter(engine)
     out = dict(ad.capture().tensors)
     o = engine.optimizer
@@ -226,18 +231,41 @@ def final_state(engine) -> dict[str, torch.Tensor]:
         getattr(o, "fp16_partitioned_groups_flat", None) or []
     for i, t in enumerate(lps):
         out[f"lp/{i}"] = t
-    if type(o).__name__ == "DeepSpeedZeroOptimizer_Stage3":
+    z3 = type(o).__name__ == "DeepSpeedZeroOptimizer_Stage3"
+    if z3:
+        import deepspeed
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+            out.update(flatten_state("fw/module", engine.module.state_dict()))
+    else:
+        out.update(flatten_state("fw/module", engine.module.state_dict()))
+    out.update(flatten_state("fw/optimizer", o.state_dict()))
+    out.update(flatten_state("fw/counters", {k: int(getattr(engine, k)) for k in COUNTERS}))
+    sched = engine.lr_scheduler if engine.lr_scheduler is not None else ad.lr_scheduler
+    if sched is not None:
+        out.update(flatten_state("fw/lr_scheduler", sched.state_dict()))
+    for i, s in enumerate(schedulers):
+        out.update(flatten_state(f"fw/program_scheduler/{i}", s.state_dict()))
+    scale = getattr(o, "loss_scale", None)
+    if scale is not None:
+        out.update(flatten_state("fw/loss_scale", float(scale)))
+    if z3:
         # ZeRO-3 pads every parameter's partition to a multiple of the DP size; DeepSpeed leaves
         # those elements uninitialised, so two plain runs already differ there. They never touch
-        # the model: compare the real elements only.
+        # the model: compare the real elements only (group j's flat tensors: opt/*/j/..., lp/j,
+        # and the optimizer state_dict's entries under a group index j).
         masks = [_z3_real_elements(params, engine.dp_world_size, engine.global_rank % engine.dp_world_size)
                  for params in o.fp16_groups]
         for name, t in list(out.items()):
             parts = name.split("/")
-            if parts[0] in ("opt", "lp") and t.dim() == 1:
-                j = int(parts[2] if parts[0] == "opt" else parts[1])
+            if t.dim() != 1:
+                continue
+            groups = [int(p) for p in (parts[2:3] if parts[0] == "opt" else parts[1:2] if parts[0] == "lp"
+                                       else parts[2:] if parts[0] == "fw" and parts[1] == "optimizer" else [])
+                      if p.isdigit() and int(p) < len(masks)]
+            for j in groups:
                 if masks[j].numel() == t.numel():
                     out[name] = t.detach().clone().masked_fill_(~masks[j], 0)
+                    break
     return out
 
 

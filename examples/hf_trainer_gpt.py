@@ -51,18 +51,25 @@ class SyntheticLM(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-def ds_config(shardsafe: bool, interval: int) -> dict:
-    """ZeRO-2, bf16, DeepSpeed's AdamW, HF's own (LambdaLR) schedule: the "auto" values are HF's to fill in."""
+def ds_config(shardsafe: bool, interval: int, *, ds_optimizer: bool = True, ds_scheduler: bool = False,
+              stage: int = 2) -> dict:
+    """ZeRO-2, bf16, DeepSpeed's AdamW, HF's own (LambdaLR) schedule: the "auto" values are HF's to fill in.
+    ``ds_optimizer=False``: no "optimizer" block, so HF builds its own (``TrainingArguments.optim``) and steps its
+    own schedule; ``ds_scheduler``: a "scheduler" block (DeepSpeed's WarmupDecayLR, which the engine steps)."""
     cfg = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                  "weight_decay": "auto"}},
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": {"stage": stage},
         "bf16": {"enabled": "auto"},
         "steps_per_print": 1000000000,
     }
+    if ds_scheduler:
+        cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                                "warmup_num_steps": "auto", "total_num_steps": "auto"}}
+    if ds_optimizer:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                        "weight_decay": "auto"}}
     if shardsafe:
         cfg["shardsafe"] = {"enabled": True, "interval": interval}
     return cfg
@@ -82,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hp-trials", type=int, default=0,
                    help="run Trainer.hyperparameter_search (optuna, seeded random sampler, learning rate) with this many "
                         "trials instead of one train(): HF builds a new DeepSpeed engine for every trial")
+    p.add_argument("--optim", default="",
+                   help="no \"optimizer\" block in the DeepSpeed config: HF builds this optimizer itself "
+                        "(TrainingArguments.optim: adamw_torch_fused, adamw_torch, adafactor, sgd, ...)")
+    p.add_argument("--lr-scheduler", default="linear", help="TrainingArguments.lr_scheduler_type")
+    p.add_argument("--ds-scheduler", action="store_true",
+                   help="a \"scheduler\" block (DeepSpeed's WarmupDecayLR) instead of HF's own schedule")
+    p.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3])
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
 
@@ -93,9 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     args = TrainingArguments(
         output_dir=os.path.join(a.out or ".", "hf_output"), max_steps=a.steps, per_device_train_batch_size=4,
         gradient_accumulation_steps=a.gas, learning_rate=1e-3, weight_decay=0.01, warmup_steps=2,
-        lr_scheduler_type="linear", logging_steps=1, report_to=[], seed=a.seed,
+        lr_scheduler_type=a.lr_scheduler, **({"optim": a.optim} if a.optim else {}), logging_steps=1, report_to=[], seed=a.seed,
         save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
-        dataloader_num_workers=0, bf16=True, use_cpu=True, deepspeed=ds_config(not a.no_shardsafe, a.interval),
+        dataloader_num_workers=0, bf16=True, use_cpu=True, deepspeed=ds_config(not a.no_shardsafe, a.interval, ds_optimizer=not a.optim,
+                                                                  ds_scheduler=a.ds_scheduler, stage=a.zero_stage),
         ddp_backend="gloo", disable_tqdm=True)
     rank = args.process_index
     # the model after TrainingArguments (it sets up the process group) and with the seed fixed, as HF examples do
@@ -168,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from ds_pretrain_gpt import final_state
         from shardsafe.payload.manifest import save_tensors
-        save_tensors(os.path.join(a.out, f"final_rank{rank}"), final_state(trainer.engines[-1]))
+        save_tensors(os.path.join(a.out, f"final_rank{rank}"), final_state(trainer.engines[-1],
+                                                                          schedulers=(trainer.lr_scheduler,)))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return 0

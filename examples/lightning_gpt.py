@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(sorted(m for m in sys.modules if m == "shardsafe" or m.startswith("shardsafe.")), f)
         from ds_pretrain_gpt import final_state
         from shardsafe.payload.manifest import save_tensors
-        save_tensors(os.path.join(a.out, f"final_rank{rank}"), final_state(trainer.strategy.model))
+        save_tensors(os.path.join(a.out, f"final_rank{rank}"), final_state(
+            trainer.strategy.model, schedulers=tuple(c.scheduler for c in trainer.lr_scheduler_configs)))
     return 0
 
 

@@ -90,6 +90,39 @@ def resume_problems(run_dir: str, world: int, *, events_file: str = "events.json
     return problems
 
 
+def flatten_state(prefix: str, obj: Any) -> dict[str, torch.Tensor]:
+    """A framework's own ``state_dict()`` (nested dicts, lists, tensors and plain values) as named tensors, so the
+    final-state comparison covers what the framework reports and not only what an adapter captures: tensors as
+    they are, numbers as 0-d float64/int64/bool tensors (bit-exact), anything else as the bytes of its JSON (or
+    ``repr``) text."""
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(name: str, v: Any) -> None:
+        if torch.is_tensor(v):
+            out[name] = v.detach().cpu().clone()
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{name}/{k}", x)
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                walk(f"{name}/{i}", x)
+        elif isinstance(v, bool):
+            out[name] = torch.tensor(v)
+        elif isinstance(v, int):
+            out[name] = torch.tensor(v, dtype=torch.int64)
+        elif isinstance(v, float):
+            out[name] = torch.tensor(v, dtype=torch.float64)
+        else:
+            try:
+                text = json.dumps(v)
+            except (TypeError, ValueError):
+                text = repr(v)
+            out[name] = torch.tensor(list(text.encode()), dtype=torch.uint8)
+
+    walk(prefix, obj)
+    return out
+
+
 @dataclass
 class Comparison:
     bit_identical: bool

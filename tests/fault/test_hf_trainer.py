@@ -68,6 +68,47 @@ def test_hf_trainer_killed_mid_run_resumes_at_the_snapshot_bit_exact(tmp_path, h
                                                            cmp.state_mismatches)
 
 
+HF_OWN_OPTIMIZERS = [
+    # (TrainingArguments.optim, ZeRO stage, who steps the schedule)
+    ("adamw_torch_fused", 2, "hf"),   # transformers 5's default, with HF's linear warmup schedule
+    ("adamw_torch", 1, "hf"),
+    ("adafactor", 3, "hf"),
+    ("sgd", 2, "deepspeed"),          # a "scheduler" block: DeepSpeed's WarmupDecayLR, stepped by the engine
+    ("adamw_torch_fused", 3, "deepspeed"),
+]
+
+
+@pytest.mark.parametrize("optim,stage,schedule", HF_OWN_OPTIMIZERS, ids=[f"{o}-z{z}-{s}" for o, z, s in HF_OWN_OPTIMIZERS])
+def test_hf_trainer_building_its_own_optimizer_resumes_bit_exact(tmp_path, optim, stage, schedule):
+    """A DeepSpeed config without an "optimizer" block: HF builds the optimizer itself (``optim``, weight-decay and
+    no-decay groups), passes it to ``deepspeed.initialize`` without a scheduler, builds its LambdaLR afterwards
+    over the wrapped optimizer and steps it itself after every ``engine.step()``. That scheduler's constructor
+    wrote step 0's learning rate (0 in the warmup) over the restored one: step v+1 ran at lr 0, its loss (computed
+    before the step) still matched, every later loss and the final state did not. Now the program's scheduler is
+    in the snapshot and put back before step v+1. The final state includes what DeepSpeed and HF report (module and
+    optimizer ``state_dict``, counters, HF's scheduler ``state_dict``)."""
+    extra = ["--optim", optim, "--zero-stage", str(stage)] + (["--ds-scheduler"] if schedule == "deepspeed" else [])
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    assert hf_job(ref, max_restarts=0, protected=False, extra=extra).ok, trainer_logs(str(ref))[-3000:]
+    run = tmp_path / "run"
+    run.mkdir()
+    res = hf_job(run, inject="kill-rank:1@5", extra=extra)
+    assert res.ok and res.attempts == 2, (res, trainer_logs(str(run))[-4000:])
+    got = restores(run)
+    assert got[0] == -1 and got[1] in (3, 4), got
+    resumed_without_start_over(run, got[1], STEPS)
+    logs = trainer_logs(str(run))
+    assert "NOT restored" not in logs, logs[-3000:]
+    cmp = compare_runs(str(run), str(ref), 2, STEPS)
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
+                                                           cmp.state_mismatches)
+    from shardsafe.payload.manifest import load_tensors
+    final = load_tensors(os.path.join(str(run), "final_rank0"))
+    assert any(k.startswith("fw/optimizer/") for k in final) and any(k.startswith("fw/module/") for k in final)
+    assert any(k.startswith("fw/program_scheduler/0/") for k in final), sorted(final)[:20]
+
+
 def test_hf_trainer_with_gradient_accumulation_resumes_bit_exact(tmp_path):
     """gradient_accumulation_steps=2: an optimizer step is two micro-batches, so the restored step v skips
     ``(v % updates_per_epoch) * 2`` batches of its epoch (24 samples: 1 step per epoch at 2 ranks x 4 x 2 would
