@@ -10,11 +10,13 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: venv demo test test-slurm test-mcore019 clean
 
-$(BIN)/.ready: setup.py Makefile kernels/csrc/copy_hash.c scripts/build_deepspeed_ops.py
+$(BIN)/.ready: pyproject.toml setup.py Makefile kernels/csrc/copy_hash.c scripts/build_deepspeed_ops.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip wheel setuptools
 	# torch first: the CPU wheel on this machine; GPU clusters bring their own torch.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	# The package as pyproject.toml defines it (the same as `pip install shardsafe[...]`), editable: kernels/
+	# is built in place, the activation hook (.pth) goes into the venv. `test` brings hf and lightning.
 	$(BIN)/pip install -q -e '.[deepspeed,megatron,parity,plot,test]'
 	# Megatron-LM's training loop ships from megatron-core 0.17.1, which declares Python >= 3.12 but runs
 	# on 3.11: a side folder that the Megatron-LM tests and examples put first on PYTHONPATH.

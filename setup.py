@@ -1,23 +1,30 @@
-"""shardsafe: in-memory, erasure-coded fault tolerance for DeepSpeed and Megatron pretraining.
+"""The part of shardsafe's build that needs code; everything declarative is in pyproject.toml.
 
-Top-level folders are mapped into the package (as DeepSpeed does with accelerator/ and op_builder/):
-shardsafe -> shardsafe/, shardsafe.adapters -> adapters/, shardsafe.kernels -> kernels/.
-The CUDA erasure-coding kernels in kernels/csrc are built with nvcc when CUDA is present
-(SHARDSAFE_SKIP_CUDA_BUILD=1 skips), the CPU helper (the snapshot copy with its checksums fused,
-kernels/csrc/copy_hash.c) with the system C compiler (SHARDSAFE_SKIP_CPU_BUILD=1 skips); the package
-imports and works without either.
+* build_py also compiles the optional native helpers into the package: the CUDA erasure-coding kernels in
+  kernels/csrc with nvcc when CUDA is present (SHARDSAFE_SKIP_CUDA_BUILD=1 skips), the CPU helper (the snapshot
+  copy with its checksums fused, kernels/csrc/copy_hash.c) with the system C compiler (SHARDSAFE_SKIP_CPU_BUILD=1
+  skips). The package imports and works without either; a failed build never fails the install.
+* build_py and editable_wheel put the activation hook, shardsafe-autoload.pth, into site-packages: wheels carry
+  it at their root, editable installs beside their own path hooks.
+* editable installs read kernels/ in place, so they build the helpers next to the sources
+  (SHARDSAFE_BUILD_INPLACE=0 skips); ``python setup.py build_kernels`` does only that.
+* bdist_wheel tags a wheel that carries a compiled helper for this platform (py3-none-<platform>): the
+  libraries are loaded with ctypes, so any Python 3 takes it, but not another machine architecture.
 """
 import os
 import shutil
 import subprocess
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Command, setup
 from setuptools.command.build_py import build_py
+# pyproject.toml's build requirement brings both; scripts/gpu_check.sh imports the build helpers below with
+# whatever setuptools a GPU machine has, so an older one must still import this file.
 try:
+    from setuptools.command.bdist_wheel import bdist_wheel, get_platform
     from setuptools.command.editable_wheel import editable_wheel
-except ImportError:   # setuptools < 64: no PEP 660 editable installs to extend
-    editable_wheel = None
+except ImportError:   # setuptools < 70.1
+    bdist_wheel = editable_wheel = None
 
 HERE = Path(__file__).resolve().parent
 
@@ -115,9 +122,12 @@ def build_cpu_helper_optional(out_dir: Path) -> None:
 # Automatic activation (adapters/autoload.py): site-packages/shardsafe-autoload.pth runs at every interpreter
 # start. It only installs an import finder (nothing else of shardsafe is imported until the program imports
 # DeepSpeed); SHARDSAFE_AUTO=0 skips even that. One line: site.py executes .pth lines that start with "import".
+# The line swallows every error: a .pth left behind by a removed or broken install must not print a traceback
+# at the start of every interpreter of the environment (pip's included); the try needs statements, hence exec.
 AUTOLOAD_PTH = "shardsafe-autoload.pth"
-AUTOLOAD_LINE = ("import os; os.environ.get('SHARDSAFE_AUTO', '').strip().lower() in ('0', 'false', 'off', 'no') "
-                 "or __import__('shardsafe.adapters.autoload', fromlist=['install']).install()\n")
+AUTOLOAD_LINE = ("import os; exec(\"try:\\n if os.environ.get('SHARDSAFE_AUTO', '').strip().lower() not in "
+                 "('0', 'false', 'off', 'no'):\\n  __import__('shardsafe.adapters.autoload', fromlist=['install'])"
+                 ".install()\\nexcept Exception:\\n pass\")\n")
 
 
 def write_autoload_pth(folder: Path) -> Path:
@@ -138,9 +148,22 @@ class BuildPyWithKernels(build_py):
         return super().get_outputs(include_bytecode) + [str(Path(self.build_lib) / AUTOLOAD_PTH)]
 
 
+def build_in_place() -> None:
+    """The native helpers next to their sources, where an editable install (and a checkout on PYTHONPATH)
+    loads them."""
+    build_cuda_kernels_optional(HERE / "kernels")
+    build_cpu_helper_optional(HERE / "kernels")
+
+
 class EditableWheelWithAutoload(editable_wheel or object):
     """``pip install -e``: setuptools' editable wheel holds only its own path hooks, not build_py's extra
-    outputs; the files beside the wheel's dist-info are written to site-packages, so the .pth goes there."""
+    outputs; the files beside the wheel's dist-info are written to site-packages, so the .pth goes there. The
+    package is read from the checkout, so the native helpers are built in kernels/ too."""
+
+    def run(self):
+        if os.environ.get("SHARDSAFE_BUILD_INPLACE", "1") == "1":
+            build_in_place()
+        super().run()
 
     def _run_build_commands(self, dist_name, unpacked_wheel, build_lib, tmp_dir):
         out = super()._run_build_commands(dist_name, unpacked_wheel, build_lib, tmp_dir)
@@ -148,38 +171,32 @@ class EditableWheelWithAutoload(editable_wheel or object):
         return out
 
 
+class BuildKernels(Command):
+    """``python setup.py build_kernels``: build the native helpers in kernels/ (what an editable install does)."""
+    description = "build the CUDA kernels and the CPU helper next to their sources in kernels/"
+    user_options: list = []
+
+    def initialize_options(self):
+        pass
+
+    def finalize_options(self):
+        pass
+
+    def run(self):
+        build_in_place()
+
+
+class BdistWheelPlatform(bdist_wheel or object):
+    """A wheel with a compiled helper inside is for this platform (any Python 3: ctypes, no extension module)."""
+
+    def get_tag(self):
+        impl, abi, plat = super().get_tag()
+        if any(Path(self.bdist_dir).rglob("libshardsafe_*.so")):
+            return "py3", "none", get_platform(self.bdist_dir).lower().replace("-", "_").replace(".", "_")
+        return impl, abi, plat
+
+
 if __name__ == "__main__":
-    # Editable installs read kernels/ in place: build the library next to the sources.
-    if os.environ.get("SHARDSAFE_BUILD_INPLACE", "1") == "1":
-        build_cuda_kernels_optional(HERE / "kernels")
-        build_cpu_helper_optional(HERE / "kernels")
-    setup(
-        name="shardsafe",
-        version="0.1.0",
-        description="In-memory, erasure-coded fault tolerance for DeepSpeed and Megatron pretraining",
-        python_requires=">=3.10",
-        packages=["shardsafe", "shardsafe.holder", "shardsafe.launch", "shardsafe.parity", "shardsafe.payload", "shardsafe.snapshot", "shardsafe.export", "shardsafe.tor", "shardsafe.adapters", "shardsafe.adapters.megatron", "shardsafe.kernels"],
-        package_dir={"shardsafe": "shardsafe", "shardsafe.adapters": "adapters", "shardsafe.kernels": "kernels"},
-        package_data={"shardsafe.kernels": ["csrc/*.cu", "csrc/*.c", "csrc/*.h", "csrc/*.cuh", "*.so"]},
-        install_requires=["numpy>=1.24,<3", "xxhash>=3.0,<4", "psutil>=5.9"],
-        extras_require={
-            "deepspeed": ["deepspeed>=0.16,<0.20"],
-            # Tested: 0.16.1, 0.17.1 and 0.19.2 (docs/megatron.md). On Python 3.11 pip resolves this to
-            # 0.16.x, the newest that declares 3.11 (the Makefile puts 0.17.1 beside it); on >= 3.12 to 0.19.x.
-            "megatron": ["megatron-core>=0.16.1,<0.20"],
-            # Only pyeclib's binary wheels 1.6.2-1.8.0 (x86_64 and aarch64) carry pyeclib.libs/libisal-pyeclib.so.2,
-            # the ISA-L that kernels/isal.py loads; 1.6.0/1.6.1 are source-only and bundle nothing.
-            "parity": ["pyeclib>=1.6.2,<1.9"],
-            "plot": ["matplotlib>=3.6,<4"],
-            # transformers/accelerate: tests/fault/test_hf_trainer.py (HF Trainer + DeepSpeed ZeRO-2 on CPU); the
-            # Trainer hooks (adapters/hf.py) follow transformers' private loop methods, so the tested pair is pinned;
-            # optuna: Trainer.hyperparameter_search (one engine per trial) in the same test. Lightning: its loop
-            # hooks (adapters/lightning.py) follow private loop methods too, so its tested version is pinned.
-            "test": ["pytest>=7,<10", "pytest-timeout>=2.1", "transformers==5.24.0", "accelerate==1.15.0",
-                     "optuna==5.1.0", "lightning==2.6.6"],
-            "mpi": ["mpi4py>=3.1,<5"],
-        },
-        entry_points={"console_scripts": ["shardsafe=shardsafe.cli:main"]},
-        cmdclass={"build_py": BuildPyWithKernels,
-                  **({"editable_wheel": EditableWheelWithAutoload} if editable_wheel is not None else {})},
-    )
+    setup(cmdclass={"build_py": BuildPyWithKernels, "build_kernels": BuildKernels,
+                    **({"bdist_wheel": BdistWheelPlatform, "editable_wheel": EditableWheelWithAutoload}
+                       if editable_wheel is not None else {})})
