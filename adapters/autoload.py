@@ -94,25 +94,13 @@ class Finder:
         return spec
 
 
-def holder_socket(environ=os.environ) -> str:
-    """Where this node's holder of the job named by ``SHARDSAFE_JOB_ID`` listens ("" without a job id): the path
-    shardsafe.holder.paths derives from the same environment (a unit test holds the two equal), computed here
-    with ``os`` alone so that a program whose job has no holder imports nothing more of shardsafe."""
-    job = environ.get("SHARDSAFE_JOB_ID", "")
-    if not job:
-        return ""
-    root = environ.get("SHARDSAFE_HOLDER_DIR") or os.path.join(environ.get("XDG_RUNTIME_DIR") or "/tmp",
-                                                                 f"shardsafe-{os.getuid()}")
-    node = environ.get("SHARDSAFE_NODE") or environ.get("SLURMD_NODENAME") or os.uname().nodename
-    return os.path.join(root, job, f"{node}.sock")
-
-
 def _early_open() -> None:
-    """A trainer (``RANK`` set) of a job whose holder runs on this node maps and verifies its newest held snapshot
-    while it sets up (shardsafe.holder.early_open), from the moment its framework loads: the earliest point a trainer that
-    torchrun started itself reaches (the fork server's children start it before the script runs)."""
-    sock = holder_socket()
-    if os.environ.get("RANK") and sock and os.path.exists(sock):
+    """A trainer (``RANK`` set) of a shardsafe job maps and verifies its newest held snapshot while it sets up
+    (shardsafe.holder.early_open), from the moment its framework loads: the earliest point a trainer that
+    torchrun started itself reaches (the fork server's children start it before the script runs). The early open
+    decides whether this process is the trainer (not a DataLoader worker or another process the trainer started:
+    ``early_open.trainer_process``) and whether the job's holder runs on this node."""
+    if os.environ.get("RANK") and os.environ.get("SHARDSAFE_JOB_ID"):
         try:
             from shardsafe.holder import early_open
             early_open.start()
@@ -131,6 +119,12 @@ def _patch_deepspeed(module) -> None:
     def initialize(*args, **kwargs):
         from .ds_config import wants_protection   # stdlib only; imported at the first call, not at startup
         if not wants_protection(args, kwargs):
+            return original(*args, **kwargs)
+        from shardsafe.holder.early_open import ENV_TRAINER, trainer_process
+        if not trainer_process():
+            sys.stderr.write(f"shardsafe: deepspeed.initialize in a process the trainer (pid "
+                             f"{os.environ[ENV_TRAINER].split(':')[0]}) started, with its rank's environment: not "
+                             "protected here (its snapshots would overwrite the trainer's); only the trainer is.\n")
             return original(*args, **kwargs)
         why = FAILED.get("transformers.trainer")
         if why and _called_from(("transformers.", "accelerate.")):

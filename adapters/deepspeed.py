@@ -2,8 +2,8 @@
 
 Switched on by a top-level ``"shardsafe": {...}`` block in the DeepSpeed config (DeepSpeed ignores
 unknown top-level keys). No fork: the engine's ``_take_model_step`` is wrapped *on the instance*
-(it fires exactly once per optimizer step, also under gradient accumulation; reference/deepspeed.md
-§7), and state is read from / written back into the optimizer's own tensors (§4, §6).
+(it fires exactly once per optimizer step, also under gradient accumulation), and state is read from /
+written back into the optimizer's own tensors.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from .ds_config import config_source, read_config
 from .ds_client_state import (DS_CHECKPOINT_KEYS, client_state_at, client_state_without_checkpoint, disk_checkpoint,
                               live_rng, program_layout)
 from .ds_layout import coords as parallel_coords
-from .ds_layout import describe, is_pipeline, parallel_layout
+from .ds_layout import checkpoint_layout, describe, is_pipeline, parallel_layout
 from .ds_prewarm import memo_cpu_info
 from .ds_schedulers import ProgramSchedulers
 
@@ -64,6 +64,10 @@ class DeepSpeedStateAdapter(StateAdapter):
         # block): snapshotted with the engine, put back before the first step after a restore (ds_schedulers.py).
         self.program_schedulers = ProgramSchedulers(o.optimizer, lambda: self.lr_scheduler,
                                                     rank=int(getattr(engine, "global_rank", 0)))
+        # The hyperparameters the program asked for, before any step or restore changes param_groups (the run's
+        # fingerprint, shardsafe/fingerprint.py).
+        from shardsafe.fingerprint import plain
+        self._hyper0 = [plain({k: v for k, v in g.items() if k != "params"}) for g in o.optimizer.param_groups]
         # DeepSpeed's CPU Adam kernels keep beta1^t / beta2^t outside optimizer.state (cpu_adam_powers.py).
         # One tracker per optimizer: a second adapter on the same engine must not observe the calls twice.
         base = o.optimizer
@@ -72,44 +76,11 @@ class DeepSpeedStateAdapter(StateAdapter):
         self.adam_powers: AdamPowersTracker | None = base._shardsafe_adam_powers
 
     def checkpoint_layout(self) -> dict[str, Any]:
-        """What ``shardsafe export --format deepspeed`` needs to write this engine's own checkpoint
-        layout without the engine: parameter names, shapes and flat offsets, buffer names, the ZeRO
-        bookkeeping ``optimizer.state_dict()`` carries, and the config. Static after initialize, so it
-        is computed once (it costs a walk over the module)."""
-        if self._ckpt_layout is not None:
-            return self._ckpt_layout
-        import deepspeed
-        e, o = self.engine, self.engine.optimizer
-        shapes = [[[name, list(shape)] for name, shape in g.items()] for g in e._get_zero_param_shapes()]
-        frozen = [e.param_names[p] for p in e.module.parameters() if not p.requires_grad and p in e.param_names]
-        lay: dict[str, Any] = {
-            "ds_version": deepspeed.__version__, "ds_config": _plain(e.config),
-            "mp_world_size": int(e.mp_world_size), "seq_dp_world_size": int(e.seq_dp_world_size),
-            "bf16": bool(e.bfloat16_enabled()), "fp16": bool(e.fp16_enabled()),
-            "lp_dtype": str(next(e.module.parameters()).dtype).removeprefix("torch."),
-            "param_shapes": shapes, "frozen_params": frozen,
-            "buffer_names": e._get_buffer_names(), "shared_params": dict(e._get_shared_params()),
-            "state_dict_keys": list(e.module.state_dict().keys()),
-            "loss_scaler_class": type(getattr(o, "loss_scaler", None)).__name__,
-            "dynamic_loss_scale": bool(getattr(o, "dynamic_loss_scale", False)),
-            "clip_grad": float(getattr(o, "clip_grad", 0.0) or 0.0),
-            "partition_count": _plain(getattr(o, "partition_count", None)),
-        }
-        if self.kind == "DeepSpeedZeroOptimizer":
-            flats = []
-            for params, flat in zip(o.round_robin_bit16_groups, o.bit16_groups_flat):
-                es = flat.element_size()
-                flats.append([[e.param_names[p], (p.data_ptr() - flat.data_ptr()) // es, p.numel()] for p in params])
-            lay.update(zero_stage_enum=2 if o.partition_gradients else 1, flat_params=flats,
-                       group_paddings=[int(x) for x in o.groups_padding],
-                       param_alignment_paddings=_plain(o.round_robin_bit16_padding),
-                       elastic_checkpoint=bool(o.elastic_checkpoint),
-                       param_slice_mappings=[[[n, int(a.numel), int(a.start)] for n, a in g.items()]
-                                             for g in o._param_slice_mappings])
-        elif self.z3:
-            lay.update(zero_stage_enum=3)
-        self._ckpt_layout = lay
-        return lay
+        """What ``shardsafe export --format deepspeed`` needs to write this engine's own checkpoint layout without
+        the engine (ds_layout.checkpoint_layout). Static after initialize, so it is computed once."""
+        if self._ckpt_layout is None:
+            self._ckpt_layout = checkpoint_layout(self.engine, self.kind)
+        return self._ckpt_layout
 
     @property
     def lr_scheduler(self) -> Any:
@@ -177,6 +148,28 @@ class DeepSpeedStateAdapter(StateAdapter):
             "adam_powers": self.adam_powers.state() if self.adam_powers is not None else None,
         }
         return st
+
+    def fingerprint(self) -> dict[str, Any]:
+        """shardsafe/fingerprint.py: the DeepSpeed config (without the volatile keys), this rank's parameters
+        (ZeRO-3: their full shapes), the parallel layout and the optimizer's hyperparameters at initialize."""
+        from shardsafe.fingerprint import plain, strip_volatile
+        e = self.engine
+        params = [[n, list(getattr(p, "ds_shape", p.shape)), str(p.dtype).removeprefix("torch."), bool(p.requires_grad)]
+                  for n, p in e.module.named_parameters()]
+        raw = getattr(getattr(e, "_config", None), "_param_dict", None) or {}
+        return {"config": strip_volatile(plain(raw)), "model": params,
+                "layout": {**self.parallel, "zero_stage": int(e.zero_optimization_stage()),
+                           "dp_world_size": int(e.dp_world_size), "optimizer_wrapper": self.kind},
+                "optimizer": {"class": type(self.engine.optimizer.optimizer).__name__, "param_groups": self._hyper0}}
+
+    # fp32 tensors per master an optimizer keeps once it stepped (its moments): for the start-time budget check
+    _MOMENTS = {"AdamW": 2, "Adam": 2, "FusedAdam": 2, "DeepSpeedCPUAdam": 2, "FusedLamb": 2, "Lion": 1,
+                "FusedLion": 1, "DeepSpeedCPULion": 1, "Adagrad": 1, "DeepSpeedCPUAdagrad": 1}
+
+    def pending_state_nbytes(self) -> int:
+        base = self.engine.optimizer.optimizer
+        n = self._MOMENTS.get(type(base).__name__, 0)
+        return sum(n * m.numel() * 4 for m in self.masters() if not base.state.get(m))
 
     def before_optimizer_step(self) -> None:
         """Right before each optimizer step (the hook's ``_take_model_step``): the program's own schedulers."""
@@ -340,19 +333,6 @@ class DeepSpeedStateAdapter(StateAdapter):
             o.checkpoint_event_epilogue()
 
 
-def _plain(obj: Any) -> Any:
-    """JSON-able copy of config-like data (DeepSpeed enums become their values)."""
-    if isinstance(obj, Mapping):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if hasattr(obj, "value"):
-        return _plain(obj.value)
-    return str(obj)
-
-
 _ordinals = itertools.count()
 """Protected engines built by this process so far: the next one's ordinal (shardsafe.runtime.engine_scope)."""
 
@@ -462,15 +442,22 @@ class ShardsafeEngineHook:
         v, engine = self.restored.version, self.adapter.engine
         rank0 = self.runtime.rank == 0
         tag, states = disk_checkpoint(engine, load_dir, tag)
-        if states is None:
-            return self._no_checkpoint(load_dir, v)
-        step = int(states.get("global_steps", -1))
-        if step > v:
+        step = int(states.get("global_steps", -1)) if states is not None else -1
+        # One decision for every rank (node-local directories can differ): the disk checkpoint is loaded only when
+        # every rank finds the same one and it is newer than the snapshot; anything else keeps the snapshot.
+        steps = [int(s[0]) for s in self.runtime.coll.gather_ints([step])]
+        if len(set(steps)) == 1 and step > v:
             if rank0:
                 log.warning("shardsafe: disk checkpoint %s (step %d) is newer than the snapshot (version %d): "
                             "loading it", tag, step, v)
             return orig_load(load_dir, tag, *args, **kwargs)
-        if rank0:
+        if len(set(steps)) > 1 and rank0:
+            log.warning("shardsafe: the ranks find different checkpoints under %r (global steps %s by rank%s): every "
+                        "rank continues from snapshot version %d, none loads its checkpoint (mixing them would give "
+                        "ranks different states)", str(load_dir), steps[:16], "..." if len(steps) > 16 else "", v)
+        if states is None:
+            return self._no_checkpoint(load_dir, v)
+        if rank0 and step <= v:
             log.warning("shardsafe: snapshot version %d is newer than disk checkpoint %s (step %d): continuing from "
                         "the snapshot; the checkpoint was not loaded", v, tag, step)
         client = {k: val for k, val in states.items() if k not in DS_CHECKPOINT_KEYS}
@@ -573,11 +560,13 @@ def protect(ds_initialize: Any, args: tuple, kwargs: dict, *, auto: str = ""):
     engine = ret[0]
     program_args = kwargs.get("args", args[0] if args else None)
     engine.shardsafe = ShardsafeEngineHook(engine, cfg, auto=auto, program_args=program_args) if cfg.enabled else None
+    # What is true now, on every rank (on_unprotected "fail" raises here when a rank cannot be protected).
+    state = engine.shardsafe.runtime.banner() if engine.shardsafe is not None else ""
     if engine.shardsafe is not None and engine.shardsafe.runtime.rank == 0:
         how = (f"the \"shardsafe\" block of the DeepSpeed config (automatic activation; {auto} turns the "
                "activation off)") if auto else "shardsafe.adapters.deepspeed.initialize"
         which = f", engine {engine.shardsafe.ordinal} of this process" if engine.shardsafe.ordinal else ""
-        log.warning("shardsafe: this DeepSpeed engine is protected (in-memory snapshots every %d step(s), job %s%s), "
-                    "switched on by %s; \"enabled\": false in the block turns protection off. %s", cfg.interval,
+        log.warning("shardsafe: this DeepSpeed engine is %s (in-memory snapshots every %d step(s), job %s%s), "
+                    "switched on by %s; \"enabled\": false in the block turns protection off. %s", state, cfg.interval,
                     cfg.job_id, which, how, engine.shardsafe.restored.message)
     return ret

@@ -7,7 +7,12 @@ the automatic activation imports it inside a wrapped ``deepspeed.initialize``, b
 """
 from __future__ import annotations
 
+import logging
 import os
+import stat
+
+log = logging.getLogger(__name__)
+
 
 def config_source(args: tuple, kwargs: dict):
     """Where ``deepspeed.initialize(*args, **kwargs)`` takes its config from, as DeepSpeed reads it."""
@@ -22,12 +27,25 @@ def config_source(args: tuple, kwargs: dict):
 
 
 def read_config(src):
-    """The config as a mapping (a dict as is; a path parsed as JSON, else HJSON as DeepSpeed does), or None."""
+    """The config as a mapping, read as DeepSpeed reads it: a dict as is; a path parsed as JSON, else HJSON; a string
+    that is no path as base64 of the JSON (DeepSpeed's ``urlsafe_b64decode``). None for anything else, and for a path
+    that is not a regular file (a pipe, ``<(...)`` process substitution, a device): it can be read only once, and
+    DeepSpeed must get its content, so shardsafe leaves it alone and says so once."""
     if isinstance(src, dict):
         return src
     if isinstance(src, (str, os.PathLike)):
         import json
-        with open(src) as f:
+        path = os.fspath(src)
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            mode = None
+        if mode is None and isinstance(src, str):
+            return _from_base64(src)
+        if mode is not None and not stat.S_ISREG(mode):
+            _say_once(path)
+            return None
+        with open(path) as f:
             text = f.read()
         try:
             return json.loads(text)
@@ -42,6 +60,36 @@ def read_config(src):
         return src if isinstance(src, Mapping) else None
     except ImportError:
         return None
+
+
+def _from_base64(text: str):
+    import base64
+    import binascii
+    import json
+    try:
+        decoded = base64.urlsafe_b64decode(text).decode("utf-8")
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        return None   # neither a path nor base64: DeepSpeed's own error names it
+    try:
+        return json.loads(decoded)
+    except ValueError:
+        try:
+            import hjson
+            return hjson.loads(decoded)
+        except Exception:  # noqa: BLE001 - DeepSpeed reports an unreadable config itself
+            return None
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(path: str) -> None:
+    if path not in _SAID:
+        _SAID.add(path)
+        log.warning("shardsafe: the DeepSpeed config %s is not a regular file (a pipe or a process substitution can be "
+                    "read only once, and DeepSpeed must read it): shardsafe leaves it to DeepSpeed, so a \"shardsafe\" "
+                    "block in it is NOT applied and this engine is NOT protected. Pass the config as a file or a "
+                    "dict to protect it.", path)
 
 
 def wants_protection(args: tuple, kwargs: dict) -> bool:

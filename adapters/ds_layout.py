@@ -68,3 +68,53 @@ def coords(engine: Any, layout: Mapping[str, Any]) -> dict[str, int]:
         get_pp = getattr(mpu, "get_pipeline_model_parallel_rank", None)
         pp = int(get_pp()) if get_pp is not None else 0
     return {"dp": int(mpu.get_data_parallel_rank()), "tp": int(layout["tp"]), "pp": int(pp)}
+
+
+def checkpoint_layout(engine: Any, kind: str) -> dict[str, Any]:
+    """What ``shardsafe export --format deepspeed`` needs to write this engine's own checkpoint layout without the
+    engine: parameter names, shapes and flat offsets, buffer names, the ZeRO bookkeeping ``optimizer.state_dict()``
+    carries, and the config (``kind``: the optimizer wrapper's class name). It walks the module: call it once."""
+    import deepspeed
+    e, o = engine, engine.optimizer
+    shapes = [[[name, list(shape)] for name, shape in g.items()] for g in e._get_zero_param_shapes()]
+    frozen = [e.param_names[p] for p in e.module.parameters() if not p.requires_grad and p in e.param_names]
+    lay: dict[str, Any] = {
+        "ds_version": deepspeed.__version__, "ds_config": _plain(e.config),
+        "mp_world_size": int(e.mp_world_size), "seq_dp_world_size": int(e.seq_dp_world_size),
+        "bf16": bool(e.bfloat16_enabled()), "fp16": bool(e.fp16_enabled()),
+        "lp_dtype": str(next(e.module.parameters()).dtype).removeprefix("torch."),
+        "param_shapes": shapes, "frozen_params": frozen,
+        "buffer_names": e._get_buffer_names(), "shared_params": dict(e._get_shared_params()),
+        "state_dict_keys": list(e.module.state_dict().keys()),
+        "loss_scaler_class": type(getattr(o, "loss_scaler", None)).__name__,
+        "dynamic_loss_scale": bool(getattr(o, "dynamic_loss_scale", False)),
+        "clip_grad": float(getattr(o, "clip_grad", 0.0) or 0.0),
+        "partition_count": _plain(getattr(o, "partition_count", None)),
+    }
+    if kind == "DeepSpeedZeroOptimizer":
+        flats = []
+        for params, flat in zip(o.round_robin_bit16_groups, o.bit16_groups_flat):
+            es = flat.element_size()
+            flats.append([[e.param_names[p], (p.data_ptr() - flat.data_ptr()) // es, p.numel()] for p in params])
+        lay.update(zero_stage_enum=2 if o.partition_gradients else 1, flat_params=flats,
+                   group_paddings=[int(x) for x in o.groups_padding],
+                   param_alignment_paddings=_plain(o.round_robin_bit16_padding),
+                   elastic_checkpoint=bool(o.elastic_checkpoint),
+                   param_slice_mappings=[[[n, int(a.numel), int(a.start)] for n, a in g.items()]
+                                         for g in o._param_slice_mappings])
+    elif kind == "DeepSpeedZeroOptimizer_Stage3":
+        lay.update(zero_stage_enum=3)
+    return lay
+
+
+def _plain(obj: Any) -> Any:
+    """JSON-able copy of config-like data (DeepSpeed enums become their values)."""
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if hasattr(obj, "value"):
+        return _plain(obj.value)
+    return str(obj)

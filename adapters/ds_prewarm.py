@@ -72,9 +72,8 @@ def cache_path(cache_dir: Optional[str] = None) -> Optional[str]:
         return None
     if not boot or not all(c.isalnum() or c == "-" for c in boot):
         return None
-    if cache_dir is None:
-        from ..holder.paths import default_holder_dir
-        cache_dir = default_holder_dir()
+    from ..holder.paths import default_holder_dir, private_dir
+    cache_dir = default_holder_dir() if cache_dir is None else private_dir(cache_dir)   # never the user's own
     return os.path.join(cache_dir, f"cpuinfo-{boot}.json")
 
 
@@ -125,8 +124,14 @@ _MEMO = _Memo()
 
 def _read(path: str, version: str) -> Optional[dict]:
     """This boot's answer from ``path``, or None (absent, not private to this user, or not an answer)."""
+    from ..holder.paths import UnsafeHolderDir, check_private_dir, open_private
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        if not check_private_dir(os.path.dirname(path)):
+            return None
+        fd = open_private(path, os.O_RDONLY)
+    except UnsafeHolderDir as e:
+        log.warning("py-cpuinfo's answer not read: %s", e)
+        return None
     except OSError:
         return None
     try:
@@ -153,14 +158,18 @@ def _read(path: str, version: str) -> Optional[dict]:
 
 def _write(path: str, version: str, info: dict) -> None:
     """Write the answer next to the holders' sockets (a private directory), atomically; failing is harmless."""
-    d = os.path.dirname(path)
+    from ..holder.paths import UnsafeHolderDir, check_private_dir, open_private
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        st = os.stat(d)
-        if st.st_uid != os.getuid() or st.st_mode & 0o077:
-            return   # not a private directory of this user: keep the answer in memory only
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        check_private_dir(os.path.dirname(path), create=True)
+    except UnsafeHolderDir as e:
+        log.info("py-cpuinfo's answer kept in memory only: %s", e)
+        return
+    except OSError as e:
+        log.info("py-cpuinfo's answer not written to %s: %s", path, e)
+        return
+    try:
+        fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         with os.fdopen(fd, "w") as f:
             json.dump({"cpuinfo": version, "info": info}, f)
         os.replace(tmp, path)

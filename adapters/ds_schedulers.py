@@ -47,7 +47,7 @@ def find_program_schedulers(param_groups: list, exclude: Any = None) -> list:
     from torch.optim.lr_scheduler import LRScheduler
     found = []
     for o in gc.get_objects():
-        if isinstance(o, LRScheduler) and o is not exclude:
+        if issubclass(type(o), LRScheduler) and o is not exclude:   # type(): no __class__ lookup (deprecation proxies warn)
             opt = getattr(o, "optimizer", None)
             try:
                 if opt is not None and opt.param_groups is param_groups:

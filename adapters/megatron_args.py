@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Optional
 
-from shardsafe.config import PARITY_TRANSPORTS, RESTORE_H2D, ConfigError, ShardsafeConfig
+from shardsafe.config import ON_UNPROTECTED, PARITY_TRANSPORTS, RESTORE_H2D, RESUME, ConfigError, ShardsafeConfig
 
 GROUP_TITLE = "shardsafe"
 
@@ -32,11 +32,16 @@ _FIELDS = (
     "timeout_s",
     "run_dir",
     "persist_dir",
+    "run_name",
     "persist_every",
     "persist_keep",
     "persist_mbps",
     "hash_threads",
     "restore_h2d",
+    "holder_idle_exit_s",
+    "resume",
+    "on_unprotected",
+    "warn_interval_s",
 )
 
 
@@ -66,13 +71,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                        "or the sbatch scripts start them).")
     g.add_argument("--shardsafe-export-dir", dest="shardsafe_export_dir", default=None,
                    help="Restore the newest snapshot, write it with Megatron's own save_checkpoint into this "
-                        "directory (in --ckpt-format) and exit: what `shardsafe export --format megatron` runs.")
+                        "directory (in --ckpt-format) and exit: what `shardsafe export --format megatron` runs (default: "
+                        "none, a normal run).")
     helps = {
         "interval": f"Snapshot every N optimizer steps (default {d['interval'].default}).",
         "memory_budget_gb": "Holder memory budget in GiB for the whole node (default 0 = half of the node's RAM).",
-        "holder_dir": "Directory of the holder's socket, lock and pid files (default $XDG_RUNTIME_DIR or /tmp).",
-        "job_id": "Scope of sockets and shared memory (default SHARDSAFE_JOB_ID, SLURM_JOB_ID or "
-                  "TORCHELASTIC_RUN_ID).",
+        "holder_dir": "Directory for the holder's socket, lock and log files, kept in a private shardsafe-<uid> "
+                      "inside it (default SHARDSAFE_HOLDER_DIR, else $XDG_RUNTIME_DIR/shardsafe-<uid> or "
+                      "/tmp/shardsafe-<uid>).",
+        "job_id": "Scope of sockets and shared memory (default SHARDSAFE_JOB_ID, SLURM_JOB_ID, torchrun's "
+                  "--rdzv-id, else a digest of the launch command).",
         "node": "Failure-domain name of this process (default SHARDSAFE_NODE, SLURMD_NODENAME or the hostname).",
         "parity_shards": f"m: parity-group members that may be lost (default {d['parity_shards'].default}).",
         "parity_group_size": "n: members per parity group, data-parallel peers on different nodes "
@@ -82,8 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "timeout_s": f"Seconds a holder request or agreement may take before the snapshot is skipped "
                      f"(default {d['timeout_s'].default}).",
         "run_dir": "Directory for the TOR event log events.jsonl (default SHARDSAFE_RUN_DIR, or none).",
-        "persist_dir": "Persistent tier: holders write committed versions under DIR/JOB_ID in the background "
+        "persist_dir": "Persistent tier: holders write committed versions under DIR/RUN_NAME in the background "
                        "(default off). Restore falls back to it when memory cannot serve.",
+        "run_name": "The run's directory under --shardsafe-persist-dir, the same for every requeue and resubmission "
+                    "of the run (default SHARDSAFE_RUN_NAME, else the job id).",
         "persist_every": f"Write every K-th snapshot to --shardsafe-persist-dir (default {d['persist_every'].default}).",
         "persist_keep": f"Newest versions kept on disk (default {d['persist_keep'].default}).",
         "persist_mbps": "Cap each holder's write bandwidth to the persistent tier in MB/s (default 0 = uncapped).",
@@ -91,14 +101,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "cores / local ranks, at most 8).",
         "restore_h2d": "How a restore into GPU tensors reads the holder's memory: pinned (page-locked while it "
                        "verifies, DMA copies; pageable if the driver refuses) or pageable (default pinned).",
+        "holder_idle_exit_s": f"A holder this job's ranks start exits after this many seconds with no client and no "
+                              f"flush pending (default {d['holder_idle_exit_s'].default}; 0 = never).",
+        "resume": "Which snapshot a starting run may restore: auto (the newest of this run: same config, model, "
+                  "layout and optimizer hyperparameters), force (also another run's), never (start fresh, drop "
+                  "the old versions) (default auto).",
+        "on_unprotected": "When protection lapses (no holder, budget, failed vote, no commit for a few intervals): "
+                          "warn (say so on rank 0 at WARNING, repeatedly) or fail (end the run) (default warn).",
+        "warn_interval_s": f"How often rank 0 repeats that protection lapsed while it lasts, in seconds (default "
+                           f"{d['warn_interval_s'].default}).",
     }
     types: dict[str, Callable[[str], Any]] = {"interval": int, "memory_budget_gb": float, "parity_shards": int,
                                               "parity_group_size": int, "timeout_s": float, "persist_every": int,
                                               "persist_keep": int, "persist_mbps": float,
-                                              "hash_threads": int}
+                                              "hash_threads": int, "holder_idle_exit_s": float,
+                                              "warn_interval_s": float}
     for f in _FIELDS:
-        extra = ({"choices": PARITY_TRANSPORTS} if f == "parity_transport"
-                 else {"choices": RESTORE_H2D} if f == "restore_h2d" else {})
+        extra = {"choices": {"parity_transport": PARITY_TRANSPORTS, "restore_h2d": RESTORE_H2D, "resume": RESUME,
+                             "on_unprotected": ON_UNPROTECTED}[f]} \
+            if f in ("parity_transport", "restore_h2d", "resume", "on_unprotected") else {}
         g.add_argument(_flag(f), dest=_dest(f), type=types.get(f, str), default=None, help=helps[f], **extra)
     return parser
 

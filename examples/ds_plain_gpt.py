@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/ds_plain_gpt.py --config configs/deepspeed/plain_zero2_bf16.json \
         --ckpt-dir ckpt --steps 50
-    shardsafe launch --nodes 2 --nproc-per-node 1 examples/ds_plain_gpt.py --config ... --steps 50
+    shardsafe launch --nnodes 2 --nproc-per-node 1 examples/ds_plain_gpt.py --config ... --steps 50
 
 It is written the way user scripts are: ``deepspeed.initialize(...)``, then ``engine.load_checkpoint(ckpt_dir)``
 to resume, a loop from ``engine.global_steps``, and ``engine.save_checkpoint`` every ``--save-every`` steps.

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/ds_pretrain_gpt.py --steps 50 --zero-stage 2 --dtype bf16
     torchrun --nproc-per-node 4 examples/ds_pretrain_gpt.py --pp 2 --zero-stage 1   (PipelineModule, train_batch)
-    shardsafe launch --nodes 2 --nproc-per-node 2 examples/ds_pretrain_gpt.py --steps 50
+    shardsafe launch --nnodes 2 --nproc-per-node 2 examples/ds_pretrain_gpt.py --steps 50
     (also plain `srun` tasks or `mpirun` with mpi4py: shardsafe.launch.discovery fills in RANK, WORLD_SIZE, ...)
 
 Data is a pure function of (seed, global micro-batch index, data-parallel rank), so the stream
@@ -192,9 +192,11 @@ def ds_config(a: argparse.Namespace, world: int) -> dict:
     if a.autotp > 1:   # DeepSpeed's own training tensor parallelism (AutoTP shards the nn.Linear layers)
         cfg["tensor_parallel"] = {"autotp_size": a.autotp}
         del cfg["train_batch_size"]   # DeepSpeed derives it (its check runs before the TP groups exist)
+    if a.lr:
+        cfg["optimizer"]["params"]["lr"] = a.lr
     if not a.no_scheduler:
         cfg["scheduler"] = {"type": "WarmupLR",
-                            "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}}
+                            "params": {"warmup_min_lr": 0, "warmup_max_lr": a.lr or 1e-3, "warmup_num_steps": 10}}
     if not a.no_clip:
         cfg["gradient_clipping"] = 1.0
     if a.optimizer in ("cpu-adam", "lion"):   # DeepSpeedCPUAdam / DeepSpeedCPULion (FusedLion is CUDA-only)
@@ -305,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optimizer", default="torch-adamw", choices=sorted(OPTIMIZERS),
                    help="which optimizer path DeepSpeed takes (fused-adamw = DeepSpeed's default FusedAdam)")
     p.add_argument("--no-scheduler", action="store_true", help="no LR scheduler")
+    p.add_argument("--lr", type=float, default=0.0, help="peak learning rate (0: the optimizer's default, 1e-3 for AdamW)")
     p.add_argument("--no-clip", action="store_true", help="no gradient clipping")
     p.add_argument("--interval", type=int, default=1, help="shardsafe snapshot interval")
     p.add_argument("--budget-gb", type=float, default=0.0)
@@ -322,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("SHARDSAFE_RUN_DIR", ""), help="where losses and final state go")
     p.add_argument("--save-dir", default="", help="plain engine.save_checkpoint here at --save-at (vanilla DeepSpeed)")
     p.add_argument("--save-at", type=int, default=0, help="global step after which --save-dir is written")
-    p.add_argument("--load", default="", help="plain engine.load_checkpoint from here first (e.g. a `shardsafe export`)")
+    p.add_argument("--load", default="", help="plain engine.load_checkpoint from here first (e.g. a `shardsafe export`); "
+                                              "{rank} is replaced by the rank (node-local checkpoint directories)")
+    p.add_argument("--load-from-attempt", type=int, default=0, help="--load only in restart attempts from this one on")
     p.add_argument("--running-tor-every", type=int, default=10,
                    help="rank 0 logs a running TOR every N iterations (0 = off)")
     a = p.parse_args(argv)
@@ -339,10 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     import deepspeed
     import deepspeed.ops
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build, no /dev/shm leak (reference §1)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build, no /dev/shm leak
     if a.dtype == "fp16" and os.environ.get("SHARDSAFE_TEST_FORCE_FP16") == "1":
         # TEST-ONLY: DeepSpeed refuses fp16 on this CPU (no mkldnn fp16); its fp16 optimizer and
-        # dynamic loss scaler run fine once told otherwise (reference/deepspeed.md §0).
+        # dynamic loss scaler run fine once told otherwise.
         from deepspeed.accelerator import get_accelerator
         get_accelerator().is_fp16_supported = lambda: True
     from shardsafe.adapters.deepspeed import initialize
@@ -384,18 +389,18 @@ def main(argv: list[str] | None = None) -> int:
     if engine.shardsafe:
         r = engine.shardsafe.restored
         print(f"[rank {rank}] shardsafe: {r.message} (tier {r.tier}, {r.seconds:.3f} s)", flush=True)
-    if a.load:
+    attempt = int(os.environ.get("SHARDSAFE_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    if a.load and attempt >= a.load_from_attempt:
         # Vanilla DeepSpeed load; an exported snapshot also carries what DeepSpeed's format has no
         # place for (per-rank RNG, micro_steps), put back by apply_client_state.
         from shardsafe.adapters.ds_export import apply_client_state
-        path, client = engine.load_checkpoint(a.load)
+        path, client = engine.load_checkpoint(a.load.format(rank=rank))
         if path is None:
             raise SystemExit(f"no DeepSpeed checkpoint under {a.load}")
         print(f"[rank {rank}] loaded {path} at step {engine.global_steps}; shardsafe client state: "
               f"{apply_client_state(engine, client, path)}", flush=True)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.dtype)
     dp_rank = engine.mpu.get_data_parallel_rank() if engine.mpu else rank
-    attempt = int(os.environ.get("SHARDSAFE_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     losses = open(os.path.join(a.out, f"losses_rank{rank}.jsonl"), "a") if a.out else None
     events = engine.shardsafe.runtime.events if engine.shardsafe else None
     if events is not None:

@@ -1,7 +1,7 @@
 """A plain Hugging Face ``Trainer`` script that knows nothing of shardsafe: protection comes from its config alone.
 
     torchrun --nproc-per-node 2 examples/hf_trainer_gpt.py --out run --steps 10
-    shardsafe launch --nodes 2 --nproc-per-node 1 examples/hf_trainer_gpt.py --out run --steps 10
+    shardsafe launch --nnodes 2 --nproc-per-node 1 examples/hf_trainer_gpt.py --out run --steps 10
 
 A tiny GPT-2 (``transformers.GPT2Config``: 2 layers, width 64, vocabulary 256, built from the config: nothing is
 downloaded) trained on a synthetic, deterministic dataset with ``Trainer.train()`` and a DeepSpeed ZeRO-2 config

@@ -1,6 +1,6 @@
 """A plain Lightning script that knows nothing of shardsafe: ``Trainer(strategy=DeepSpeedStrategy(config=...))``.
 
-    shardsafe launch --nodes 2 --nproc-per-node 1 examples/lightning_gpt.py --out run --steps 10 --cpu
+    shardsafe launch --nnodes 2 --nproc-per-node 1 examples/lightning_gpt.py --out run --steps 10 --cpu
 
 A tiny GPT (examples/ds_pretrain_gpt.py's ``TinyGPT``) as a ``LightningModule`` trained with ``Trainer.fit`` and
 Lightning's DeepSpeed strategy (ZeRO-2, bf16, DeepSpeed's AdamW from the config, gradient clipping), on a

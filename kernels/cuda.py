@@ -79,7 +79,7 @@ def load() -> ctypes.CDLL:
         if path is None:
             raise _unavailable(
                 f"{LIB_NAME} not found (looked at {[str(p) for p in lib_candidates()]}). Build it with nvcc: "
-                "`SHARDSAFE_BUILD_INPLACE=1 python setup.py --version` (or pip install -e .) in the repo, "
+                "`python setup.py build_kernels` (or pip install -e .) in the repo, "
                 "or set SHARDSAFE_EC_LIB=/path/to/libshardsafe_ec.so")
         try:
             lib = ctypes.CDLL(str(path))

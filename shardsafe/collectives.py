@@ -4,6 +4,10 @@ They run on shardsafe's own gloo groups (never the training communicator) and ca
 UTF-8 JSON bytes: no pickle, unlike torch's ``*_object`` collectives, whose receivers unpickle what peers
 send. Every rank of ``group`` must make the same calls in the same order. With one rank (or no process
 group) they return the local answer without touching torch.distributed.
+
+``group`` is a :class:`shardsafe.hierarchy.Hierarchy` on every path of a running job (node-local groups, then
+the node leaders: O(log nodes) rounds), or a torch process group (a ring: 2(N-1) steps), which tests and the
+benches' ring baseline use.
 """
 from __future__ import annotations
 
@@ -39,7 +43,13 @@ def mesh_advice(world_size: int, env: Mapping[str, str]) -> Optional[str]:
             "scripts do) so that pairs connect on first use")
 
 
+def _hierarchical(group: Any) -> bool:
+    return hasattr(group, "gather_bytes") and hasattr(group, "min_reduce")
+
+
 def _size(group: Any, world_size: Optional[int]) -> int:
+    if _hierarchical(group):
+        return group.world
     if world_size is not None:
         return int(world_size)
     import torch.distributed as dist
@@ -55,6 +65,8 @@ def min_reduce(values: Sequence[int], group: Any = None, world_size: Optional[in
     """
     if _size(group, world_size) == 1:
         return [int(v) for v in values]
+    if _hierarchical(group):
+        return group.min_reduce(values)
     import torch
     import torch.distributed as dist
     t = torch.tensor([int(v) for v in values], dtype=torch.int64)
@@ -72,6 +84,10 @@ def gather_ints(values: Sequence[int], group: Any = None, world_size: Optional[i
     n = _size(group, world_size)
     if n == 1:
         return [[int(v) for v in values]]
+    if _hierarchical(group):
+        import struct
+        blobs = group.gather_bytes(struct.pack(f"<{len(values)}q", *[int(v) for v in values]))
+        return [list(struct.unpack(f"<{len(b) // 8}q", b)) for b in blobs]
     import torch
     import torch.distributed as dist
     t = torch.tensor([int(v) for v in values], dtype=torch.int64)
@@ -85,6 +101,8 @@ def gather_json(obj: Any, group: Any = None, world_size: Optional[int] = None) -
     n = _size(group, world_size)
     if n == 1:
         return [json.loads(json.dumps(obj))]
+    if _hierarchical(group):
+        return [json.loads(b) for b in group.gather_bytes(json.dumps(obj, separators=(",", ":")).encode())]
     import torch
     import torch.distributed as dist
     blob = json.dumps(obj, separators=(",", ":")).encode()

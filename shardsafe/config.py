@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -34,6 +35,7 @@ def default_job_id() -> str:
 
 ENV_HOLDER_BUDGET = "SHARDSAFE_HOLDER_BUDGET_GB"
 ENV_PERSIST_DIR = "SHARDSAFE_PERSIST_DIR"
+ENV_RUN_NAME = "SHARDSAFE_RUN_NAME"
 ENV_EXPORT_DIR = "SHARDSAFE_EXPORT_DIR"
 """Set by the launchers that start the holders (their --memory-budget-gb): a trainer's config cannot change
 the budget of a holder that already runs, so a different value in the config is an error naming both."""
@@ -42,6 +44,9 @@ the budget of a holder that already runs, so a different value in the config is 
 PARITY_TRANSPORTS = ("host", "device")
 RESUME_CLIENT_STATES = ("auto", "neox", "megatron-deepspeed", "none")
 RESTORE_H2D = ("pinned", "pageable")   # shardsafe/snapshot/pinning.py
+_RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+ON_UNPROTECTED = ("warn", "fail")       # shardsafe/protection.py
+RESUME = ("auto", "force", "never")      # shardsafe/fingerprint.py
 
 
 @dataclass(kw_only=True)
@@ -53,11 +58,13 @@ class ShardsafeConfig:
     memory_budget_gb: float = 0.0
     """Holder memory budget in GiB for the whole node (0 = half of the node's RAM)."""
     holder_dir: str = field(default_factory=default_holder_dir)
-    """Directory for the holder's socket, lock and pid files (created 0700)."""
+    """Directory for the holder's socket, lock and log files. shardsafe keeps them in its own private
+    ``shardsafe-<uid>`` inside the directory named here (the default already is that directory), created 0700 and
+    verified; the named directory itself is never changed (docs/operations.md "Security model")."""
     job_id: str = ""
-    """Scopes sockets, shared memory and the persistent directory; two jobs on one node never see each other.
-    Empty: derived when protection is enabled (SHARDSAFE_JOB_ID, SLURM_JOB_ID, torchrun's --rdzv-id, else a
-    digest of the launch command; docs/operations.md "Job ids")."""
+    """Scopes sockets, shared memory and, without a run_name, the persistent directory; two jobs on one node never
+    see each other. Empty: derived when protection is enabled (SHARDSAFE_JOB_ID, SLURM_JOB_ID, torchrun's
+    --rdzv-id, else a digest of the launch command; docs/operations.md "Job ids")."""
     node: str = field(default_factory=default_node_name)
     """Failure-domain name of this process (hostname by default)."""
     start_holder: bool = True
@@ -67,7 +74,21 @@ class ShardsafeConfig:
     flush pending, so a holder whose job is gone does not keep its memory forever (0 = never; holder.protocol
     DEFAULT_IDLE_EXIT_S). A job resubmitted later than this restores from the persistent tier, not memory."""
     restore: bool = True
-    """Restore from the newest recoverable snapshot at start."""
+    """Restore from the newest recoverable snapshot at start. false is ``resume: "never"``."""
+    resume: str = "auto"
+    """Which snapshot a starting job may restore. "auto": the newest recoverable one whose run fingerprint (the
+    framework config without the shardsafe block, the model's parameter names, shapes and dtypes, the parallel
+    layout, the optimizer and its hyperparameters at step 0) equals this run's; another fingerprint is refused
+    before anything is applied, naming the first field that differs. "force": restore it anyway (the differences
+    are logged). "never": start fresh and drop every version this job's holders and persistent tier keep.
+    docs/operations.md "Run identity"."""
+    on_unprotected: str = "warn"
+    """What happens when protection lapses (no holder, a budget that cannot keep two versions, a failed vote, no
+    version committed for max(3, 2 * interval) steps): "warn" logs it at WARNING on rank 0 every
+    warn_interval_s while it lasts and records it; "fail" raises an error in the training loop so that the
+    job's scheduler restarts it (a budget too small is an error at start)."""
+    warn_interval_s: float = 60.0
+    """While protection has lapsed, rank 0 repeats its warning this often (seconds)."""
     parity_shards: int = 1
     """m: members of a parity group that may be lost (Reed-Solomon parity shares)."""
     parity_group_size: int = 0
@@ -81,8 +102,15 @@ class ShardsafeConfig:
     run_dir: str = ""
     """Where trainers append TOR events (events.jsonl); empty = SHARDSAFE_RUN_DIR or no event log."""
     persist_dir: str = ""
-    """Persistent tier: holders write committed versions under PERSIST_DIR/JOB_ID/ (empty = SHARDSAFE_PERSIST_DIR,
-    else off)."""
+    """Persistent tier: holders write committed versions under PERSIST_DIR/RUN_NAME/ (run_name; empty =
+    SHARDSAFE_PERSIST_DIR, else off)."""
+    run_name: str = ""
+    """Names the run in the persistent tier: holders flush to PERSIST_DIR/RUN_NAME/ and a restore from disk reads
+    there. The job id scopes what lives in memory (holders, sockets, shared memory) and changes with every SLURM
+    requeue or resubmission; the run name stays the same for every allocation of one run, so a requeued or
+    resubmitted job finds the versions its predecessor flushed. Empty: SHARDSAFE_RUN_NAME (the sbatch scripts set
+    it from SS_RUN_NAME), else the job id. 1-64 of the characters A-Z a-z 0-9 . _ -; the run fingerprint keeps
+    another run that reuses the name from restoring (docs/operations.md "Run names")."""
     persist_every: int = 10
     """Flush every K-th snapshot (in snapshots, not steps) when persist_dir is set."""
     persist_keep: int = 2
@@ -103,7 +131,8 @@ class ShardsafeConfig:
     checkpoint yet (a crash before the first save), load_checkpoint returns the client state such a program would
     have saved at the snapshot's step, in its layout: "neox" (GPT-NeoX), "megatron-deepspeed", "none" (DeepSpeed's
     own answer, (None, None): for programs that loop from ``engine.global_steps``), or "auto" (recognised from the
-    ``args`` given to deepspeed.initialize; else "none"). docs/deepspeed.md "Resume contract"."""
+    ``args`` given to deepspeed.initialize; else "none"). docs/deepspeed.md "Resuming through the program's own restart
+    logic"."""
     export_dir: str = ""
     """Export run: right after the restore at start, write the restored state with the framework's own checkpoint
     writer into this directory and exit before training. Set by `shardsafe export ... -- COMMAND` through
@@ -138,6 +167,15 @@ class ShardsafeConfig:
             raise ConfigError(f"shardsafe.persist_mbps must be >= 0 MB/s (0 = uncapped); got {self.persist_mbps}.")
         if self.timeout_s <= 0:
             raise ConfigError(f"shardsafe.timeout_s must be > 0 seconds; got {self.timeout_s}.")
+        if self.resume not in RESUME:
+            raise ConfigError(f"shardsafe.resume must be one of {', '.join(map(repr, RESUME))}; got {self.resume!r}.")
+        if self.on_unprotected not in ON_UNPROTECTED:
+            raise ConfigError(f"shardsafe.on_unprotected must be one of {', '.join(map(repr, ON_UNPROTECTED))}; got "
+                              f"{self.on_unprotected!r}.")
+        if self.warn_interval_s <= 0:
+            raise ConfigError(f"shardsafe.warn_interval_s must be > 0 seconds; got {self.warn_interval_s}.")
+        if not self.restore:
+            self.resume = "never"
         if self.holder_idle_exit_s < 0:
             raise ConfigError(f"shardsafe.holder_idle_exit_s must be >= 0 seconds (0 = the holder never exits on its "
                               f"own); got {self.holder_idle_exit_s}.")
@@ -151,10 +189,26 @@ class ShardsafeConfig:
             self.run_dir = os.environ.get("SHARDSAFE_RUN_DIR", "")
         if not self.persist_dir:
             self.persist_dir = os.environ.get(ENV_PERSIST_DIR, "")
+        self._resolve_run_name()
         if not self.export_dir:
             self.export_dir = os.environ.get(ENV_EXPORT_DIR, "")
         if self.enabled:
             self._check_launcher_budget()
+
+    def _resolve_run_name(self) -> None:
+        where = "shardsafe.run_name"
+        if not self.run_name and os.environ.get(ENV_RUN_NAME):
+            self.run_name, where = os.environ[ENV_RUN_NAME], f"{ENV_RUN_NAME} (the default of shardsafe.run_name)"
+        # a directory name under persist_dir: one path component, never '.' or '..'
+        if self.run_name and (not _RUN_NAME.fullmatch(self.run_name) or self.run_name.strip(".") == ""):
+            raise ConfigError(f"{where} must be 1-64 of the characters A-Z a-z 0-9 . _ - (and not only dots): it names "
+                              f"the run's directory under persist_dir; got {self.run_name!r}. Choose a name such as "
+                              "'gpt-1b-lr3e-4' (the sbatch scripts: SS_RUN_NAME).")
+
+    @property
+    def persist_name(self) -> str:
+        """The run's directory under persist_dir: run_name, else the job id."""
+        return self.run_name or self.job_id
 
     def _check_launcher_budget(self) -> None:
         """Under a launcher that started the holders, a budget in the config must be the holders' budget."""

@@ -18,7 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .launch.local import PRELOAD_DEEPSPEED, PRELOAD_MEGATRON, LaunchConfig, LocalLauncher
+from .cliargs import hidden_alias, whole
+from .errors import ConfigError
+from .launch.local import LaunchConfig, LocalLauncher
+from .launch.cli import fault_spec_arg, preload_arg
+from .launch.presets import PRESETS
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -89,8 +93,9 @@ class _Plan:
 def _plan(a: argparse.Namespace, world: int) -> _Plan:
     if a.engine == "megatron":
         if world % (a.tp * a.pp):
-            raise SystemExit(f"--tp {a.tp} x --pp {a.pp} does not divide the {world} ranks "
-                             f"(--nodes {a.nodes} x --nproc-per-node {a.nproc_per_node})")
+            raise ConfigError(f"--tp {a.tp} x --pp {a.pp} does not divide the {world} ranks "
+                              f"(--nnodes {a.nodes} x --nproc-per-node {a.nproc_per_node}); pick sizes whose "
+                              "product divides it")
         return _Plan(str(EXAMPLES / "megatron_pretrain_gpt.py"),
                      ["--steps", str(a.steps), "--tp", str(a.tp), "--pp", str(a.pp)] + (["--bf16"] if a.dtype == "bf16" else []),
                      f"TP{a.tp} x PP{a.pp} x DP{world // (a.tp * a.pp)}, DistributedOptimizer, {a.dtype}",
@@ -99,7 +104,8 @@ def _plan(a: argparse.Namespace, world: int) -> _Plan:
     if a.engine == "deepspeed-3d":
         pp = a.pp if a.pp > 1 else 2
         if world % pp:
-            raise SystemExit(f"--pp {pp} does not divide the {world} ranks")
+            raise ConfigError(f"--pp {pp} does not divide the {world} ranks (--nnodes {a.nodes} x --nproc-per-node "
+                              f"{a.nproc_per_node}); pick a stage count that divides it")
         stage = 0 if a.dtype == "bf16" else 1   # bf16 with stage 0 under a pipeline is BF16_Optimizer; fp32: ZeRO-1
         return _Plan(str(EXAMPLES / "ds_pretrain_gpt.py"),
                      ["--steps", str(a.steps), "--pp", str(pp), "--zero-stage", str(stage), "--dtype", a.dtype],
@@ -123,23 +129,39 @@ def _tor_summary(run_dir: str, measured: float) -> dict[str, Any]:
         return {"tor_report": f"TOR report unavailable: {e}"}
 
 
-def run_demo(a: argparse.Namespace) -> dict[str, Any]:
-    from .runcheck import compare_runs
-    keep = bool(a.run_dir)
-    base = a.run_dir or tempfile.mkdtemp(prefix="shardsafe-demo-")
-    ref_dir, run_dir = os.path.join(base, "reference"), os.path.join(base, "run")
-    for d in (ref_dir, run_dir):
-        shutil.rmtree(d, ignore_errors=True)
+def _resolve(a: argparse.Namespace) -> _Plan:
+    """Fill in the engine's defaults and check every argument before anything starts (ConfigError: a usage
+    error, said in one line)."""
     if a.nodes is None or a.nproc_per_node is None:
         # DeepSpeed's pipeline topology puts a stage's data-parallel ranks on consecutive ranks: one rank per node
         # keeps each stage's parity group on distinct nodes.
         dn, dp = (4, 1) if a.engine == "deepspeed-3d" else (2, 2)
         a.nodes = dn if a.nodes is None else a.nodes
         a.nproc_per_node = dp if a.nproc_per_node is None else a.nproc_per_node
-    world = a.nodes * a.nproc_per_node
     if a.steps is None:
         a.steps = 40 if a.engine == "megatron" else 100
-    plan = _plan(a, world)
+    if a.steps < 3 and not a.inject:
+        raise ConfigError(f"--steps {a.steps}: the demo kills a rank at 2/5 of the run and a node at 3/4; pass "
+                          "--steps 3 or more, or your own --inject")
+    if a.kill_at and a.kill_at >= a.steps:
+        raise ConfigError(f"--kill-at {a.kill_at}: expected a step before the last (< --steps {a.steps}), or 0 for "
+                          "2/5 of the run")
+    from .launch.holders import budget_problem
+    problem = budget_problem(a.memory_budget_gb)
+    if problem:
+        raise ConfigError(problem)
+    return _plan(a, a.nodes * a.nproc_per_node)
+
+
+def run_demo(a: argparse.Namespace) -> dict[str, Any]:
+    from .runcheck import compare_runs
+    plan = _resolve(a)
+    world = a.nodes * a.nproc_per_node
+    keep = bool(a.run_dir)
+    base = a.run_dir or tempfile.mkdtemp(prefix="shardsafe-demo-")
+    ref_dir, run_dir = os.path.join(base, "reference"), os.path.join(base, "run")
+    for d in (ref_dir, run_dir):
+        shutil.rmtree(d, ignore_errors=True)
     inject = a.inject or (f"kill-rank:{world - 1}@{a.kill_at or (a.steps * 2) // 5};"
                           f"kill-node:node{a.nodes - 1}@{(a.steps * 3) // 4}")
     job = f"demo{os.getpid()}"
@@ -155,10 +177,7 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
     say(f"      done in {r0.wall_s:.1f} s")
     say(f"[2/3] protected run: snapshot every step into one holder per node, parity across nodes; "
         f"injected faults: {inject} (a SIGKILLed trainer, then a whole node: its trainers and holder)")
-    if a.preload is None:
-        preload = PRELOAD_MEGATRON if a.engine == "megatron" else PRELOAD_DEEPSPEED
-    else:
-        preload = tuple(m.strip() for m in a.preload.split(",") if m.strip())
+    preload = PRESETS["megatron" if a.engine == "megatron" else "deepspeed"] if a.preload is None else a.preload
     run = LocalLauncher(LaunchConfig(nodes=a.nodes, nproc_per_node=a.nproc_per_node, job_id=job, run_dir=run_dir,
                                      inject=inject, max_restarts=3, memory_budget_gb=a.memory_budget_gb,
                                      preload=preload))
@@ -232,22 +251,32 @@ def register_cli(sub) -> None:
                    help="deepspeed: examples/ds_pretrain_gpt.py (ZeRO); deepspeed-3d: the same GPT as a DeepSpeed "
                         "PipelineModule (PP x DP, tied embedding; BF16_Optimizer in bf16, ZeRO-1 in fp32); megatron: "
                         "examples/megatron_pretrain_gpt.py (megatron-core GPT, DDP + DistributedOptimizer, TP/PP/DP)")
-    p.add_argument("--steps", type=int, default=None, help="default: 100 (deepspeed, deepspeed-3d), 40 (megatron)")
-    p.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3], help="deepspeed only")
-    p.add_argument("--tp", type=int, default=2, help="megatron only: tensor-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="megatron: pipeline-parallel size; deepspeed-3d: stages "
-                                                      "(default 2)")
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
-    p.add_argument("--nodes", type=int, default=None, help="default: 2 (4 with deepspeed-3d)")
-    p.add_argument("--nproc-per-node", type=int, default=None, help="default: 2 (1 with deepspeed-3d)")
-    p.add_argument("--kill-at", type=int, default=0, help="step at which the last rank is SIGKILLed")
-    p.add_argument("--inject", default="", help="fault spec overriding --kill-at (see shardsafe.faults)")
-    p.add_argument("--memory-budget-gb", type=float, default=1.0)
-    p.add_argument("--preload", default=None,
-                   help="comma-separated modules the protected run's fork server imports once; its trainers (first "
-                        "start and every restart) are forked from it (shardsafe.launch.prewarm). Default: "
-                        f"{','.join(PRELOAD_DEEPSPEED)} (deepspeed), {','.join(PRELOAD_MEGATRON)} (megatron); "
-                        "'' starts every trainer cold. The reference run always starts cold")
-    p.add_argument("--run-dir", default="", help="keep both runs (event logs included) under this directory")
+    p.add_argument("--steps", type=whole(1, "steps"), default=None,
+                   help="training steps (default: 100 for deepspeed and deepspeed-3d, 40 for megatron)")
+    p.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3], help="deepspeed only: the ZeRO stage")
+    p.add_argument("--tp", type=whole(1), default=2, help="megatron only: tensor-parallel size")
+    p.add_argument("--pp", type=whole(1), default=1, help="megatron: pipeline-parallel size; deepspeed-3d: stages "
+                                                         "(default: 1 for megatron, 2 for deepspeed-3d)")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="training precision")
+    hidden_alias(p, "--nodes", p.add_argument(
+        "--nnodes", dest="nodes", type=whole(1, "nodes"), default=None, metavar="N",
+        help="simulated nodes (default: 2, 4 with deepspeed-3d)"))
+    hidden_alias(p, "--nproc_per_node", p.add_argument(
+        "--nproc-per-node", type=whole(1, "processes"), default=None, metavar="N",
+        help="trainers per node (default: 2, 1 with deepspeed-3d)"))
+    p.add_argument("--kill-at", type=whole(0, "steps"), default=0, metavar="STEP",
+                   help="step at which the last rank is SIGKILLed (default: 0, 2/5 of the run; the last node is "
+                        "lost at 3/4)")
+    p.add_argument("--inject", type=fault_spec_arg, default="", metavar="FAULTS",
+                   help="a fault spec replacing the demo's two faults (default: none; see shardsafe.faults)")
+    p.add_argument("--memory-budget-gb", type=float, default=1.0, metavar="GB", help="memory budget of each holder")
+    p.add_argument("--preload", type=preload_arg, default=None, metavar="PRESET|MODULES",
+                   help="what the protected run's fork server imports once; its trainers (first start and every "
+                        f"restart) are forked from it: a preset ({', '.join(PRESETS)}) or modules separated by commas "
+                        "(default: the engine's preset, megatron or deepspeed; none or '' starts every trainer cold). "
+                        "The reference run always starts cold")
+    p.add_argument("--run-dir", default="",
+                   help="keep both runs (event logs included) under this directory (default: a temporary one, "
+                        "removed at the end)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     p.set_defaults(func=cmd_demo)

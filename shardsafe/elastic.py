@@ -11,13 +11,14 @@ from __future__ import annotations
 import sys
 
 from .launch.agent import AgentOptions, _AgentHooks, _start_fork_server, log, run_agent
-from .launch.cli import (_add_agent_timing, _agent_options, _guarded, _preload_list, _script, _setup_logging,
-                         cmd_agent, cmd_control, cmd_launch, main, register_cli)
+from .launch.cli import (_add_agent_timing, _agent_options, _guarded, _script, _setup_logging, cmd_agent, cmd_control,
+                         cmd_launch, main, register_cli)
 from .launch.controller import Controller, Keys, ProgressTail, _store_client, attempt_base_from_log, publish, split_endpoint
 from .launch.elastic import ElasticConfig, ElasticLauncher, LaunchResult, _kill_tree
 from .launch.errors import EXIT_FATAL, LaunchError
 from .launch.incidents import PRIORITY, Emit, Evidence, IncidentBook, _AttemptState, exit_evidence
 from .launch.markers import CONTROL_DIR, LOG_DIR, MARKER_DIR, _atomic_write, done_ranks, mark_rank_done, notify
+from .launch.presets import preload_modules as _preload_list   # --preload's parser (presets too)
 
 __all__ = [
     "LaunchError", "EXIT_FATAL", "CONTROL_DIR", "MARKER_DIR", "LOG_DIR", "PRIORITY", "log",

@@ -23,8 +23,10 @@ from typing import Any, Optional
 
 FATAL_DIR = "fatal"
 
-FATAL_TYPES = ("shardsafe.errors.ConfigError", "shardsafe.snapshot.restore.RestoreError", "shardsafe.jobid.JobConflict")
-"""Qualified names of the error classes (or their bases) that no restart can fix."""
+FATAL_TYPES = ("shardsafe.errors.ConfigError", "shardsafe.snapshot.restore.RestoreError", "shardsafe.jobid.JobConflict",
+               "shardsafe.holder.paths.HolderSecurityError")
+"""Qualified names of the error classes (or their bases) that no restart can fix (a holder directory of another
+user stays one until someone removes it)."""
 
 
 def is_fatal(exc: BaseException) -> bool:

@@ -21,6 +21,8 @@ Phases of the snapshot's background work (S = the snapshot version):
   kill-parity-block:R@S   ... after the first block of stripes has arrived (mid-exchange)
   kill-parity-after:R@S   ... after its parity shares are sealed, before the commit vote
   kill-commit:R@S         ... after the commit vote agreed on version S, before its holder commits it
+  stall-vote:R@S          rank R's snapshot worker sleeps SHARDSAFE_INJECT_STALL_S seconds (default 10) right before
+                          the commit vote of version S: a rank slower than timeout_s, the others' vote times out
 Phases of a restore (S = the version being restored, 0 = whichever):
   kill-restore-rebuild:R@S  SIGKILL rank R in a parity rebuild, after the stripes arrived, before the seal
   kill-restore-verify:R@S   ... after its copy verified, before the vote
@@ -48,6 +50,7 @@ class FaultKind(enum.Enum):
     KILL_PARITY_BLOCK = "kill-parity-block"
     KILL_PARITY_AFTER = "kill-parity-after"
     KILL_COMMIT = "kill-commit"
+    STALL_VOTE = "stall-vote"
     KILL_RESTORE_REBUILD = "kill-restore-rebuild"
     KILL_RESTORE_VERIFY = "kill-restore-verify"
     KILL_RESTORE_APPLY = "kill-restore-apply"
@@ -55,7 +58,7 @@ class FaultKind(enum.Enum):
 
 # phase name (as the runtime's layers report it) -> the fault that fires there
 PHASES = {"parity-before": FaultKind.KILL_PARITY_BEFORE, "parity-block": FaultKind.KILL_PARITY_BLOCK,
-          "parity-after": FaultKind.KILL_PARITY_AFTER, "commit": FaultKind.KILL_COMMIT,
+          "parity-after": FaultKind.KILL_PARITY_AFTER, "commit": FaultKind.KILL_COMMIT, "vote": FaultKind.STALL_VOTE,
           "restore-rebuild": FaultKind.KILL_RESTORE_REBUILD, "restore-verify": FaultKind.KILL_RESTORE_VERIFY,
           "restore-apply": FaultKind.KILL_RESTORE_APPLY}
 _ANY_VERSION = {FaultKind.KILL_RESTORE_REBUILD, FaultKind.KILL_RESTORE_VERIFY, FaultKind.KILL_RESTORE_APPLY}
@@ -112,41 +115,47 @@ def _record(kind: str, rank: int, step: int) -> None:
 
 
 class Injector:
-    """The fault (if any) this rank's engine ``scope`` ("" the process's first) must suffer in this attempt."""
+    """The faults (if any) this rank's engine ``scope`` ("" the process's first) must suffer in this attempt."""
 
     def __init__(self, rank: int, spec: str | None = None, attempt: int | None = None, *, scope: str = ""):
         faults = parse(os.environ.get("SHARDSAFE_INJECT", "") if spec is None else spec)
         attempt = current_attempt() if attempt is None else attempt
         self.rank = rank
         target = f"{rank}:{scope}" if scope else str(rank)
-        self.fault = next((f for f in for_attempt(faults, attempt) if f.kind not in NODE_FAULTS
-                           and f.target == target), None)
+        self.faults = [f for f in for_attempt(faults, attempt) if f.kind not in NODE_FAULTS and f.target == target]
+
+    @property
+    def fault(self) -> "Fault | None":
+        """The first of them (most attempts have one)."""
+        return self.faults[0] if self.faults else None
 
     def before_step(self, step: int) -> None:
-        f = self.fault
-        if f is None or f.step != step:
-            return
-        if f.kind == FaultKind.KILL_RANK:
-            _record(str(f), self.rank, step)
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif f.kind == FaultKind.HANG_RANK:
-            _record(str(f), self.rank, step)
-            os.kill(os.getpid(), signal.SIGSTOP)
+        for f in self.faults:
+            if f.step != step:
+                continue
+            if f.kind == FaultKind.KILL_RANK:
+                _record(str(f), self.rank, step)
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif f.kind == FaultKind.HANG_RANK:
+                _record(str(f), self.rank, step)
+                os.kill(os.getpid(), signal.SIGSTOP)
 
     def phase(self, name: str, version: int) -> None:
         """Called by the snapshot pipeline, the parity exchange and the restore at their named phases."""
-        f = self.fault
-        if f is None or f.kind is not PHASES.get(name):
-            return
-        if f.step == version or (f.step == 0 and f.kind in _ANY_VERSION):
+        for f in self.faults:
+            if f.kind is not PHASES.get(name) or not (f.step == version or (f.step == 0 and f.kind in _ANY_VERSION)):
+                continue
+            if f.kind is FaultKind.STALL_VOTE:   # slow, not dead: the attempt goes on
+                time.sleep(float(os.environ.get("SHARDSAFE_INJECT_STALL_S", "10")))
+                continue
             _record(str(f), self.rank, version)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def copy_progress(self, version: int, fraction: float) -> None:
-        f = self.fault
-        if f is not None and f.kind == FaultKind.KILL_COPY and f.step == version and fraction >= 0.5:
-            _record(str(f), self.rank, version)
-            os.kill(os.getpid(), signal.SIGKILL)
+        for f in self.faults:
+            if f.kind == FaultKind.KILL_COPY and f.step == version and fraction >= 0.5:
+                _record(str(f), self.rank, version)
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 def flush_fault(node: str, spec: str | None = None) -> "Fault | None":

@@ -1,9 +1,15 @@
 """The persistent tier: committed snapshot versions on disk, written by holders off the training path.
 
-Layout (one directory per job; a version is complete when every rank's manifest is there)::
+Layout (one directory per run; a version is complete when every rank's manifest is there)::
 
-    PERSIST_DIR/JOB_ID/v000000000120/rank000003.bin    payload bytes (as in holder memory)
-    PERSIST_DIR/JOB_ID/v000000000120/rank000003.json   the rank's manifest (checksums, layout, meta)
+    PERSIST_DIR/RUN_NAME/v000000000120/rank000003.bin    payload bytes (as in holder memory)
+    PERSIST_DIR/RUN_NAME/v000000000120/rank000003.json   the rank's manifest (checksums, layout, meta)
+
+RUN_NAME is ``shardsafe.run_name`` (SHARDSAFE_RUN_NAME; the sbatch scripts' SS_RUN_NAME), else the job id; a
+program with several protected engines adds one directory per engine (``RUN_NAME/engine1``). The directory
+is keyed by the run, not the job id, because the job id changes with every SLURM requeue
+(``SLURM_RESTART_COUNT``) and resubmission (``SLURM_JOB_ID``) while the disk tier must outlive both: a
+requeued or resubmitted job starts with empty holders and restores from here (docs/slurm.md).
 
 Each file is written under a temporary name, fsynced and renamed, the manifest last, then the
 directory is fsynced: a rank's files are either complete or absent. Restore verifies every xxh3
@@ -32,6 +38,11 @@ class PersistError(OSError, ShardsafeError):
 
 @dataclass(frozen=True)
 class PersistentStore:
+    """Args:
+        root: the persistent directory (``shardsafe.persist_dir``).
+        job_id: the run's directory under it: the run name (``ShardsafeConfig.persist_name``), with ``/SCOPE`` for
+            a program's second and later engines.
+    """
     root: str
     job_id: str
 
@@ -123,6 +134,26 @@ class PersistentStore:
             except OSError:
                 pass   # other ranks' files are still there
         return gone
+
+    def drop_rank(self, rank: int) -> int:
+        """Remove every file of this rank (``resume: never``: the run starts fresh and its old versions must never
+        be restored); returns the versions removed."""
+        n = 0
+        for v in self.versions():
+            found = False
+            for p in self.paths(v, rank):
+                for q in (p, p + ".tmp"):
+                    try:
+                        os.unlink(q)
+                        found = True
+                    except FileNotFoundError:
+                        pass
+            n += found
+            try:
+                os.rmdir(self.version_dir(v))
+            except OSError:
+                pass   # other ranks' files are still there
+        return n
 
     # ---- read (restore side) ------------------------------------------------------------------------
     def open(self, version: int, rank: int) -> tuple[dict, mmap.mmap]:

@@ -93,8 +93,8 @@ def resume_problems(run_dir: str, world: int, *, events_file: str = "events.json
 def flatten_state(prefix: str, obj: Any) -> dict[str, torch.Tensor]:
     """A framework's own ``state_dict()`` (nested dicts, lists, tensors and plain values) as named tensors, so the
     final-state comparison covers what the framework reports and not only what an adapter captures: tensors as
-    they are, numbers as 0-d float64/int64/bool tensors (bit-exact), anything else as the bytes of its JSON (or
-    ``repr``) text."""
+    they are, numbers as 0-d float64/int64/bool tensors (bit-exact), objects (a loss scaler) by their attributes,
+    anything else as the bytes of its JSON (or ``repr``) text."""
     out: dict[str, torch.Tensor] = {}
 
     def walk(name: str, v: Any) -> None:
@@ -112,11 +112,13 @@ def flatten_state(prefix: str, obj: Any) -> dict[str, torch.Tensor]:
             out[name] = torch.tensor(v, dtype=torch.int64)
         elif isinstance(v, float):
             out[name] = torch.tensor(v, dtype=torch.float64)
+        elif hasattr(v, "__dict__") and not callable(v):   # e.g. fp16's loss scaler object: its attributes
+            walk(f"{name}/{type(v).__name__}", {k: x for k, x in vars(v).items() if not k.startswith("__")})
         else:
             try:
                 text = json.dumps(v)
             except (TypeError, ValueError):
-                text = repr(v)
+                text = type(v).__name__ if "object at 0x" in repr(v) else repr(v)
             out[name] = torch.tensor(list(text.encode()), dtype=torch.uint8)
 
     walk(prefix, obj)

@@ -9,6 +9,7 @@ recorded as TOR events and skipped.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import subprocess
@@ -17,8 +18,11 @@ from abc import ABC, abstractmethod
 from datetime import timedelta
 from typing import Any, Optional
 
+from . import collectives, fingerprint
 from .collectives import mesh_advice
+from .hierarchy import Hierarchy, Topology
 from .payload import checksum
+from .payload import manifest as mf
 from .config import ENV_HOLDER_BUDGET, ConfigError, ShardsafeConfig
 from .persist import PersistentStore
 from .parity.exchange import ExchangeError, ParityExchange, gather_places, plan_parity
@@ -30,6 +34,7 @@ from .holder.client import HolderClient, HolderUnavailable, connect_or_start
 from .holder.paths import HolderPaths
 from .holder.protocol import HolderFailure
 from .jobid import claim
+from .protection import Cause, Protection, budget_problem
 from .snapshot.restore import Collectives, RestoreResult, new_timeline, restore_from_holder
 from .snapshot.pipeline import GlooAgreement, LocalAgreement, SnapshotPipeline
 from .snapshot.state import StateAdapter
@@ -92,6 +97,11 @@ class BaseRuntime(ABC):
         """Wait until the last submitted snapshot is sealed and voted on; True if it committed."""
         return True
 
+    def banner(self) -> str:
+        """Collective-free, after :meth:`try_restore`: the protection state rank 0 states at start ("protected
+        (...)" or "NOT protected: why"). Raises for ``on_unprotected: fail`` when the run cannot be protected."""
+        return f"run by {type(self).__name__}, which keeps no protection state"
+
     @property
     def stall_total_s(self) -> float:
         """Seconds the training loop has spent blocked by snapshots so far."""
@@ -119,10 +129,13 @@ class Runtime(BaseRuntime):
     def __init__(self, cfg: ShardsafeConfig, *, rank: int, world_size: int, coords: dict[str, int] | None = None,
                  scope: str = ""):
         self.cfg, self.rank, self.world_size, self.scope = cfg, rank, world_size, scope
-        # The persistent tier keeps each engine's versions in its own directory under the job's.
-        self.persist_job_id = f"{cfg.job_id}/{scope}" if scope else cfg.job_id
+        # The persistent tier keeps each engine's versions in its own directory under the run's (run_name, which
+        # outlives the job id across SLURM requeues and resubmissions; else the job id).
+        self.persist_job_id = f"{cfg.persist_name}/{scope}" if scope else cfg.persist_name
         self.events = _event_log(cfg, rank) if not scope else _ScopedEvents(_event_log(cfg, rank), scope)
         self.injector = Injector(rank, scope=scope)
+        self.protection = Protection(rank=rank, interval=cfg.interval, on_unprotected=cfg.on_unprotected,
+                                     emit=self.events.emit, warn_interval_s=cfg.warn_interval_s)
         self.paths = HolderPaths(cfg.holder_dir, cfg.job_id, cfg.node)
         self.client: Optional[HolderClient] = None
         # Two running jobs that derived the same id must not share a holder (shardsafe.jobid): JobConflict.
@@ -132,24 +145,28 @@ class Runtime(BaseRuntime):
                                            timeout_s=cfg.timeout_s, idle_exit_s=cfg.holder_idle_exit_s,
                                            run_dir=cfg.run_dir, scope=scope)
         except (HolderUnavailable, OSError) as e:
-            log.warning("[rank %d] no holder for job %s on node %s (%s): training runs unprotected", rank,
+            self.protection.stand(Cause.NO_HOLDER, f"rank {rank}: no holder for job {cfg.job_id} on node {cfg.node} "
+                                                   f"({e})")
+            log.warning("[rank %d] no holder for job %s on node %s (%s): this rank is NOT protected", rank,
                         cfg.job_id, cfg.node, e)
         group = None
+        self.coll = Collectives(None, world_size)
+        self.exchange = None
+        self.nodes: list[str] | None = None
+        self._vote_hier = None
         if world_size > 1:
             import torch.distributed as dist
             advice = mesh_advice(world_size, os.environ)
             if advice and rank == 0:
                 log.warning("[rank 0] %s", advice)
-            # A dedicated gloo group: snapshot votes run in a background thread, never on the
-            # training communicator (NCCL on GPU), and time out on their own.
+            # A dedicated gloo group for the slots placement moves point to point; every vote and gather runs on the
+            # hierarchies below (node-local groups, then the node leaders). None of them is the training
+            # communicator (NCCL on GPU), and they time out on their own.
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
-        self.coll = Collectives(group, world_size)
-        self.exchange = None
-        self.nodes: list[str] | None = None
-        if world_size > 1:
             c = {"dp": rank, "tp": 0, "pp": 0, **(coords or {})}
-            places = gather_places(rank, world_size, cfg.node, c["dp"], c["tp"], c["pp"], group=group)
+            places, topo = self._places(group, c)
             self.nodes = [p.node for p in places]
+            self._vote_hier = Hierarchy(self._store, f"{self._prefix}/vote", topo, rank, cfg.timeout_s)
             try:
                 plan = plan_parity(places, group_size=cfg.parity_group_size, parity_shards=cfg.parity_shards)
             except TopologyError as e:
@@ -163,7 +180,8 @@ class Runtime(BaseRuntime):
                                 cfg.parity_group_size, max(sizes))
             if plan is not None:
                 try:
-                    self.exchange = ParityExchange(plan, rank, timeout_s=cfg.timeout_s, transport=cfg.parity_transport)
+                    self.exchange = ParityExchange(plan, rank, timeout_s=cfg.timeout_s, transport=cfg.parity_transport,
+                                                   store=self._store, prefix=f"{self._prefix}/parity")
                 except ExchangeError as e:
                     raise ConfigError(f"shardsafe.{e}") from None   # "parity_transport 'device' needs ..."
                 g = self.exchange.group
@@ -172,10 +190,10 @@ class Runtime(BaseRuntime):
                              "nodes %s", len(plan), g.k, g.m, list(g.members), list(g.nodes))
         self.pipeline = SnapshotPipeline(
             self.client, rank=rank, world_size=world_size, node=cfg.node,
-            agreement=GlooAgreement(group) if world_size > 1 else LocalAgreement(),
+            agreement=GlooAgreement(self._vote_hier) if world_size > 1 else LocalAgreement(),
             on_progress=self.injector.copy_progress, on_event=self.events.emit, reconnect=self._reconnect,
             parity=self.exchange, flush=self._flush_to_disk if cfg.persist_dir else None,
-            hasher=checksum.shared(cfg.hash_threads))
+            hasher=checksum.shared(cfg.hash_threads), interval=cfg.interval)
         self.pipeline.on_phase = self.injector.phase
         if self.exchange is not None:
             self.exchange.on_phase = self.injector.phase
@@ -184,6 +202,34 @@ class Runtime(BaseRuntime):
         self._closed = False
         if world_size > 1:
             _guard_teardown(self)
+
+    def _places(self, group: Any, c: dict) -> tuple[list, Topology]:
+        """Every rank's (node, dp, tp, pp) and which ranks share a node, with the restore's hierarchy built on it.
+        The launcher's node blocks (torchrun's LOCAL_WORLD_SIZE x GROUP_WORLD_SIZE) build the hierarchy before any
+        message, and the places travel over it; without them, one world all-gather over ``group`` says where every
+        rank is. The nodes' names decide in the end (two agents on one host are one failure domain)."""
+        import torch.distributed as dist
+        from .parity.topology import RankPlace
+        self._store = dist.distributed_c10d._get_default_store()
+        self._prefix = f"shardsafe/{self.scope or 'engine0'}/{next(_RUNTIMES)}"
+        rank, world = self.rank, self.world_size
+        topo = Topology.from_launcher(os.environ, world, rank)
+        if topo is None:
+            places = gather_places(rank, world, self.cfg.node, c["dp"], c["tp"], c["pp"], group=group)
+            topo = Topology.from_names([p.node for p in places])
+        else:
+            hier = Hierarchy(self._store, f"{self._prefix}/restore", topo, rank, self.cfg.timeout_s)
+            mine = {"rank": rank, "node": self.cfg.node, "dp": c["dp"], "tp": c["tp"], "pp": c["pp"]}
+            places = [RankPlace(**p) for p in collectives.gather_json(mine, hier)]
+            named = Topology.from_names([p.node for p in places])
+            if named == topo:
+                self.coll = Collectives(group, world, hier=hier)
+                return places, topo
+            hier.close()
+            topo = named
+        self.coll = Collectives(group, world, hier=Hierarchy(self._store, f"{self._prefix}/restore/named", topo, rank,
+                                                             self.cfg.timeout_s))
+        return places, topo
 
     def _flush_due(self, version: int) -> bool:
         return (version // self.cfg.interval) % self.cfg.persist_every == 0
@@ -226,6 +272,7 @@ class Runtime(BaseRuntime):
                         "(the versions the old one held are lost on this node)", self.rank, self.cfg.node, c.holder_pid)
             self.events.emit("holder_restarted", node=self.cfg.node, pid=c.holder_pid)
         self.client = c   # close() closes the live connection, not the broken one
+        self.protection.clear(Cause.NO_HOLDER)
         return c
 
     # ---- the three calls adapters make ------------------------------------------------------------
@@ -236,17 +283,29 @@ class Runtime(BaseRuntime):
                             "rest have defaults).")
         # The slot this trainer mapped while it started (holder/early_open.py), for the first engine's restore.
         early = early_open.take() if not self.scope else None
-        if not self.cfg.restore:
+        # What makes this run this run, before the restore changes any state: every snapshot carries it, and a
+        # snapshot of another run is refused (shardsafe/fingerprint.py).
+        fp = fingerprint.make(adapter.fingerprint())
+        self.pipeline.fingerprint = fp
+        if self.cfg.resume == "never":
             if early is not None:
                 early.discard()
-            self.restored = RestoreResult(message="restore disabled by config", timeline=new_timeline(self.coll))
+            self.events.emit("restore_start")
+            dropped = self._drop_everything()
+            self.events.emit("restore_end", tier="none", version=-1, seconds=0.0, bytes=0,
+                             notes={"resume": "never", "dropped": dropped})
+            self.restored = RestoreResult(message="resume is \"never\": started fresh" + (
+                f" and dropped {dropped} older version(s) of this job" if dropped else ""),
+                timeline=new_timeline(self.coll))
             self.pipeline.timeline = self.restored.timeline
+            self.protection.started(-1)
+            self._check_budget(adapter)
             return self.restored
         emit = self.events.emit
         if self.world_size > 1:
             # Torch elastic may have put this rank on another node than its snapshot: move it first.
             mig = migrate(self.client, rank=self.rank, world_size=self.world_size, node=self.cfg.node,
-                          rank_nodes=self.nodes, group=self.coll.group)
+                          rank_nodes=self.nodes, group=self.coll.group, coll=self.coll.hier)
             if mig.moves:
                 def emit(kind: str, **f: Any) -> None:   # the migration is part of the restore's time
                     if kind == "restore_end":
@@ -256,9 +315,12 @@ class Runtime(BaseRuntime):
         self.restored = restore_from_holder(adapter, self.client, rank=self.rank, coll=self.coll,
                                             on_event=emit, exchange=self.exchange, nodes=self.nodes,
                                             persist=self.persist, on_phase=self.injector.phase,
-                                            h2d=self.cfg.restore_h2d, early=early)
+                                            h2d=self.cfg.restore_h2d, early=early, fingerprint=fp,
+                                            force=self.cfg.resume == "force")
         # Every snapshot of this attempt belongs to the new branch; the restored version counts as committed.
         self.pipeline.timeline = self.restored.timeline
+        self.protection.started(self.restored.version)
+        self._check_budget(adapter)   # after the restore: a restored engine has all of its state
         if self.restored.version >= 0:
             self.pipeline.last_committed = self.restored.version
         if self.rank == 0:
@@ -278,9 +340,83 @@ class Runtime(BaseRuntime):
         return self.last_stall_s
 
     def after_step(self, step: int, adapter: StateAdapter) -> None:
-        if step % self.cfg.interval != 0:
+        if step % self.cfg.interval == 0:
+            self.pipeline.submit(step, adapter.capture())
+        self.protection.report(self.pipeline.take_causes(), self.pipeline.standing_everywhere)
+        try:
+            self.protection.observe(step, self.pipeline.last_committed)   # raises for on_unprotected: fail
+        finally:
+            self._report_state()
+
+    REPORT_EVERY_S = 5.0   # how often a rank leaves its protection state with the holder while nothing changes
+    _reported = (None, float("-inf"))
+
+    def _report_state(self) -> None:
+        """``shardsafe status`` shows every rank's protection state: left with the holder when it changes, else
+        every REPORT_EVERY_S (one small request on the training thread, not every step)."""
+        client, now = self.pipeline.client, time.monotonic()
+        flag, last = self._reported
+        if client is None or (flag == self.protection.protected and now - last < self.REPORT_EVERY_S):
             return
-        self.pipeline.submit(step, adapter.capture())
+        self._reported = (self.protection.protected, now)
+        try:
+            client.report(rank=self.rank, state=self.protection.state())
+        except (HolderFailure, OSError):
+            pass   # the pipeline reconnects; the state is reported again then
+
+    def banner(self) -> str:
+        """What rank 0 says at initialize: protected or not, and why (never a claim that is not true)."""
+        return self.protection.startup_check()
+
+    def _check_budget(self, adapter: StateAdapter) -> None:
+        """Every node's holder must keep two versions (and their parity) of every rank of the node, or the second
+        version never commits and a crash much later restores the first. Collective: every rank reports its need,
+        its holder's budget and what the holder's other engines hold; every rank reaches the same verdict."""
+        _, nbytes = mf.layout(adapter.capture().tensors)
+        nbytes += adapter.pending_state_nbytes()
+        need = 0
+        if self.client is not None:
+            from .holder.segments import round_size
+            from .holder.server import MAX_SLOTS
+            data = nbytes if self.exchange is None else max(nbytes, self.exchange.padded_nbytes(nbytes))
+            share = 0 if self.exchange is None else self.exchange.group.m * self.exchange.group.chunk_size(data)
+            need = MAX_SLOTS * (round_size(data) + (round_size(share) if share else 0))
+        budget, other = -1, 0
+        if self.client is not None:
+            try:
+                st = self.client.status()
+                budget = int(st.get("budget", -1))
+                other = int(st.get("used", 0)) - int((st.get("used_by_scope") or {}).get(self.scope, st.get("used", 0)))
+            except HolderFailure as e:
+                log.warning("[rank %d] the holder's budget could not be read: %s", self.rank, e)
+        rows = self.coll.gather_ints([need, budget, max(other, 0), int(self.client is not None)])
+        missing = [r for r, row in enumerate(rows) if not row[3]]
+        if missing and self.client is not None:   # every rank knows, so rank 0 never claims protection
+            self.protection.stand_until_commit(Cause.NO_HOLDER, f"rank(s) {missing[:8]}"
+                                               + ("..." if len(missing) > 8 else "") + " have no holder")
+        nodes = self.nodes or [self.cfg.node]
+        problem = budget_problem([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], nodes)
+        if problem is None:
+            return
+        if self.cfg.on_unprotected == "fail":
+            raise ConfigError(f"shardsafe: {problem}; on_unprotected is \"fail\", so the run does not start "
+                              "unprotected.")
+        self.protection.stand(Cause.BUDGET, problem)
+
+    def _drop_everything(self) -> int:
+        """``resume: never``: every version this rank keeps, in its holder and on disk, goes."""
+        n = 0
+        if self.client is not None:
+            try:
+                for kind in ("data", "parity"):
+                    for v in self.client.sealed_versions(self.rank, kind):
+                        self.client.drop(rank=self.rank, version=v, kind=kind)
+                        n += 1
+            except HolderFailure as e:
+                log.warning("[rank %d] resume \"never\": older versions not dropped from the holder: %s", self.rank, e)
+        if self.persist is not None:
+            n += self.persist.drop_rank(self.rank)
+        return n
 
     def on_exit(self, step: int, adapter: StateAdapter) -> None:
         """The job is leaving after ``step`` (the framework's exit signal, exit interval or duration). Snapshot
@@ -330,6 +466,9 @@ class Runtime(BaseRuntime):
         self._closed = True
         _LIVE.discard(self)
         self.pipeline.close()
+        for h in (self._vote_hier, self.coll.hier):
+            if isinstance(h, Hierarchy):
+                h.close()
         if self.client is not None:
             self.client.close()
 
@@ -342,6 +481,10 @@ def engine_scope(ordinal: int) -> str:
         raise ConfigError(f"engine ordinal must be >= 0, got {ordinal}")
     return f"engine{ordinal}" if ordinal else ""
 
+
+# Runtimes this process built: each one's groups get their own keys in the job's store (every rank builds the same
+# runtimes in the same order).
+_RUNTIMES = itertools.count()
 
 # Runtimes not yet closed. A program that knows nothing of shardsafe (automatic activation) ends with
 # torch.distributed.destroy_process_group() while the last snapshot's commit vote may still run on shardsafe's

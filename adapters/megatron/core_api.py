@@ -10,6 +10,7 @@ between them). Megatron-LM's own loop drives the same :class:`shardsafe.runtime.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Mapping, MutableMapping, Optional
 
 from shardsafe.config import ConfigError, ShardsafeConfig
@@ -20,6 +21,8 @@ from shardsafe.tor.events import NullEventLog
 from ..megatron_args import config_from_args
 from .state import MegatronStateAdapter
 from .state_checks import parity_coordinates
+
+log = logging.getLogger(__name__)
 
 # Where the runtime has no event log (disabled, a test double): emits nothing.
 _NO_EVENTS = NullEventLog()
@@ -204,6 +207,7 @@ def protect(model_chunks: Any, optimizer: Any, scheduler: Any, cfg: Any, *,
     undo = wrap_optimizer_step(optimizer, runtime.before_step, get_iteration)
     try:
         restored = runtime.try_restore(adapter)
+        _say_state(runtime, conf)
     except BaseException:
         undo()
         runtime.close()
@@ -381,3 +385,13 @@ def protection_of(optimizer: Any) -> Optional[Protection]:
     counters, flush), or None when it is not protected."""
     s = _SESSIONS.get(id(optimizer))
     return s.protection if s is not None else None
+
+
+def _say_state(runtime: BaseRuntime, cfg: ShardsafeConfig) -> None:
+    """Rank 0's one line at start: protected or not, and why (on_unprotected "fail" raises here on every rank)."""
+    import torch.distributed as dist
+    state = runtime.banner()
+    if (not dist.is_initialized()) or dist.get_rank() == 0:
+        how = runtime.restored.message if runtime.restored is not None else ""
+        log.warning("shardsafe: Megatron training is %s (in-memory snapshots every %d iteration(s), job %s); "
+                    "--shardsafe-enabled off turns protection off. %s", state, cfg.interval, cfg.job_id, how)

@@ -23,7 +23,7 @@ from shardsafe.snapshot.state import RankState
 
 from ..megatron_args import compose_extra_args_provider, config_from_args
 
-from .core_api import _NO_EVENTS, default_runtime_factory, wrap_optimizer_step
+from .core_api import _NO_EVENTS, _say_state, default_runtime_factory, wrap_optimizer_step
 from .state import MegatronStateAdapter
 
 log = logging.getLogger("shardsafe.megatron")
@@ -81,7 +81,8 @@ class _HookState:
         self.runtime = self.runtime_factory(cfg)  # ConfigError (parity placement) here, on every rank
         self.events = self.runtime.events
         self.undo_step = wrap_optimizer_step(optimizer, self.runtime.before_step, lambda: self.iteration)
-        restored = self._restore(args) if cfg.restore else None
+        restored = self._restore(args)   # resume "never" (restore false) drops the old versions there
+        _say_state(self.runtime, cfg)
         export_dir = getattr(args, "shardsafe_export_dir", None)
         if export_dir:
             how = self.runtime.restored.message if self.runtime.restored is not None else ""

@@ -174,6 +174,28 @@ class _SnapshotChecks(StateAdapter):
     enumeration (``leaves``, ``_kinds``, ``_groups``, ``_model_param_of``, ``_param_names``,
     ``_persistent_buffers``, ``_coordinates``) and its ``scheduler``, ``extra`` and ``include_rng``."""
 
+    # Parameter-group keys Megatron's OptimizerParamScheduler rewrites every step (and a --load changes): not the
+    # run's identity, which its optimizer config carries.
+    _SCHEDULED_GROUP_KEYS = frozenset({"params", "lr", "weight_decay", "step"})
+
+    def fingerprint(self) -> dict[str, Any]:
+        """shardsafe/fingerprint.py: the model's TransformerConfig and the optimizer's OptimizerConfig (without the
+        volatile keys), this rank's parameters, its parallel layout and the optimizers' static group settings."""
+        from shardsafe.fingerprint import plain, strip_volatile
+        chunk = self.model_chunks[0]
+        model_cfg = getattr(chunk, "config", None) or getattr(getattr(chunk, "module", None), "config", None)
+        opt_cfg = getattr(self.optimizer, "config", None)
+        if opt_cfg is None and self.leaves:
+            opt_cfg = getattr(self.leaves[0], "config", None)
+        params = [[self._param_names.get(id(p), "?"), list(p.shape), str(p.dtype).removeprefix("torch."),
+                   bool(p.requires_grad)] for c in self.model_chunks for p in c.parameters()]
+        coords = self._coordinates() or {}
+        layout = {k: coords.get(k) for k in _COORD_KEYS}
+        groups = [[{k: v for k, v in g.items() if k not in self._SCHEDULED_GROUP_KEYS} for g in self._groups(li)]
+                  for li in range(len(self.leaves))]
+        return {"config": strip_volatile(plain({"model": model_cfg, "optimizer": opt_cfg})), "model": params,
+                "layout": plain(layout), "optimizer": plain({"kinds": self._kinds, "param_groups": groups})}
+
     def validate(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> list[str]:
         """Problems that would stop ``apply`` (empty list = applicable). No communication, no mutation."""
         p: list[str] = []

@@ -2,7 +2,8 @@
 # common.sh — shared by pretrain_deepspeed.sbatch and pretrain_megatron.sbatch (source it; do not run it).
 #
 # What a shardsafe job does inside its allocation (docs/slurm.md):
-#   1. record the allocation (SLURM_RESTART_COUNT: requeue-safe), clear stale completion markers;
+#   1. record the allocation (SLURM_RESTART_COUNT: requeue-safe), clear stale completion markers; name the
+#      run (SS_RUN_NAME: the persistent tier's directory, the same for every requeue and resubmission);
 #   2. start the job controller on the batch host: it serves torch elastic's c10d rendezvous and
 #      writes the launcher's TOR events (RUN_DIR/events.jsonl);
 #   3. start one holder per node of the allocation, spares included, each its own step:
@@ -24,6 +25,7 @@ ss_die() { ss_log "ERROR: $*"; exit 2; }
 
 # ---- knobs ----------------------------------------------------------------------------------------------
 ss_defaults() {
+  ss_run_name
   : "${SS_REPO:=${SLURM_SUBMIT_DIR:-$PWD}}"
   : "${SS_PYTHON:=$(command -v python3 || command -v python)}"
   : "${SS_SPARES:=1}"
@@ -56,6 +58,26 @@ ss_defaults() {
   [ -n "$SS_PYTHON" ] || ss_die "no python found: set SS_PYTHON to the interpreter that has shardsafe installed"
 }
 
+# The run's name keys the persistent tier (PERSIST_DIR/RUN_NAME, shardsafe.run_name), which must outlive the
+# job id: SS_JOB_ID changes with every requeue (SLURM_RESTART_COUNT) and resubmission (SLURM_JOB_ID) and scopes
+# only what lives in memory. Default, first that is set: SS_RUN_NAME; the last component of an SS_RUN_DIR you
+# chose (a resubmission names the same directory); the job name (sbatch --job-name, the script's #SBATCH line),
+# plus _TASKID for an array task. Derived names are made file-name safe; a name you set must already be.
+ss_run_name() {
+  if [ -n "${SS_RUN_NAME:-}" ]; then
+    [[ $SS_RUN_NAME =~ ^[A-Za-z0-9._-]{1,64}$ && $SS_RUN_NAME =~ [^.] ]] ||
+      ss_die "SS_RUN_NAME=$SS_RUN_NAME: expected 1-64 of the characters A-Z a-z 0-9 . _ - (not only dots); it names the run's directory under persist_dir"
+    return 0
+  fi
+  if [ -n "${SS_RUN_DIR:-}" ]; then
+    SS_RUN_NAME=$(basename "$(realpath -m "$SS_RUN_DIR")")
+  else
+    SS_RUN_NAME=${SLURM_JOB_NAME:-shardsafe}${SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}
+  fi
+  SS_RUN_NAME=$(printf '%s' "$SS_RUN_NAME" | tr -c 'A-Za-z0-9._-' '_' | cut -c1-64)
+  [[ $SS_RUN_NAME =~ [^.] ]] || SS_RUN_NAME=shardsafe
+}
+
 # ---- SLURM queries ---------------------------------------------------------------------------------------
 # Nodes the job holds *now* (after a node loss the SLURM_JOB_NODELIST variable is stale).
 ss_live_nodes() {
@@ -83,7 +105,7 @@ ss_setup() {
   # Requeue-safe: the run directory survives a requeue (same SLURM_JOB_ID); markers and notifications of
   # an earlier allocation must not count, its events stay (the controller continues their attempt numbers).
   rm -f "$SS_RUN_DIR"/markers/*.done "$SS_RUN_DIR"/control/*.json "$SS_RUN_DIR"/control/ready
-  echo "$(date -Is) job=$SLURM_JOB_ID restart_count=${SLURM_RESTART_COUNT:-0} nodes=${SLURM_JOB_NODELIST:-?} batch_host=${SLURMD_NODENAME:-?}" \
+  echo "$(date -Is) job=$SLURM_JOB_ID restart_count=${SLURM_RESTART_COUNT:-0} run_name=$SS_RUN_NAME nodes=${SLURM_JOB_NODELIST:-?} batch_host=${SLURMD_NODENAME:-?}" \
     >> "$SS_RUN_DIR/slurm_allocations.log"
   mapfile -t SS_ALL_NODES < <(ss_live_nodes)
   [ "${#SS_ALL_NODES[@]}" -ge 1 ] || ss_die "cannot read the job's node list (scontrol show job $SLURM_JOB_ID)"
@@ -97,19 +119,20 @@ ss_setup() {
   done
   SS_WORLD=$(( SS_NODES * SS_NPROC_PER_NODE ))
   SS_CONTROL="$(ss_node_addr "$batch"):$SS_RDZV_PORT"
-  export SHARDSAFE_RUN_DIR="$SS_RUN_DIR" SHARDSAFE_JOB_ID="$SS_JOB_ID" SHARDSAFE_JOB_START_T="$SS_T0"
+  export SHARDSAFE_RUN_DIR="$SS_RUN_DIR" SHARDSAFE_JOB_ID="$SS_JOB_ID" SHARDSAFE_RUN_NAME="$SS_RUN_NAME" \
+    SHARDSAFE_JOB_START_T="$SS_T0"
   [ -n "$SS_HOLDER_DIR" ] && export SHARDSAFE_HOLDER_DIR="$SS_HOLDER_DIR"
   export PYTHONPATH="$SS_REPO${PYTHONPATH:+:$PYTHONPATH}"
   declare -gA SS_HOLDER_PID=() SS_AGENT_PID=() SS_LOST=()
   ss_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): active ${SS_ACTIVE[*]}; spares ${SS_SPARE_NODES[*]:-none};" \
-         "$SS_WORLD ranks; run dir $SS_RUN_DIR; controller $SS_CONTROL"
+         "$SS_WORLD ranks; run dir $SS_RUN_DIR; run name $SS_RUN_NAME; job id $SS_JOB_ID; controller $SS_CONTROL"
 }
 
 # ---- 2. controller --------------------------------------------------------------------------------------
 ss_start_controller() {
   ss_run "$SS_PYTHON" -m shardsafe.launch control serve --run-dir "$SS_RUN_DIR" --listen "$SS_CONTROL" \
-    --job-id "$SS_JOB_ID" --world-size "$SS_WORLD" --max-restarts "$SS_MAX_RESTARTS" --hang-timeout "$SS_HANG_TIMEOUT" \
-    --grace "$SS_GRACE" --job-start-t "$SS_T0" --requeue-count "${SLURM_RESTART_COUNT:-0}" \
+    --job-id "$SS_JOB_ID" --world-size "$SS_WORLD" --max-restarts "$SS_MAX_RESTARTS" --hang-timeout-s "$SS_HANG_TIMEOUT" \
+    --grace-s "$SS_GRACE" --job-start-t "$SS_T0" --requeue-count "${SLURM_RESTART_COUNT:-0}" \
     >> "$SS_RUN_DIR/logs/controller.log" 2>&1 &
   SS_CONTROLLER_PID=$!
   [ "$SS_DRY_RUN" = 1 ] && return 0
@@ -234,7 +257,7 @@ ss_watch() {
 # ---- 6. end ---------------------------------------------------------------------------------------------
 # Holders stop gracefully: SIGTERM to their *tasks* (scancel --signal on the holder steps), so each writes
 # the flushes still queued (at most 120 s, FLUSH_DRAIN_S) and frees its memory. SIGTERM to a holder's srun
-# would SIGKILL it instead (reference/slurm-local-cluster.md), losing the newest flush. Whatever is still
+# would SIGKILL it after KillWait instead (docs/slurm.md), losing the newest flush. Whatever is still
 # running after SS_HOLDER_STOP_TIMEOUT is ended through its srun.
 ss_stop_holders() {
   local node pid i left steps

@@ -3,7 +3,7 @@
 # (tests/slurm) and for trying scripts/slurm/pretrain_*.sbatch without a cluster: a private munged,
 # slurmctld and N slurmd daemons (one per fake node, SLURM's "multiple slurmd" mode:
 # NodeHostname=localhost, one port and one loopback address 127.0.1.i per node).
-# Recipe: ../../shared/reference/slurm-local-cluster.md (Debian 12, Slurm 22.05, no systemd).
+# Made for Debian 12's Slurm 22.05 without systemd (docs/slurm.md "Trying it without a cluster").
 #
 #   local_cluster.sh up       install slurmctld slurmd slurm-client munge with apt if missing, start;
 #                             prints `export SLURM_CONF=...`

@@ -27,7 +27,7 @@ def _replay_job(src: str, command: list[str], extra: Any, *, holder_dir: str, ti
         job, persist, hdir = src[len("holder://"):], "", holder_dir
     else:
         if not os.path.isdir(src):
-            raise ExportError(f"{src} is not a directory; SRC is a persistent job directory (PERSIST_DIR/JOB_ID) "
+            raise ExportError(f"{src} is not a directory; SRC is a persistent run directory (PERSIST_DIR/RUN_NAME) "
                               "or holder://JOB_ID")
         job_dir = os.path.abspath(src)
         scratch = tempfile.mkdtemp(prefix="shardsafe-export-")
@@ -52,7 +52,7 @@ def export_deepspeed_replay(src: str, dst: str, command: list[str], *, holder_di
     every layout DeepSpeed can save is exported as that DeepSpeed version writes it: pipeline stages, tensor
     and expert parallelism, BF16_Optimizer -- what the offline writer (``export_deepspeed``) does not assemble.
     The command must run the job's layout (world size, pipeline stages, mpu)."""
-    from shardsafe.config import ENV_EXPORT_DIR, ENV_PERSIST_DIR
+    from shardsafe.config import ENV_EXPORT_DIR, ENV_PERSIST_DIR, ENV_RUN_NAME
     dst = os.path.abspath(dst)
 
     if not command:
@@ -61,7 +61,9 @@ def export_deepspeed_replay(src: str, dst: str, command: list[str], *, holder_di
     def extra(job: str, persist: str, hdir: str) -> tuple[list[str], dict[str, str]]:
         env = {ENV_EXPORT_DIR: dst, "SHARDSAFE_JOB_ID": job}
         if persist:
-            env[ENV_PERSIST_DIR] = persist
+            # the directory is named after the run (run_name, else the job id): with no run name from the
+            # environment, the job id names it
+            env.update({ENV_PERSIST_DIR: persist, ENV_RUN_NAME: ""})
         if hdir:
             env["SHARDSAFE_HOLDER_DIR"] = hdir
         return [], env
@@ -82,6 +84,7 @@ def export_megatron(src: str, dst: str, command: list[str], *, holder_dir: str =
     that Megatron version's ``--save`` writes), then exits before training. Megatron checkpoints hold
     the model's own sharding metadata (``sharded_state_dict`` of the live modules), which only the
     model code can produce; hence the replay instead of an offline writer as for DeepSpeed."""
+    from shardsafe.config import ENV_RUN_NAME
     if not command:
         raise ExportError("--format megatron needs the job's launch command after `--` (e.g. `-- torchrun "
                           "--nproc-per-node 8 pretrain_gpt.py ARGS`), with the layout (TP/PP/DP) it was trained at.")
@@ -93,7 +96,7 @@ def export_megatron(src: str, dst: str, command: list[str], *, holder_dir: str =
             flags += ["--shardsafe-persist-dir", persist]
         if hdir:
             flags += ["--shardsafe-holder-dir", hdir]
-        return flags, {}
+        return flags, {ENV_RUN_NAME: ""} if persist else {}   # the job id names the directory (as for DeepSpeed)
 
     _replay_job(src, command, extra, holder_dir=holder_dir, timeout_s=timeout_s)
     marker = os.path.join(dst, "latest_checkpointed_iteration.txt")
@@ -108,7 +111,7 @@ def _stop_holders(holder_dir: str) -> None:
     from shardsafe.holder.client import HolderClient, HolderUnavailable
     from shardsafe.holder.paths import HolderPaths
     try:
-        jobs = os.listdir(holder_dir)
+        jobs = HolderPaths.list_jobs(holder_dir)   # verified: another user's directory is not touched
     except OSError:
         return
     for job in jobs:
@@ -143,8 +146,8 @@ def cmd_export(a: Any) -> int:
         from shardsafe.adapters.ds_export import export_deepspeed
         version, ranks = open_source(a.src, holder_dir=a.holder_dir, version=a.version)
         out = export_deepspeed(ranks, a.dst, version=version, tag=a.tag or None)
-    except ExportError as e:
-        print(f"shardsafe export: {e}", flush=True)
-        return 2
+    except ExportError as e:   # one line on stderr, exit code 2, as the CLI's usage errors
+        from shardsafe.cliargs import usage_error
+        return usage_error("shardsafe export", str(e), hint=False)
     print(f"exported version {version} ({len(ranks)} ranks) as a {a.format} checkpoint: {out}", flush=True)
     return 0

@@ -42,14 +42,14 @@ def _verified(rank: int, manifest: dict, buf, where: str) -> RankSnapshot:
 
 def open_persistent(job_dir: str, version: int | None = None) -> tuple[int, list[RankSnapshot]]:
     """Every rank of ``version`` (default: the newest complete one) from a persistent job directory
-    (``PERSIST_DIR/JOB_ID``)."""
+    (``PERSIST_DIR/RUN_NAME``)."""
     from shardsafe.persist import PersistentStore
     job_dir = os.path.abspath(job_dir)
     store = PersistentStore(os.path.dirname(job_dir), os.path.basename(job_dir))
     versions = store.versions()
     if not versions:
         raise ExportError(f"no snapshot versions under {job_dir} (expected v<iteration>/rank<R>.bin|.json, written "
-                          "by the holders' flush); pass the persistent job directory PERSIST_DIR/JOB_ID.")
+                          "by the holders' flush); pass the persistent run directory PERSIST_DIR/RUN_NAME.")
 
     complete = [v for v in versions if _complete_on_disk(store, v)]
     if version is None:
@@ -130,6 +130,6 @@ def open_source(src: str, *, holder_dir: str = "", version: int | None = None) -
         from shardsafe.config import ShardsafeConfig
         return open_holders(holder_dir or ShardsafeConfig().holder_dir, src[len("holder://"):], version)
     if not os.path.isdir(src):
-        raise ExportError(f"{src} is not a directory; SRC is a persistent job directory (PERSIST_DIR/JOB_ID) "
+        raise ExportError(f"{src} is not a directory; SRC is a persistent run directory (PERSIST_DIR/RUN_NAME) "
                           "or holder://JOB_ID")
     return open_persistent(src, version)

@@ -13,7 +13,7 @@ import time
 from typing import Any, NamedTuple
 
 from ..errors import ConfigError
-from .paths import HolderPaths
+from .paths import ForeignHolder, HolderPaths, open_private, peer_credentials
 from .protocol import (DEFAULT_IDLE_EXIT_S, FLUSH_DRAIN_S, SCOPE_RE, HolderError, HolderFailure, ProtocolError, close_fds,
                        recv_msg, send_msg)
 
@@ -64,6 +64,16 @@ class HolderClient:
 
     # ---- connection -------------------------------------------------------------------------------
     def connect(self) -> "HolderClient":
+        """Connect and say hello. The holder's directories are verified first and the process serving the socket
+        must run as this user (SO_PEERCRED): another user's would receive the job's state and could hand back
+        a self-consistent fake, so nothing is sent to it.
+
+        Raises:
+            HolderUnavailable: no holder answers.
+            UnsafeHolderDir: the holder directory is not private to this user.
+            ForeignHolder: the socket is served by another user's process (also logged at ERROR).
+        """
+        self.paths.check_dir()
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(self.timeout_s)
         try:
@@ -72,6 +82,20 @@ class HolderClient:
             s.close()
             raise HolderUnavailable(f"no holder for job {self.paths.job_id!r} on node {self.paths.node!r} "
                                     f"at {self.paths.socket} ({e.strerror or e})") from None
+        try:
+            pid, uid, _ = peer_credentials(s)
+        except OSError:
+            s.close()
+            raise
+        if uid != os.getuid():
+            s.close()
+            err = ForeignHolder(
+                f"the process serving {self.paths.socket} (pid {pid}) runs as uid {uid}, not as you (uid "
+                f"{os.getuid()}): it is not your holder of job {self.paths.job_id!r}, and shardsafe sent it nothing. "
+                f"Check who made it (ls -la {self.paths.dir}; ps -o user,pid,cmd -p {pid}); remove the socket, or set "
+                "SHARDSAFE_HOLDER_DIR (shardsafe.holder_dir) to a directory of yours")
+            log.error("%s", err)
+            raise err
         self._sock = s
         self._hello()
         return self
@@ -211,6 +235,15 @@ class HolderClient:
     def status(self) -> dict:
         return self.request("status")[0]
 
+    def report(self, *, rank: int, state: dict) -> None:
+        """Leave ``rank``'s protection state with the holder (``shardsafe status`` shows it)."""
+        self.request("report", rank=rank, state=state)
+
+    def reserve(self, *, rank: int, nbytes: int) -> dict:
+        """Tell the holder one version of ``rank`` takes ``nbytes`` (data and parity slots); raises HolderError
+        code "budget" when it cannot keep two versions of every rank that told it."""
+        return self.request("reserve", rank=rank, nbytes=int(nbytes))[0]
+
     def shutdown(self) -> int:
         """Ask the holder to exit; returns how many flushes it still writes to disk before it does."""
         return int(self.request("shutdown")[0].get("pending_flushes", 0))
@@ -282,7 +315,7 @@ def connect_or_start(paths: HolderPaths, *, budget_gb: float, start: bool, timeo
 
     Several local ranks may race here: an flock on the job directory makes exactly one of them
     start the holder. The holder double-forks and ``setsid``s, so neither torchrun's process-group
-    kill nor the deepspeed launcher's tree kill reaches it (reference/deepspeed.md §8).
+    kill nor the deepspeed launcher's tree kill (it signals every descendant) reaches it.
     """
     try:
         return HolderClient(paths, timeout_s=timeout_s, scope=scope).connect()
@@ -290,7 +323,8 @@ def connect_or_start(paths: HolderPaths, *, budget_gb: float, start: bool, timeo
         if not start:
             raise
     paths.ensure_dir()
-    with open(paths.lock, "a") as lk:
+    lk = open_private(paths.lock, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
         fcntl.flock(lk, fcntl.LOCK_EX)
         try:
             return HolderClient(paths, timeout_s=timeout_s, scope=scope).connect()
@@ -306,3 +340,5 @@ def connect_or_start(paths: HolderPaths, *, budget_gb: float, start: bool, timeo
         c = HolderClient(paths, timeout_s=timeout_s, scope=scope).connect()
         c.started_holder = True
         return c
+    finally:
+        os.close(lk)   # releases the lock

@@ -25,7 +25,8 @@ in the restore for who wants that window closed too. A mapping nobody claims is 
 :data:`CLAIM_WAIT_S` (it must not keep memory alive that the holder frees), and a process forked from the
 trainer (a data-loader worker) closes its inherited copy at once.
 
-Only the environment is read: ``SHARDSAFE_JOB_ID`` and ``RANK`` (set by ``shardsafe launch``, the local
+Only the trainer process opens early, not a process it started (a spawn-mode DataLoader worker imports DeepSpeed
+again): :func:`trainer_process`. Only the environment is read: ``SHARDSAFE_JOB_ID`` and ``RANK`` (set by ``shardsafe launch``, the local
 launcher, the sbatch scripts, torchrun), the node and holder directory as the config's defaults derive them
 (:mod:`.paths`). A trainer whose job id or node comes from its config alone opens its slot in the restore, as
 before. ``SHARDSAFE_EARLY_OPEN``: unset or ``1`` maps and verifies, ``map`` only maps (with ``MAP_POPULATE``),
@@ -38,11 +39,11 @@ import mmap
 import os
 import threading
 import time
-from typing import Mapping, NamedTuple, Optional
+from typing import Mapping, MutableMapping, NamedTuple, Optional
 
 from ..errors import ConfigError
 from .client import HolderClient, OpenedSlot
-from .paths import HolderPaths, default_holder_dir, default_node_name
+from .paths import ForeignHolder, HolderPaths, HolderSecurityError, default_holder_dir, default_node_name
 from .protocol import HolderFailure
 
 log = logging.getLogger("shardsafe.holder.early_open")
@@ -52,6 +53,8 @@ ENV_EARLY_OPEN = "SHARDSAFE_EARLY_OPEN"
 CLAIM_WAIT_S = 600.0
 """How long an opened mapping waits for the restore to claim it before it is closed."""
 CONNECT_TIMEOUT_S = 10.0
+ENV_TRAINER = "SHARDSAFE_TRAINER"
+"""``PID:RANK:LOCAL_RANK`` of the trainer process (:func:`trainer_process`); the processes it starts inherit it."""
 _MAP_ONLY = "not verified early (SHARDSAFE_EARLY_OPEN=map)"
 
 
@@ -113,6 +116,10 @@ class EarlyOpen:
                     self.why = f"the holder has no sealed version of rank {self.rank}"
             finally:
                 c.close()
+        except HolderSecurityError as e:   # never used; the client logged a foreign holder, the directory is said here
+            self.why = f"{type(e).__name__}: {e}"
+            if not isinstance(e, ForeignHolder):
+                log.error("[rank %d] early open: %s", self.rank, e)
         except (HolderFailure, OSError, ValueError, KeyError) as e:
             self.why = f"{type(e).__name__}: {e}"
         if slot is not None and self._mf is not None:
@@ -225,9 +232,33 @@ def mode(environ: Mapping[str, str] = os.environ) -> str:
                      "map (map only; the restore verifies) or 0 (off)")
 
 
-def start(environ: Mapping[str, str] = os.environ) -> Optional[EarlyOpen]:
-    """Start this process's early open, once, if the environment names a shardsafe job and a rank; returns it
-    (or the one already started, or None)."""
+def trainer_process(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Whether this process is a trainer and not a process one started with its environment: a DataLoader worker
+    (spawn and forkserver re-import the main script, and DeepSpeed with it) or any subprocess that inherits its
+    ``RANK``. Such a process must not open the rank's snapshot early (it would map the shard and keep its memory
+    alive) nor protect an engine of the trainer's rank (its snapshots would overwrite the trainer's).
+
+    The trainer says so in ``environ`` as it starts using shardsafe (:data:`ENV_TRAINER`: its pid, ``RANK`` and
+    ``LOCAL_RANK``), and the processes it starts inherit that. A process that finds another pid there with its own
+    ``RANK`` and ``LOCAL_RANK`` is one of them. One with other rank variables was started by a launcher for
+    another rank (torch's ``mp.spawn``, Lightning's launcher) and is a trainer itself, as is the process that
+    set it (an ``exec`` keeps the pid). shardsafe's launchers start trainers without the variable. A process
+    without ``RANK`` (a single-process program) is not judged: True, and nothing is set."""
+    if not environ.get("RANK"):
+        return True
+    ranks = f"{environ['RANK']}:{environ.get('LOCAL_RANK', '')}"
+    pid, _, theirs = environ.get(ENV_TRAINER, "").partition(":")
+    if pid and pid != str(os.getpid()) and theirs == ranks:
+        return False
+    environ[ENV_TRAINER] = f"{os.getpid()}:{ranks}"
+    return True
+
+
+def start(environ: MutableMapping[str, str] = os.environ) -> Optional[EarlyOpen]:
+    """Start this process's early open, once, if the environment names a shardsafe job and a rank and this is the
+    trainer process (:func:`trainer_process`); returns it (or the one already started, or None). A holder
+    directory that is not private to this user is logged at ERROR and not used (the trainer's claim of its job id
+    then fails with the same error)."""
     global _current
     job, rank = environ.get("SHARDSAFE_JOB_ID", ""), environ.get("RANK", "")
     try:
@@ -236,13 +267,17 @@ def start(environ: Mapping[str, str] = os.environ) -> Optional[EarlyOpen]:
         # A trainer's start is no place to fail over a speed setting: the strictest mode that still helps.
         log.error("%s; mapping only (the restore verifies)", e)
         how = "map"
-    if not job or not rank.isdigit() or how == "off":
+    if not job or not rank.isdigit() or how == "off" or not trainer_process(environ):
         return None
     with _current_lock:
         if _current is None:
-            paths = HolderPaths(default_holder_dir(environ), job, default_node_name(environ))
-            if not os.path.exists(paths.socket):
-                return None   # no holder for this job on this node (a first start): nothing to open
+            try:
+                paths = HolderPaths(default_holder_dir(environ), job, default_node_name(environ))
+                if not paths.check_dir() or not os.path.exists(paths.socket):
+                    return None   # no holder for this job on this node (a first start): nothing to open
+            except (HolderSecurityError, ConfigError) as e:
+                log.error("[rank %s] early open: %s", rank, e)
+                return None
             _current = EarlyOpen(paths, int(rank), verify=how == "verify").start()
         return _current
 

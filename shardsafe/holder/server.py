@@ -17,6 +17,7 @@ import select
 import signal
 import socket
 import threading
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -68,10 +69,13 @@ class Holder(Serving, BackgroundWork):
                              f"{max_clients}")
         self.paths = paths
         self.budget = int(budget_bytes)
+        # (scope, rank) -> bytes of one version of it (data + parity), as each rank said at its first snapshot
+        self.reserved: dict[Key, int] = {}
+        self.reports: dict[Key, dict] = {}   # (scope, rank) -> its newest protection state
         self.idle_exit_s = idle_exit_s
         self.read_timeout_s = float(read_timeout_s)
         self.max_clients = int(max_clients)
-        self.refused = {"busy": 0, "protocol": 0, "timeout": 0, "hello": 0}   # connections closed, by reason
+        self.refused = {"busy": 0, "protocol": 0, "timeout": 0, "hello": 0, "uid": 0}   # connections closed, by reason
         self.ranks: dict[Key, RankEntry] = {}   # (scope, rank) -> its slots
         self.lock = threading.RLock()
         # Slots being allocated outside the lock (their bytes count against the budget meanwhile), and the
@@ -410,11 +414,52 @@ class Holder(Serving, BackgroundWork):
         with self.lock:
             return {"job_id": self.paths.job_id, "node": self.paths.node, "pid": os.getpid(),
                     "budget": self.budget, "used": self.used_bytes(), "started": self.started,
+                    "used_by_scope": self._used_by_scope(),
+                    "protection": {(f"{sc}/{r}" if sc else str(r)): st for (sc, r), st in sorted(self.reports.items())},
                     "clients": self._clients, "refused": dict(self.refused), "health": "ok" if not self._corrupt() else "corrupt",
                     "corrupt": self._corrupt(), "scrub": dict(self.scrub_stats), "flush": dict(self.flush_stats),
                     "shmem_enabled": shmem_huge_setting(),   # the slots' page size: docs/operations.md
                     **self.list({}),
                     "scopes": {sc: self.list({"scope": sc})["ranks"] for sc in self.scopes() if sc}}
+
+    def reserve(self, req: dict) -> dict:
+        """A rank says how many bytes one version of it takes here (data and parity slots, rounded as allocated):
+        the holder must be able to keep MAX_SLOTS of them for every rank that said so, or the second version never
+        commits and a crash much later restores the first. Refused with code "budget" (the number to raise the
+        budget to in the message) when the node's ranks together need more than the budget."""
+        key = self._key(req)
+        per_version = req_int(req, "nbytes", minimum=0)
+        with self.lock:
+            self.reserved[key] = per_version
+            need = MAX_SLOTS * sum(self.reserved.values())
+            others = sum(s.seg.size for k, e in self.ranks.items() if k not in self.reserved
+                         for lst in e.slots.values() for s in lst)
+            if need + others > self.budget:
+                raise HolderError(
+                    "budget",
+                    f"the holder of node {self.paths.node} (job {self.paths.job_id}) cannot keep {MAX_SLOTS} versions "
+                    f"of its {len(self.reserved)} rank(s) (their data and parity): {need + others} bytes needed, budget "
+                    f"{self.budget} bytes; the second version would never commit, and a crash later would restore the "
+                    f"first one. Raise memory_budget_gb (--memory-budget-gb) to at least {gib_up(need + others):.3f} "
+                    "GiB")
+            return {"reserved": need, "budget": self.budget}
+
+    def report(self, req: dict) -> dict:
+        """A rank's protection state (shardsafe.protection.Protection.state), kept for ``shardsafe status``."""
+        key = self._key(req)
+        state = req.get("state")
+        if not isinstance(state, dict) or len(json.dumps(state)) > 8192:
+            raise HolderError("bad_request", "report needs a JSON object 'state' of at most 8 KiB")
+        with self.lock:
+            self.reports[key] = {**state, "reported": time.time()}
+        return {}
+
+    def _used_by_scope(self) -> dict[str, int]:
+        """Bytes of slots per engine scope (a starting engine checks what the others keep against the budget)."""
+        out: dict[str, int] = {}
+        for (sc, _), e in self.ranks.items():
+            out[sc] = out.get(sc, 0) + sum(s.seg.size for lst in e.slots.values() for s in lst)
+        return out
 
     def _corrupt(self) -> list[dict]:
         return [{"rank": r, "kind": k, "version": s.version, **({"scope": sc} if sc else {})}
@@ -424,7 +469,7 @@ class Holder(Serving, BackgroundWork):
         op = req.get("op")
         if op in ("acquire", "open"):
             return getattr(self, op)(req)
-        if op in ("seal", "commit", "list", "drop", "status", "flush", "scrub"):
+        if op in ("seal", "commit", "list", "drop", "status", "flush", "scrub", "reserve", "report"):
             return getattr(self, op)(req), []
         if op == "hello":
             if req.get("job_id") != self.paths.job_id:
@@ -440,7 +485,7 @@ class Holder(Serving, BackgroundWork):
             with self.lock:
                 return {"pending_flushes": self._flush_pending}, []
         raise HolderError("bad_request", f"unknown op {str(op)[:60]!r}; expected one of acquire, seal, commit, list, "
-                                         "open, drop, flush, scrub, status, hello, shutdown")
+                                         "open, drop, flush, scrub, status, reserve, report, hello, shutdown")
 
     def serve(self, ready: Callable[[], None] | None = None) -> None:
         self.paths.ensure_dir()

@@ -11,6 +11,7 @@ import os
 import socket
 import time
 
+from .paths import peer_credentials
 from .protocol import BadFrame, HolderError, ProtocolError, close_fds, recv_msg, send_msg
 
 log = logging.getLogger("shardsafe.holder")
@@ -38,10 +39,12 @@ class Serving:
         an exception out of this thread."""
         said_hello = False
         try:
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-            uid = int.from_bytes(creds[4:8], "little")
-            if uid != os.getuid():  # the 0600 socket already stops this; belt and braces
-                log.warning("refused a connection from uid %d", uid)
+            pid, uid, _ = peer_credentials(conn)
+            if uid != os.getuid():  # the 0600 socket in a 0700 directory already stops this; belt and braces
+                with self.lock:
+                    self.refused["uid"] += 1
+                log.error("refused a connection from pid %d of uid %d: this holder serves uid %d only (nothing read "
+                          "from it, nothing sent)", pid, uid, os.getuid())
                 return
             while not self._stop.is_set():
                 # Before its hello a client gets the read timeout to send one; after it, idle between requests

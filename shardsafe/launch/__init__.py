@@ -11,6 +11,7 @@
 - :mod:`.holders`, :mod:`.signals`
                       what both launchers share: holder checks, environment and kill; stop on a signal
 - :mod:`.prewarm`     the fork server: trainers forked from a process that imported the heavy modules once
+- :mod:`.presets`     what it preloads: ``--preload deepspeed|megatron|hf`` or a module list
 - :mod:`.discovery`   rank, world size and node from torchrun, SLURM or MPI (called by trainers)
 - :mod:`.faults`      deterministic fault injection (``SHARDSAFE_INJECT``), for trainers, holders and launchers
 - :mod:`.errors`      :class:`~.errors.LaunchError` and the commands' exit codes
@@ -28,8 +29,8 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "local": ("free_port", "PRELOAD_DEEPSPEED", "PRELOAD_MEGATRON", "LaunchConfig", "LaunchResult", "trainer_env",
-              "LocalLauncher", "example_command"),
+    "local": ("free_port", "LaunchConfig", "LaunchResult", "trainer_env", "LocalLauncher", "example_command"),
+    "presets": ("PRELOAD_DEEPSPEED", "PRELOAD_MEGATRON", "PRELOAD_HF", "PRESETS", "preload_modules"),
     "holders": ("budget_problem", "holder_failure", "holder_running", "kill_serving_holder", "holder_budget_env",
                 "holder_env"),
     "signals": ("SignalStop",),

@@ -5,6 +5,11 @@ agent (:mod:`.agent`, started by ``launch`` and by the sbatch scripts); ``contro
 controller for multi-host launches (:mod:`.controller`) and ``control notify`` leaves it a notification
 (:mod:`.markers`). ``python -m shardsafe.launch`` parses the same commands without importing the rest of
 shardsafe's CLI (fast enough to call from a SLURM script's polling loop).
+
+Options follow torchrun's names (``--nnodes``, ``--nproc-per-node``, ``--max-restarts``, ``--local-addr``) and
+end in ``-s`` when they take seconds; the former spellings (``--nodes``, ``--hang-timeout``, ``--grace``,
+``--timeout``, ``--monitor-interval``) are accepted as hidden aliases. Every value is checked while parsing, so
+a bad one is one line on stderr and exit code 2 before anything starts (:mod:`shardsafe.cliargs`).
 """
 from __future__ import annotations
 
@@ -20,11 +25,16 @@ import threading
 import time
 from typing import Any, Callable
 
+from ..cliargs import Parser, hidden_alias, positive_seconds, seconds, usage_error, whole
+from ..errors import ConfigError
 from .agent import AgentOptions, run_agent
 from .controller import Controller, attempt_base_from_log, split_endpoint
 from .elastic import ElasticConfig, ElasticLauncher
 from .errors import EXIT_FATAL, LaunchError
 from .markers import CONTROL_DIR, _atomic_write, notify
+from .presets import PRESETS, preload_modules
+
+HOLDER_DIR_DEFAULT = "$SHARDSAFE_HOLDER_DIR, else shardsafe-<uid> under $XDG_RUNTIME_DIR or /tmp"
 
 
 def _setup_logging(prefix: str) -> None:
@@ -41,17 +51,69 @@ def _script(a: argparse.Namespace) -> list[str]:
     return script
 
 
+# ---- value types (argparse names the option in the message) ------------------------------------------------
+
+def fault_spec_arg(text: str) -> str:
+    """An argparse type: a fault spec (shardsafe.faults) that parses."""
+    from ..faults import parse
+    try:
+        parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def preload_arg(text: str) -> tuple[str, ...]:
+    """An argparse type: ``--preload`` as the modules it names (:func:`.presets.preload_modules`)."""
+    try:
+        return preload_modules(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _node_range(text: str) -> str:
+    """torchrun's --nnodes: N or MIN:MAX, 1 <= MIN <= MAX."""
+    parts = text.split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, 0)
+    except ValueError:
+        low = high = 0
+    if low < 1 or high < low:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected N or MIN:MAX nodes with 1 <= MIN <= MAX, e.g. 4 or 4:4")
+    return text
+
+
+def _poll_s(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if v != v or v in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds, or a negative number for the default")
+    return v
+
+
+def _endpoint(text: str) -> str:
+    try:
+        split_endpoint(text)
+    except LaunchError as e:
+        raise argparse.ArgumentTypeError(f"{e}, e.g. 10.0.0.1:29400") from None
+    return text
+
+
+# ---- the commands ------------------------------------------------------------------------------------------
+
 def cmd_launch(a: argparse.Namespace) -> int:
-    _setup_logging("launch")
     script = _script(a)   # every argument is checked before anything starts
     if script[0].endswith(".py") and not os.path.isfile(script[0]):
         raise LaunchError(f"training script {script[0]!r} not found (from {os.getcwd()})")
+    _setup_logging("launch")
     run_dir = os.path.abspath(a.run_dir or os.path.join("runs", a.job_id or f"launch-{time.strftime('%Y%m%d-%H%M%S')}"))
     cfg = ElasticConfig(nodes=a.nodes, nproc_per_node=a.nproc_per_node, run_dir=run_dir, job_id=a.job_id,
                         holder_dir=a.holder_dir, memory_budget_gb=a.memory_budget_gb, max_restarts=a.max_restarts,
-                        inject=a.inject, hang_timeout_s=a.hang_timeout, grace_s=a.grace,
-                        keep_alive_s=a.keep_alive_s, keep_alive_misses=a.keep_alive_misses, timeout_s=a.timeout,
-                        preload=_preload_list(a.preload), rendezvous_poll_s=a.rendezvous_poll_s)
+                        inject=a.inject, hang_timeout_s=a.hang_timeout_s, grace_s=a.grace_s,
+                        keep_alive_s=a.keep_alive_s, keep_alive_misses=a.keep_alive_misses, timeout_s=a.timeout_s,
+                        preload=a.preload, rendezvous_poll_s=a.rendezvous_poll_s)
     res = ElasticLauncher(cfg).run(script)
     out = {"ok": res.ok, "attempts": res.attempts, "failures": res.failures, "wall_s": round(res.wall_s, 3),
            "nodes": res.nodes, "run_dir": res.run_dir, "job_id": cfg.job_id, "signal": res.signal, "fatal": res.fatal}
@@ -73,25 +135,27 @@ def _agent_options(a: argparse.Namespace) -> AgentOptions:
     return AgentOptions(node=a.node, control=a.control, nnodes=a.nnodes, nproc_per_node=a.nproc_per_node,
                         job_id=a.job_id or os.environ.get("SHARDSAFE_JOB_ID") or os.environ.get("SLURM_JOB_ID") or "",
                         run_dir=a.run_dir, holder_dir=a.holder_dir, inject=a.inject, max_restarts=a.max_restarts,
-                        local_addr=a.local_addr, monitor_interval_s=a.monitor_interval,
+                        local_addr=a.local_addr, monitor_interval_s=a.monitor_interval_s,
                         rendezvous_poll_s=a.rendezvous_poll_s, keep_alive_s=a.keep_alive_s,
                         keep_alive_misses=a.keep_alive_misses, join_timeout_s=a.join_timeout_s,
                         job_start_t=a.job_start_t, torchrun_args=shlex.split(a.torchrun_args or ""),
-                        preload=list(_preload_list(a.preload)))
-
-
-def _preload_list(text: str) -> tuple[str, ...]:
-    return tuple(m.strip() for m in (text or "").split(",") if m.strip())
+                        preload=list(a.preload))
 
 
 def cmd_agent(a: argparse.Namespace) -> int:
     node = a.node or os.environ.get("SHARDSAFE_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     a.node = node
-    _setup_logging(f"agent {node}")
+    try:
+        shlex.split(a.torchrun_args or "")
+    except ValueError as e:
+        raise LaunchError(f"--torchrun-args {a.torchrun_args!r}: {e}; expected one shell-quoted string") from None
     opts = _agent_options(a)
     if not opts.job_id:
-        raise LaunchError("shardsafe agent needs --job-id (or SHARDSAFE_JOB_ID / SLURM_JOB_ID): it names the rendezvous")
-    rc = run_agent(opts, _script(a))
+        raise LaunchError("which job? pass --job-id (or set SHARDSAFE_JOB_ID / SLURM_JOB_ID): it names the "
+                          "rendezvous every agent of the job joins")
+    script = _script(a)
+    _setup_logging(f"agent {node}")
+    rc = run_agent(opts, script)
     # The agent's exit code is the job's verdict for this node: leave without the interpreter teardown of
     # torch's C++ statics (rendezvous store threads), which can abort a process whose work is done.
     logging.shutdown()
@@ -100,23 +164,25 @@ def cmd_agent(a: argparse.Namespace) -> int:
     os._exit(rc)
 
 
-def cmd_control(a: argparse.Namespace) -> int:
-    if a.action == "notify":
-        what = a.what.replace("-", "_")
-        if what not in ("node_lost", "job_end"):
-            raise LaunchError(f"control notify {a.what!r}: expected node-lost or job-end")
-        fields: dict[str, Any] = {}
-        if what == "node_lost":
-            if not a.node:
-                raise LaunchError("notify node-lost needs --node")
-            fields["node"] = a.node
-        else:
-            fields["ok"] = bool(a.ok)
-        print(notify(a.run_dir, what, **fields))
-        return 0
+def cmd_notify(a: argparse.Namespace) -> int:
+    what = a.what.replace("-", "_")
+    if not os.path.isdir(a.run_dir):
+        # The controller made it; a notification anywhere else would never be read.
+        raise LaunchError(f"run directory {a.run_dir!r} does not exist: pass the --run-dir that `control serve` "
+                          "of this job was started with")
+    fields: dict[str, Any] = {}
+    if what == "node_lost":
+        if not a.node:
+            raise LaunchError("notify node-lost needs --node NODE (the node that left the job)")
+        fields["node"] = a.node
+    else:
+        fields["ok"] = bool(a.ok)
+    print(notify(a.run_dir, what, **fields))
+    return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
     _setup_logging("control")
-    if a.world_size < 1:
-        raise LaunchError("control serve needs --world-size (ranks of a complete attempt)")
     host, port = split_endpoint(a.listen)
     base = attempt_base_from_log(a.run_dir)
     from ..tor import EventLog
@@ -131,7 +197,7 @@ def cmd_control(a: argparse.Namespace) -> int:
                     slurm_restart_count=requeue)
         events.emit("restart", at=t_start, attempt=base, slurm_restart_count=requeue)
     ctl = Controller(run_dir=a.run_dir, job_id=a.job_id, world_size=a.world_size, host=host, port=port,
-                     max_restarts=a.max_restarts, hang_timeout_s=a.hang_timeout, grace_s=a.grace,
+                     max_restarts=a.max_restarts, hang_timeout_s=a.hang_timeout_s, grace_s=a.grace_s,
                      attempt_base=base, events=events)
     _atomic_write(os.path.join(a.run_dir, CONTROL_DIR, "ready"), {"endpoint": ctl.endpoint, "pid": os.getpid(),
                                                                   "attempt_base": base})
@@ -153,91 +219,155 @@ def cmd_control(a: argparse.Namespace) -> int:
     return 0
 
 
-def _add_agent_timing(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--keep-alive-s", type=int, default=2,
-                   help="rendezvous heartbeat interval; a lost node is dropped after keep-alive-s x keep-alive-misses")
-    p.add_argument("--keep-alive-misses", type=int, default=3)
-    p.add_argument("--rendezvous-poll-s", type=float, default=-1.0,
-                   help="how often a waiting agent re-reads the rendezvous state; torch's own is 1 s, which every "
-                        "restart pays once (default -1: 50 ms per 50 nodes, 50 ms to 1 s)")
-    p.add_argument("--preload", default=os.environ.get("SHARDSAFE_PRELOAD", ""),
-                   help="comma-separated modules a fork server per node imports once; workers (every start and "
-                        "restart) are forked from it instead of importing them again, e.g. "
-                        "torch,deepspeed,torch._dynamo (docs/operations.md). Default: none, workers start cold")
+def cmd_control(a: argparse.Namespace) -> int:
+    """``control serve`` or ``control notify``, by ``a.action``."""
+    return cmd_notify(a) if a.action == "notify" else cmd_serve(a)
 
 
-def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+def _guarded(fn: Callable[[argparse.Namespace], int], prog: str) -> Callable[[argparse.Namespace], int]:
+    """A LaunchError (or a ConfigError of a launcher setting) ends the command before anything runs: one line,
+    exit code 2. Its message says what to change (which is not always an option: a holder that cannot start)."""
     def run(a: argparse.Namespace) -> int:
         try:
             return fn(a)
-        except LaunchError as e:
-            print(f"shardsafe {a.cmd}: {e}", file=sys.stderr)
-            return 2
+        except (LaunchError, ConfigError) as e:
+            return usage_error(prog, str(e), hint=False)
     return run
+
+
+# ---- the parsers -------------------------------------------------------------------------------------------
+
+def _add_restarts_and_timing(p: argparse.ArgumentParser, *, grace_s: float) -> None:
+    """What ``launch`` and ``control serve`` share: restarts, the hang watchdog, incident collection."""
+    p.add_argument("--max-restarts", type=whole(0), default=3, metavar="N",
+                   help="restarts of the worker group before the job fails (torchrun --max-restarts)")
+    hidden_alias(p, "--hang-timeout", p.add_argument(
+        "--hang-timeout-s", type=seconds, default=600.0, metavar="S",
+        help="seconds without an iteration before the attempt counts as hung and is restarted (0 = off)"))
+    hidden_alias(p, "--grace", p.add_argument(
+        "--grace-s", type=seconds, default=grace_s, metavar="S",
+        help="seconds to collect the reports of one incident (which rank or node failed first) before acting"))
+
+
+def _add_agent_timing(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--keep-alive-s", type=whole(1, "seconds"), default=2, metavar="S",
+                   help="rendezvous heartbeat interval in whole seconds; a lost node is dropped after "
+                        "keep-alive-s x keep-alive-misses")
+    p.add_argument("--keep-alive-misses", type=whole(1), default=3, metavar="N",
+                   help="missed heartbeats before a node counts as lost")
+    p.add_argument("--rendezvous-poll-s", type=_poll_s, default=-1.0, metavar="S",
+                   help="how often a waiting agent re-reads the rendezvous state; torch's own is 1 s, which every "
+                        "restart pays (default -1: 1 ms per node of the job, between 10 ms and 1 s)")
+    p.add_argument("--preload", type=preload_arg, default=os.environ.get("SHARDSAFE_PRELOAD", ""),
+                   metavar="PRESET|MODULES",
+                   help="a fork server per node imports these once and every worker (every start and restart) is "
+                        f"forked from it instead of importing them again: a preset ({', '.join(PRESETS)}) or "
+                        "modules separated by commas (docs/operations.md, \"Pre-warmed restarts\"). Default: "
+                        "$SHARDSAFE_PRELOAD, else none (workers start cold)")
+
+
+def _add_script(p: argparse.ArgumentParser) -> None:
+    p.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]",
+                   help="the training script and its arguments (everything from here on is the script's; "
+                        "a leading -- is dropped)")
 
 
 def register_cli(sub) -> None:
     p = sub.add_parser("launch", help="torchrun with one holder per node, fault injection and TOR events (local mode)",
                        description="Run SCRIPT under torch elastic on N simulated nodes of this host: one holder and "
                                    "one torchrun agent per node, c10d rendezvous on 127.0.0.1, launcher events for "
-                                   "`shardsafe tor report RUN_DIR`. Under SLURM use scripts/slurm (docs/slurm.md).")
-    p.add_argument("--nodes", type=int, default=1, help="simulated nodes (failure domains)")
-    p.add_argument("--nproc-per-node", type=int, default=1)
-    p.add_argument("--run-dir", default="", help="run directory (default runs/JOB_ID)")
-    p.add_argument("--job-id", default="")
-    p.add_argument("--holder-dir", default="")
-    p.add_argument("--memory-budget-gb", type=float, default=0.0, help="per-holder budget (0 = half the RAM)")
-    p.add_argument("--max-restarts", type=int, default=3)
-    p.add_argument("--inject", default="", help="faults, e.g. 'kill-rank:1@30;kill-node:node1@60;hang-rank:0@80' "
-                                                "(fault j applies to attempt j)")
-    p.add_argument("--hang-timeout", type=float, default=600.0, help="seconds without progress = hang (0 = off)")
-    p.add_argument("--grace", type=float, default=1.0, help="seconds to collect evidence of one incident")
-    p.add_argument("--timeout", type=float, default=0.0, help="kill the whole job after this long (0 = never)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+                                   "`shardsafe tor report RUN_DIR`. Under SLURM use scripts/slurm (docs/slurm.md). "
+                                   "Exit codes: 0 done, 1 failed after its restarts, 2 usage error, 3 an error no "
+                                   "restart fixes, 128+N stopped by signal N.")
+    hidden_alias(p, "--nodes", p.add_argument(
+        "--nnodes", dest="nodes", type=whole(1, "nodes"), default=1, metavar="N",
+        help="simulated nodes (failure domains), each with its own holder and agent"))
+    hidden_alias(p, "--nproc_per_node", p.add_argument(
+        "--nproc-per-node", type=whole(1, "processes"), default=1, metavar="N", help="trainer processes per node"))
+    p.add_argument("--run-dir", default="", help="run directory: event log, logs, outputs (default: runs/JOB_ID, or "
+                                           "runs/launch-<date>-<time> without --job-id)")
+    p.add_argument("--job-id", default="",
+                   help="names the job's holders and rendezvous (default: launch-<8 random hex digits>)")
+    p.add_argument("--holder-dir", default="", help=f"where the holders' sockets live (default: {HOLDER_DIR_DEFAULT})")
+    # checked by ElasticConfig (launch.holders.budget_problem), which also knows this node's RAM
+    p.add_argument("--memory-budget-gb", type=float, default=0.0, metavar="GB",
+                   help="memory budget of each holder in GiB; 0 = half the node's RAM")
+    _add_restarts_and_timing(p, grace_s=1.0)
+    p.add_argument("--inject", type=fault_spec_arg, default="", metavar="FAULTS",
+                   help="faults to inject (default: none), e.g. 'kill-rank:1@30;kill-node:node1@60;hang-rank:0@80': "
+                        "the j-th entry applies to attempt j")
+    hidden_alias(p, "--timeout", p.add_argument(
+        "--timeout-s", type=seconds, default=0.0, metavar="S", help="kill the whole job after this long (0 = never)"))
+    p.add_argument("--json", action="store_true", help="print one JSON object with the outcome on stdout")
     _add_agent_timing(p)
-    p.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]")
-    p.set_defaults(func=_guarded(cmd_launch))
+    _add_script(p)
+    p.set_defaults(func=_guarded(cmd_launch, "shardsafe launch"))
 
-    g = sub.add_parser("agent", help="one node's torchrun agent with shardsafe's hooks (used by launch and sbatch)")
-    g.add_argument("--node", default="", help="this node's name (default SHARDSAFE_NODE, SLURMD_NODENAME, hostname)")
-    g.add_argument("--control", required=True, help="HOST:PORT of the controller's store (= rendezvous endpoint)")
-    g.add_argument("--nnodes", required=True, help="torchrun --nnodes (N or MIN:MAX)")
-    g.add_argument("--nproc-per-node", type=int, default=1)
-    g.add_argument("--job-id", default="")
-    g.add_argument("--run-dir", default=os.environ.get("SHARDSAFE_RUN_DIR", ""))
-    g.add_argument("--holder-dir", default=os.environ.get("SHARDSAFE_HOLDER_DIR", ""))
-    g.add_argument("--inject", default=os.environ.get("SHARDSAFE_INJECT", ""))
-    g.add_argument("--max-restarts", type=int, default=3)
-    g.add_argument("--local-addr", default="", help="torchrun --local-addr (this node's address for peers)")
-    g.add_argument("--monitor-interval", type=float, default=0.1)
-    g.add_argument("--join-timeout-s", type=float, default=600.0)
-    g.add_argument("--job-start-t", type=float, default=None, help="time.time() of the job start (running TOR)")
-    g.add_argument("--torchrun-args", default="", help="extra torchrun arguments, one shell-quoted string")
+    g = sub.add_parser("agent", help="one node's torchrun agent with shardsafe's hooks (used by launch and sbatch)",
+                       description="One node's torchrun agent (torch elastic's LocalElasticAgent) with job-wide attempt "
+                                   "numbers and reports to the job's controller; `shardsafe launch` and the sbatch "
+                                   "scripts start one per node.")
+    g.add_argument("--node", default="",
+                   help="this node's name (default: $SHARDSAFE_NODE, else $SLURMD_NODENAME, else the host name)")
+    g.add_argument("--control", required=True, type=_endpoint, metavar="HOST:PORT",
+                   help="the controller's store (`control serve --listen`), also the c10d rendezvous endpoint")
+    g.add_argument("--nnodes", required=True, type=_node_range, metavar="N|MIN:MAX", help="torchrun --nnodes")
+    hidden_alias(g, "--nproc_per_node", g.add_argument(
+        "--nproc-per-node", type=whole(1, "processes"), default=1, metavar="N", help="workers on this node"))
+    g.add_argument("--job-id", default="", help="names the rendezvous (default: $SHARDSAFE_JOB_ID, else $SLURM_JOB_ID)")
+    g.add_argument("--run-dir", default=os.environ.get("SHARDSAFE_RUN_DIR", ""),
+                   help="the job's run directory (default: $SHARDSAFE_RUN_DIR)")
+    g.add_argument("--holder-dir", default=os.environ.get("SHARDSAFE_HOLDER_DIR", ""),
+                   help=f"where the holders' sockets live (default: {HOLDER_DIR_DEFAULT})")
+    g.add_argument("--inject", type=fault_spec_arg, default=os.environ.get("SHARDSAFE_INJECT", ""), metavar="FAULTS",
+                   help="faults for the workers (default: $SHARDSAFE_INJECT, else none)")
+    g.add_argument("--max-restarts", type=whole(0), default=3, metavar="N", help="torchrun --max-restarts")
+    g.add_argument("--local-addr", default="",
+                   help="torchrun --local-addr: this node's address for its peers (default: torchrun's choice)")
+    hidden_alias(g, "--monitor-interval", g.add_argument(
+        "--monitor-interval-s", type=positive_seconds, default=0.1, metavar="S",
+        help="how often the agent checks its workers (torchrun --monitor-interval)"))
+    g.add_argument("--join-timeout-s", type=positive_seconds, default=600.0, metavar="S",
+                   help="how long a rendezvous round may take to form")
+    g.add_argument("--job-start-t", type=float, default=None, metavar="UNIX_TIME",
+                   help="time.time() at the job's start, for the running TOR (default: the workers' first event)")
+    g.add_argument("--torchrun-args", default="", help="more torchrun arguments, one shell-quoted string (default: none)")
     _add_agent_timing(g)
-    g.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]")
-    g.set_defaults(func=_guarded(cmd_agent))
+    _add_script(g)
+    g.set_defaults(func=_guarded(cmd_agent, "shardsafe agent"))
 
-    c = sub.add_parser("control", help="the job controller for multi-host launches (serve) and notifications to it")
-    c.add_argument("action", choices=["serve", "notify"])
-    c.add_argument("what", nargs="?", default="", help="notify: node-lost | job-end")
-    c.add_argument("--run-dir", required=True)
-    c.add_argument("--listen", default="", help="serve: HOST:PORT for the store (the agents' rendezvous endpoint)")
-    c.add_argument("--job-id", default=os.environ.get("SHARDSAFE_JOB_ID") or os.environ.get("SLURM_JOB_ID", ""))
-    c.add_argument("--world-size", type=int, default=0, help="serve: ranks of a complete attempt")
-    c.add_argument("--max-restarts", type=int, default=3)
-    c.add_argument("--hang-timeout", type=float, default=600.0)
-    c.add_argument("--grace", type=float, default=3.0)
-    c.add_argument("--job-start-t", type=float, default=None)
-    c.add_argument("--requeue-count", type=int, default=int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0))
-    c.add_argument("--node", default="", help="notify node-lost: the node")
-    c.add_argument("--ok", action="store_true", help="notify job-end: the job succeeded")
-    c.set_defaults(func=_guarded(cmd_control))
+    c = sub.add_parser("control", help="the job controller for multi-host launches (serve) and notifications to it",
+                       description="`control serve` runs the job's controller (the agents' rendezvous store, the "
+                                   "progress watchdog, the launcher's TOR events); `control notify` leaves it a "
+                                   "notification in the run directory. The sbatch scripts call both.")
+    csub = c.add_subparsers(dest="action", metavar="serve|notify", required=True)
+    s = csub.add_parser("serve", help="run the job's controller until job-end is notified or a signal stops it")
+    s.add_argument("--run-dir", required=True, help="the job's run directory (events.jsonl, control/)")
+    s.add_argument("--listen", required=True, type=_endpoint, metavar="HOST:PORT",
+                   help="where the store listens: the agents' --control and rendezvous endpoint")
+    s.add_argument("--world-size", required=True, type=whole(1, "ranks"), metavar="N",
+                   help="ranks of a complete attempt")
+    s.add_argument("--job-id", default=os.environ.get("SHARDSAFE_JOB_ID") or os.environ.get("SLURM_JOB_ID", ""),
+                   help="the job id in the events (default: $SHARDSAFE_JOB_ID, else $SLURM_JOB_ID)")
+    _add_restarts_and_timing(s, grace_s=3.0)
+    s.add_argument("--job-start-t", type=float, default=None, metavar="UNIX_TIME",
+                   help="time.time() at the job's start (default: now)")
+    s.add_argument("--requeue-count", type=whole(0), default=int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0),
+                   metavar="N", help="SLURM requeues so far (default: $SLURM_RESTART_COUNT, else 0)")
+    s.set_defaults(func=_guarded(cmd_serve, "shardsafe control serve"))
+    n = csub.add_parser("notify", help="leave the controller a notification: node-lost NODE or job-end")
+    n.add_argument("what", choices=["node-lost", "job-end"], help="node-lost (with --node) or job-end (with --ok "
+                                                                  "when the job succeeded)")
+    n.add_argument("--run-dir", required=True, help="the run directory `control serve` was started with")
+    n.add_argument("--node", default="", help="node-lost: the node that left the job (required there; default: none)")
+    n.add_argument("--ok", action="store_true", help="job-end: the job succeeded")
+    n.set_defaults(func=_guarded(cmd_notify, "shardsafe control notify"))
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m shardsafe.launch launch|agent|control ...``: the same commands without importing the
     rest of the CLI (fast enough to call from a SLURM script's polling loop)."""
-    p = argparse.ArgumentParser(prog="python -m shardsafe.launch")
-    register_cli(p.add_subparsers(dest="cmd", required=True))
+    p = Parser(prog="python -m shardsafe.launch")
+    register_cli(p.add_subparsers(dest="cmd", metavar="launch|agent|control", required=True))
     a = p.parse_args(argv)
     return int(a.func(a) or 0)

@@ -9,7 +9,7 @@ around torchrun:
 * **Launcher events** exactly once per attempt, whichever agent saw what first, from one controller per
   job (:mod:`.controller`, :mod:`.incidents`), with a progress watchdog for hangs.
 
-Local mode (:class:`ElasticLauncher`, ``shardsafe launch --nodes N --nproc-per-node G``) simulates N
+Local mode (:class:`ElasticLauncher`, ``shardsafe launch --nnodes N --nproc-per-node G``) simulates N
 nodes on this host: one holder and one torchrun agent per node (``SHARDSAFE_NODE=nodeI``), c10d
 rendezvous on 127.0.0.1 served by the launcher itself (so losing any simulated node never takes the
 rendezvous down). ``--inject kill-node:NODE@STEP`` SIGKILLs that node's agent, workers and holder and
@@ -95,7 +95,7 @@ class ElasticConfig:
         problem = budget_problem(self.memory_budget_gb)
         if problem:
             raise LaunchError(problem)
-        for name, flag in (("hang_timeout_s", "--hang-timeout"), ("grace_s", "--grace"), ("timeout_s", "--timeout")):
+        for name, flag in (("hang_timeout_s", "--hang-timeout-s"), ("grace_s", "--grace-s"), ("timeout_s", "--timeout-s")):
             v = getattr(self, name)
             if not v >= 0:
                 raise LaunchError(f"{flag} must be >= 0 seconds (0 = off), got {v!r}")
@@ -165,12 +165,15 @@ class ElasticLauncher:
     def start_holders(self, nodes: list[str]) -> None:
         """Start one holder per node (in parallel) and wait until each serves its socket."""
         from ..holder.client import holder_command
-        from ..holder.paths import HolderPaths
+        from ..holder.paths import HolderPaths, HolderSecurityError
         from .holders import holder_env, holder_failure, holder_running
         started = {}
         for node in nodes:
             p = HolderPaths(self.cfg.holder_dir, self.cfg.job_id, node)
-            p.ensure_dir()
+            try:
+                p.ensure_dir()
+            except HolderSecurityError as e:   # another user's directory: said as a launch error, nothing started
+                raise LaunchError(str(e)) from None
             if holder_running(p):
                 raise LaunchError(f"a holder for job id {self.cfg.job_id!r} on {node} is already running ({p.socket}): "
                                   "another job uses this id. Give this job its own --job-id, or stop the other one "
@@ -210,7 +213,7 @@ class ElasticLauncher:
         cmd = [sys.executable, "-m", "shardsafe.launch", "agent", "--node", node, "--control", ctl.endpoint,
                "--nnodes", f"{c.nodes}:{c.nodes}", "--nproc-per-node", str(c.nproc_per_node),
                "--job-id", c.job_id, "--run-dir", c.run_dir, "--holder-dir", c.holder_dir,
-               "--max-restarts", str(c.max_restarts), "--monitor-interval", str(c.monitor_interval_s),
+               "--max-restarts", str(c.max_restarts), "--monitor-interval-s", str(c.monitor_interval_s),
                "--keep-alive-s", str(c.keep_alive_s), "--keep-alive-misses", str(c.keep_alive_misses),
                "--join-timeout-s", str(c.join_timeout_s), "--job-start-t", repr(self.t_start),
                "--rendezvous-poll-s", repr(c.rendezvous_poll_s)]
@@ -225,6 +228,7 @@ class ElasticLauncher:
                "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "SHARDSAFE_INSTANCE": self.instance,
                **(holder_budget_env(c.memory_budget_gb) if c.start_holders else {})}
         env.pop("SHARDSAFE_ATTEMPT", None)   # the agent numbers attempts
+        env.pop("SHARDSAFE_TRAINER", None)   # its workers are trainers, not processes of one (early_open.ENV_TRAINER)
         logf = open(os.path.join(c.run_dir, LOG_DIR, f"agent_{node}.log"), "ab")
         self.agents[node] = subprocess.Popen(cmd + ["--", *self._script], stdin=subprocess.DEVNULL, stdout=logf,
                                              stderr=subprocess.STDOUT, env=env, start_new_session=True)

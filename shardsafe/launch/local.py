@@ -26,12 +26,14 @@ from ..collectives import lazy_gloo_env
 from ..errors import ConfigError
 from ..fatal import describe as describe_fatal, read_fatal
 from ..holder.client import holder_command, stop_holders
-from ..holder.paths import HolderPaths
+from ..holder.early_open import ENV_TRAINER
+from ..holder.paths import HolderPaths, HolderSecurityError
 from ..tor.events import JsonlTail, NullEventLog
 from ..faults import FaultKind, for_attempt, parse
 from .errors import LaunchError
 from .holders import budget_problem, holder_budget_env, holder_env, holder_failure, holder_running, kill_serving_holder
 from .prewarm import ForkServer, PrewarmError
+from .presets import PRELOAD_DEEPSPEED, PRELOAD_MEGATRON  # noqa: F401 - importable from here as before
 from .signals import SignalStop
 
 log = logging.getLogger("shardsafe.launch")
@@ -41,28 +43,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-PRELOAD_DEEPSPEED = ("torch", "deepspeed", "torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer",
-                     "deepspeed.module_inject.auto_ep_layer", "torch.utils.cpp_extension",
-                     "shardsafe.adapters.ds_prewarm:remember_cpu_info",
-                     "shardsafe.adapters.ds_prewarm:probe_compatible_ops", "shardsafe.runtime",
-                     "shardsafe.adapters.deepspeed")
-"""The heavy imports of a DeepSpeed ZeRO trainer before its first step (measured with -X importtime, 1.9 s of
-3.3 s): torch._dynamo comes with torch.optim's first step (torch >= 2.1); DeepSpeed >= 0.18's ZeRO and
-bf16 optimizers import the Muon optimizer, which compiles its kernels with torch.compile at import
-(a submodule an older DeepSpeed lacks is skipped); DeepSpeed 0.19.8's engine imports its AutoEP layer (and
-with it its Triton ops and MoE modules, 0.03 s) in every ``initialize``. Then what loading one of DeepSpeed's
-JIT-built CPU ops costs every trainer (FusedAdam's CPU build is DeepSpeed's default optimizer;
-CPUAdam/Lion/Adagrad under offload): torch's cpp_extension module (it imports setuptools, 0.06 s) and
-py-cpuinfo's answer, asked once for every trainer instead of twice per op each trainer loads (2.3 s per trainer:
-adapters/ds_prewarm.py), and DeepSpeed's op-compatibility probe (a C compiler run, 0.04 s, on the CPU
-accelerator only: on a GPU it queries the device). shardsafe's own runtime last: ~35 modules that
-``initialize`` imported on every restart (0.07 s here, 0.11 s where no bytecode cache is written; they start no
-thread and open nothing at import)."""
-
-PRELOAD_MEGATRON = ("torch", "torch._dynamo", "megatron.core", "shardsafe.runtime", "shardsafe.adapters.megatron")
-"""The heavy imports of a megatron-core trainer (megatron.core alone: ~4 s CPU here), then shardsafe's runtime."""
 
 
 @dataclass(kw_only=True)
@@ -125,7 +105,9 @@ class LaunchResult:
 def trainer_env(cfg: LaunchConfig) -> dict[str, str]:
     """What every trainer of a LocalLauncher job gets before its per-rank variables (and what its fork
     server imports with)."""
-    return {**os.environ, **lazy_gloo_env(os.environ), **cfg.env, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    env = {**os.environ, **lazy_gloo_env(os.environ), **cfg.env, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    env.pop(ENV_TRAINER, None)   # each trainer is one, not a process another trainer started (early_open.trainer_process)
+    return env
 
 
 class LocalLauncher:
@@ -156,7 +138,10 @@ class LocalLauncher:
 
     def start_holder(self, node: str) -> None:
         p = self.paths(node)
-        p.ensure_dir()
+        try:
+            p.ensure_dir()
+        except HolderSecurityError as e:   # another user's directory: said as a launch error, nothing started
+            raise LaunchError(str(e)) from None
         if holder_running(p):
             raise LaunchError(f"a holder for job id {self.cfg.job_id!r} on {node} is already running ({p.socket}): "
                                "another job uses this id. Give this job its own job_id, or stop the other one")
@@ -211,6 +196,7 @@ class LocalLauncher:
             env = {**trainer_env(c),
                    "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
                    "LOCAL_WORLD_SIZE": str(c.nproc_per_node), "GROUP_RANK": str(node_idx),
+                   "GROUP_WORLD_SIZE": str(c.nodes),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "SHARDSAFE_NODE": c.node_name(node_idx), "SHARDSAFE_JOB_ID": c.job_id,
                    "SHARDSAFE_HOLDER_DIR": c.holder_dir, "SHARDSAFE_RUN_DIR": c.run_dir,

@@ -22,6 +22,7 @@ branches, decided by small votes, so point-to-point traffic never waits for a pe
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -32,12 +33,12 @@ import numpy as np
 import torch
 import xxhash
 
-from ..collectives import min_reduce
 from ..config import PARITY_TRANSPORTS
 from ..errors import ShardsafeError
 from ..holder.client import HolderClient
 from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
+from ..hierarchy import MemberGroup
 from .codec import get_codec
 from .topology import ParityGroup, ParityGroups, RankPlace, build_parity_groups
 
@@ -92,11 +93,16 @@ class ParityExchange:
         backend: codec backend ("auto": ISA-L, else the numpy reference).
     """
 
+    _built = itertools.count()   # exchanges this process built: each gets its own keys in the store
+
     def __init__(self, plan: ParityGroups, rank: int, *, timeout_s: float = 60.0, backend: str = "auto",
-                 transport: str = "host", device: "torch.device | None" = None):
+                 transport: str = "host", device: "torch.device | None" = None, store: Any = None,
+                 prefix: str = "shardsafe/parity"):
         import torch.distributed as dist
         self.plan, self.rank = plan, rank
         self.group: ParityGroup = plan.group_of(rank)
+        # Every exchange a process builds gets its own keys in the store (every rank builds the same ones, in order).
+        self.timeout_s, self.prefix = timeout_s, f"{prefix}/{next(ParityExchange._built)}"
         if transport not in PARITY_TRANSPORTS:
             raise ExchangeError(f"parity transport must be one of {PARITY_TRANSPORTS}; got {transport!r}")
         if transport == "device":
@@ -104,11 +110,11 @@ class ParityExchange:
             # waiting in new_group.
             device = device if device is not None else DevicePath.default_device()
             DevicePath.check(device, self.group.k, self.group.m)
-        self.pg = None
-        for g in plan:   # new_group is collective over the whole world: every rank creates every group
-            pg = dist.new_group(ranks=list(g.members), backend="gloo", timeout=timedelta(seconds=timeout_s))
-            if rank in g.members:
-                self.pg = pg
+        self._store = store if store is not None else dist.distributed_c10d._get_default_store()
+        # The group's own gloo group, built by its members alone (a MemberGroup: no world-wide new_group, and
+        # rebuilt under a new generation after a failed exchange, rebuild_groups).
+        self.generation = 0
+        self.pg = self._member_group()
         # "device": the stripes of encode move over a second group of the same members (NCCL on GPU); votes,
         # manifests and the rebuild after a node loss stay on the gloo group above.
         self.device_path: DevicePath | None = None
@@ -133,33 +139,43 @@ class ParityExchange:
         self.on_phase: Callable[[str, int], None] = lambda name, version: None
         self._version = -1   # the version being encoded (for on_phase inside the transfer)
 
+    def _member_group(self) -> MemberGroup:
+        return MemberGroup(self._store, f"{self.prefix}/g{self.generation}/{self.group.index}", self.group.members,
+                           self.rank, self.timeout_s)
+
+    def rebuild_groups(self, generation: int) -> None:
+        """After a failed exchange (a member slower than the timeout, a network error) the gloo group is unusable:
+        build it again under ``generation`` (the same number on every member: the version that failed). The device
+        transport's group (NCCL) is kept."""
+        self.pg.close()
+        self.generation = generation
+        self.pg = self._member_group()
+
     # ---- sizes ------------------------------------------------------------------------------------
     def padded_nbytes(self, payload_nbytes: int) -> int:
         return self.group.padded_nbytes(max(payload_nbytes, self.pmax_hint))
 
     def _vote(self, ok: bool, nbytes: int) -> tuple[bool, int]:
         """(every member ok, the largest payload)."""
-        flag, neg = min_reduce([1 if ok else 0, -nbytes], self.pg, self.group.n)
+        flag, neg = self.pg.min_reduce([1 if ok else 0, -nbytes])
         return flag == 1, -neg
 
     def _gather_sizes(self, ok: bool, nbytes: int, blob_len: int) -> tuple[bool, int, int]:
         """One all-gather of (ok, payload bytes, manifest length): (all ok, largest payload, longest manifest)."""
-        import torch.distributed as dist
         outs = [torch.zeros(3, dtype=torch.int64) for _ in range(self.group.n)]
-        dist.all_gather(outs, torch.tensor([1 if ok else 0, nbytes, blob_len], dtype=torch.int64), group=self.pg)
+        self.pg.all_gather(outs, torch.tensor([1 if ok else 0, nbytes, blob_len], dtype=torch.int64))
         rows = torch.stack(outs)
         return bool(rows[:, 0].min() == 1), int(rows[:, 1].max()), int(rows[:, 2].max())
 
     def _gather_manifests(self, ready: bool, blob: bytes, width: int) -> tuple[bool, list[bytes]]:
         """One all-gather of every member's manifest, each behind a ready byte: (all ready, blobs)."""
-        import torch.distributed as dist
         buf = torch.zeros(width + 1, dtype=torch.uint8)
         if ready:
             buf[0] = 1
             if blob:
                 buf[1: len(blob) + 1] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         outs = [torch.empty(width + 1, dtype=torch.uint8) for _ in range(self.group.n)]
-        dist.all_gather(outs, buf, group=self.pg)
+        self.pg.all_gather(outs, buf)
         # JSON never ends in NUL: the zero padding after a shorter manifest is cut off.
         return all(int(o[0]) == 1 for o in outs), [bytes(o[1:].numpy()).rstrip(b"\0") for o in outs]
 
@@ -238,7 +254,6 @@ class ParityExchange:
         """The "host" transport: chunks move from the data slot over gloo into a host staging buffer and are
         encoded by the CPU codec straight into the parity slot ``pview``. Returns (xxh3 of each parity
         share, seconds spent waiting for blocks)."""
-        import torch.distributed as dist
         g, me = self.group, self.rank
         stage = self._staging_for(g.m * g.k * cs).view(g.m, g.k, cs)
         # Chunks move in blocks, and each block is encoded (and hashed) as soon as its k pieces are in,
@@ -250,8 +265,8 @@ class ParityExchange:
         for b, (a, z) in enumerate(blocks):
             for c, stripe in enumerate(g.data_stripes(me)):
                 for pref in stripe.parity:
-                    sends.append(dist.isend(data[c][a:z], dst=pref.rank, group=self.pg, tag=stripe.codeword * nb + b))
-            recvs.append([dist.irecv(stage[j, p, a:z], src=dref.rank, group=self.pg, tag=stripe.codeword * nb + b)
+                    sends.append(self.pg.isend(data[c][a:z], pref.rank, stripe.codeword * nb + b))
+            recvs.append([self.pg.irecv(stage[j, p, a:z], dref.rank, stripe.codeword * nb + b)
                           for j, stripe in enumerate(g.parity_stripes(me)) for p, dref in enumerate(stripe.data)])
         stripes = g.parity_stripes(me)
         hashers = [xxhash.xxh3_64() for _ in stripes]
@@ -330,24 +345,22 @@ class ParityExchange:
 
     def _share_info(self, info: dict[str, Any], sender: int, lost: list[int]) -> dict[str, Any]:
         """The rebuilders learn the chunk size and their manifests from one survivor (JSON, point to point)."""
-        import torch.distributed as dist
         if self.rank == sender:
             blob = torch.frombuffer(bytearray(json.dumps(info).encode()), dtype=torch.uint8)
             for r in lost:
-                dist.send(torch.tensor([blob.numel()], dtype=torch.int64), dst=r, group=self.pg, tag=_MANIFEST_TAG)
-                dist.send(blob, dst=r, group=self.pg, tag=_MANIFEST_TAG + 1)
+                self.pg.send(torch.tensor([blob.numel()], dtype=torch.int64), r, _MANIFEST_TAG)
+                self.pg.send(blob, r, _MANIFEST_TAG + 1)
         elif self.rank in lost:
             n = torch.zeros(1, dtype=torch.int64)
-            dist.recv(n, src=sender, group=self.pg, tag=_MANIFEST_TAG)
+            self.pg.recv(n, sender, _MANIFEST_TAG)
             blob = torch.empty(int(n), dtype=torch.uint8)
-            dist.recv(blob, src=sender, group=self.pg, tag=_MANIFEST_TAG + 1)
+            self.pg.recv(blob, sender, _MANIFEST_TAG + 1)
             info = json.loads(bytes(blob.numpy()))
         return info
 
     def _transfer_sources(self, plan, handles: list | None, cs: int) -> dict[int, list]:
         """Every codeword's k source fragments go from the survivors to the lost members (``handles``: this
         survivor's parity and data mappings, None on a lost member). Returns codeword -> received buffers."""
-        import torch.distributed as dist
         me = self.rank
         reqs, recv_bufs = [], {}
         if handles is not None:
@@ -359,12 +372,12 @@ class ParityExchange:
                 if f.rank == me:
                     src = pv_t[f.slot * cs:(f.slot + 1) * cs] if f.is_parity else dv[f.slot]
                     for t in takers:
-                        reqs.append(dist.isend(src, dst=t, group=self.pg, tag=cw.codeword))
+                        reqs.append(self.pg.isend(src, t, cw.codeword))
             if me in takers:
                 bufs = [torch.empty(cs, dtype=torch.uint8) for _ in cw.sources]
                 recv_bufs[cw.codeword] = bufs
                 for f, b in zip(cw.sources, bufs):
-                    reqs.append(dist.irecv(b, src=f.rank, group=self.pg, tag=cw.codeword))
+                    reqs.append(self.pg.irecv(b, f.rank, cw.codeword))
         for r in reqs:
             r.wait()
         return recv_bufs

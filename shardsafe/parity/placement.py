@@ -189,25 +189,28 @@ def _off_node(rank_nodes: list[str], node: str, rank: int, versions: Mapping[int
 # ---- the collective ------------------------------------------------------------------------------------
 
 def migrate(client, *, rank: int, world_size: int, node: str, rank_nodes: Optional[list[str]] = None,
-            group=None) -> MigrationResult:
+            group=None, coll=None) -> MigrationResult:
     """Run on every rank before restore (a collective over ``group``, every rank must call it).
 
     Args:
         client: this node's HolderClient, or None (this rank then has nothing to offer or receive).
         rank, world_size, node: this rank and where it runs now.
         rank_nodes: every rank's node (all-gathered here when not given).
-        group: the gloo process group for the exchange (None: the default group).
+        group: the gloo process group the slots move on, point to point (None: the default group).
+        coll: what the votes and the inventories' gather run on (shardsafe.collectives: a Hierarchy in a job;
+            None: ``group``).
     Returns:
         What moved. Never raises for a holder problem: a rank that cannot serve or store votes no,
         and then nothing is dropped anywhere (the restore that follows decides what is restorable).
     """
     t0 = time.perf_counter()
     res = MigrationResult()
-    if rank_nodes is not None and _settled_everywhere(client, rank_nodes, rank=rank, node=node, group=group):
+    coll = group if coll is None else coll
+    if rank_nodes is not None and _settled_everywhere(client, rank_nodes, rank=rank, node=node, group=coll):
         res.message = "placement: no slot to move"
         res.seconds = time.perf_counter() - t0
         return res
-    gathered, inventories = _gather_inventories(client, rank=rank, world_size=world_size, node=node, group=group)
+    gathered, inventories = _gather_inventories(client, rank=rank, world_size=world_size, node=node, group=coll)
     if rank_nodes is None:
         rank_nodes = gathered
     plan = plan_migration(rank_nodes, inventories)
@@ -224,12 +227,12 @@ def migrate(client, *, rank: int, world_size: int, node: str, rank_nodes: Option
         xfer.close()
     if xfer.why:
         log.error("[rank %d] placement: %s", rank, xfer.why)
-    res.ok = all_true(xfer.ok, group)
+    res.ok = all_true(xfer.ok, coll)
     res.moves = plan.moves
     if res.ok and client is not None and rank_nodes.index(node) == rank:   # the node's lowest rank drops
         _drop_stale(client, plan.drop_after.get(node, []), rank=rank, res=res)
     res.deferred = len(xfer.deferred)
-    if res.ok and all_true(not xfer.deferred, group) is False:   # someone waits for room: the drops are done now
+    if res.ok and all_true(not xfer.deferred, coll) is False:   # someone waits for room: the drops are done now
         xfer.store_deferred()
     res.seconds = time.perf_counter() - t0
     where = sorted({(m.rank, m.src, m.dst) for m in plan.moves})

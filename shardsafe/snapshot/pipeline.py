@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -30,32 +31,60 @@ from ..holder.client import HolderClient, HolderUnavailable
 from ..holder.protocol import HolderError, HolderFailure
 from ..payload import checksum
 from ..payload import manifest as mf
+from ..protection import Cause, bits_to_causes, causes_to_bits
 from .state import RankState
 
 log = logging.getLogger("shardsafe.snapshot.pipeline")
 
 
 class Agreement(Protocol):
-    def all_ok(self, version: int, ok: bool) -> bool:
-        """True iff every rank voted ok for the same version (a collective: all ranks call it in order)."""
+    def vote(self, version: int, ok: bool, causes: int = 0, standing: int = 0) -> tuple[bool, int, int]:
+        """(every rank voted ok for the same version, the union of every rank's ``causes`` bits, the union of every
+        rank's ``standing`` bits). Causes say why a rank could not complete this version, standing causes why it
+        cannot be protected at all for now (shardsafe.protection.CAUSE_BITS). A collective: all ranks call it in
+        order."""
+
+
+def _union_bits(values: list[int]) -> int:
+    """The bits set anywhere, from a min-reduce of "not set" flags (0 where any rank has the bit)."""
+    return sum(1 << i for i, b in enumerate(values) if b == 0)
+
+
+def _not_set(bits: int) -> list[int]:
+    return [0 if bits & (1 << i) else 1 for i in range(len(Cause))]
 
 
 class GlooAgreement:
-    """Votes over a dedicated gloo group, used only by snapshot workers (off the training path)."""
+    """Votes over shardsafe's own gloo groups (a :class:`shardsafe.hierarchy.Hierarchy` in a job: node-local, then
+    the node leaders), used only by snapshot workers (off the training path)."""
 
     def __init__(self, group=None):
         self.group = group
 
-    def all_ok(self, version: int, ok: bool) -> bool:
-        flag, lo, neg_hi = min_reduce([1 if ok else 0, version, -version], self.group)
-        return flag == 1 and lo == version and -neg_hi == version
+    def rebuild(self, generation: int) -> None:
+        """A failed vote left the groups unusable: build them again under ``generation`` (lazily, at the next vote).
+        A plain torch process group cannot be rebuilt (tests' one-group setups): it is kept."""
+        if hasattr(self.group, "rebuild"):
+            self.group.rebuild(generation)
+
+    def vote(self, version: int, ok: bool, causes: int = 0, standing: int = 0) -> tuple[bool, int, int]:
+        # One min-reduce: the flag, the version both ways (every rank voted on the same one), and per cause bit a
+        # 0 where any rank has it (the minimum of "not set"), for this version's causes and for standing ones.
+        n = len(Cause)
+        got = min_reduce([1 if ok else 0, version, -version, *_not_set(causes), *_not_set(standing)], self.group)
+        flag, lo, neg_hi = got[:3]
+        return (flag == 1 and lo == version and -neg_hi == version, _union_bits(got[3:3 + n]),
+                _union_bits(got[3 + n:]))
 
 
 class LocalAgreement:
     """Single-rank jobs: my vote is the decision."""
 
-    def all_ok(self, version: int, ok: bool) -> bool:
-        return ok
+    def rebuild(self, generation: int) -> None:
+        pass
+
+    def vote(self, version: int, ok: bool, causes: int = 0, standing: int = 0) -> tuple[bool, int, int]:
+        return ok, causes, standing
 
 
 @dataclass
@@ -66,9 +95,11 @@ class SnapshotStats:
     copy_s: float = 0.0
     hash_s: float = 0.0
     parity_s: float = 0.0
+    vote_s: float = 0.0      # the commit vote (a collective over every rank)
     parity_phases: dict = field(default_factory=dict)
     committed: bool = False
     error: str = ""
+    causes: dict = field(default_factory=dict)   # Cause -> detail: why this version did not commit (this rank's view)
 
 
 @dataclass
@@ -96,7 +127,8 @@ class SnapshotPipeline:
     def __init__(self, client: Optional[HolderClient], *, rank: int, world_size: int, node: str,
                  agreement: Agreement, on_progress: Callable[[int, float], None] | None = None,
                  on_event: Callable[..., None] | None = None, reconnect: Callable[[], HolderClient] | None = None,
-                 parity: Any = None, flush: Callable[[int], None] | None = None, hasher: Any = None):
+                 parity: Any = None, flush: Callable[[int], None] | None = None, hasher: Any = None,
+                 interval: int = 1):
         self.client = client
         # Checksums are computed on these threads (off the GIL) while the copy goes on: shardsafe/payload/checksum.py.
         self.hasher = hasher if hasher is not None else checksum.shared()
@@ -114,12 +146,30 @@ class SnapshotPipeline:
         self.last_committed = -1
         # The timeline (branch) id written into every manifest; set by the runtime after its restore vote.
         self.timeline = 0
+        # The run's fingerprint (shardsafe/fingerprint.py), set by the runtime before its restore, and the command
+        # that took the snapshots: both in every manifest (a restore names when and by what a version was taken).
+        self.fingerprint: Optional[dict] = None
+        self._command = " ".join(sys.argv)[:300]
         # fault injection / tracing hook: on_phase("commit", version) between the agreed vote and the commit
         self.on_phase: Callable[[str, int], None] = lambda name, version: None
         self._q: "queue.Queue[_Job | None]" = queue.Queue()
         self._inflight: Optional[_Job] = None
-        self._broken = False
+        # After a failed vote: its groups are rebuilt, and the next versions (fewer than `interval` * 2^(k-1) steps
+        # after the k-th failure in a row) skip the vote on every rank alike, so a rank that keeps failing does not
+        # stall the others one timeout per snapshot. Every rank derives the same numbers from the failed version.
+        self.interval = interval
+        self._vote_failures = 0
+        self._vote_retry_at = -1
         self._warned: set[str] = set()
+        # Why recent versions did not commit, for the runtime's protection state (shardsafe.protection): this rank's
+        # own failures and the other ranks' causes the vote carried. Taken (and cleared) by take_causes().
+        self._causes: dict[Cause, str] = {}
+        self._causes_lock = threading.Lock()
+        # Causes that keep this rank unprotected until they change (its holder cannot keep two versions of the node's
+        # ranks), and every rank's standing causes as the newest vote said (Cause -> detail; replaced each vote).
+        self.standing: dict[Cause, str] = {}
+        self.standing_everywhere: dict[Cause, str] = {}
+        self._reserved = 0   # bytes per version this rank told its holder it takes
         self._side_stream = None
         self._registered: set[int] = set()
         self._worker = threading.Thread(target=self._run, name=f"shardsafe-snapshot-r{rank}", daemon=True)
@@ -182,10 +232,21 @@ class SnapshotPipeline:
         self._q.put(None)
         self._worker.join(timeout=10)
 
+    def take_causes(self) -> dict:
+        """Causes reported since the last call (Cause -> detail)."""
+        with self._causes_lock:
+            out, self._causes = self._causes, {}
+        return out
+
+    def _note(self, job: _Job, cause: Cause, detail: str) -> None:
+        job.stats.causes[cause] = detail
+        with self._causes_lock:
+            self._causes[cause] = detail
+
     def _report(self, job: _Job) -> None:
         st = job.stats
         self.on_event("snapshot", version=st.version, stall_s=st.stall_s, copy_s=st.copy_s, hash_s=st.hash_s,
-                      parity_s=st.parity_s, parity_phases=st.parity_phases, bytes=st.nbytes, committed=st.committed,
+                      parity_s=st.parity_s, vote_s=st.vote_s, parity_phases=st.parity_phases, bytes=st.nbytes, committed=st.committed,
                       **({"error": st.error[:500]} if st.error else {}))
 
     # ---- worker side ------------------------------------------------------------------------------
@@ -211,8 +272,9 @@ class SnapshotPipeline:
 
     def _process(self, job: _Job) -> None:
         ok, man, mm = False, None, None
-        if self._broken:
-            job.stats.error = "agreement group broken earlier"
+        if job.version < self._vote_retry_at:
+            job.stats.error = f"the commit vote failed; its group is rebuilt and voting resumes at version {self._vote_retry_at}"
+            self._note(job, Cause.VOTE, f"rank {self.rank}: {job.stats.error}")
             job.copied.set()
             return
         try:
@@ -220,7 +282,10 @@ class SnapshotPipeline:
             ok = True
         except (HolderFailure, OSError, RuntimeError) as e:
             job.stats.error = str(e)
-            key = "budget" if isinstance(e, HolderError) and e.code == "budget" else type(e).__name__
+            budget = isinstance(e, HolderError) and e.code == "budget"
+            key = "budget" if budget else type(e).__name__
+            self._note(job, Cause.BUDGET if budget else Cause.NO_HOLDER if isinstance(e, HolderUnavailable)
+                       else Cause.SNAPSHOT, f"rank {self.rank}: {e}"[:500])
             self._warn_once(key, f"snapshot {job.version} skipped, training continues: {e}")
             self.on_event("snapshot_skipped", version=job.version, reason=str(e)[:500])
         finally:
@@ -234,18 +299,28 @@ class SnapshotPipeline:
                 job.stats.parity_phases = dict(getattr(self.parity, "timings", {}) or {})
                 if ok and not pok:
                     job.stats.error = f"parity not stored: {self.parity.last_error}"
+                    self._note(job, Cause.PARITY, f"rank {self.rank}: {self.parity.last_error}"[:500])
                     self._warn_once("parity", f"snapshot {job.version} not protected by parity, not committed: "
                                               f"{self.parity.last_error}")
                 ok = ok and pok
-            agreed = self.agreement.all_ok(job.version, ok)
-        except Exception as e:   # a failed vote (peer gone, gloo timeout) must end snapshots, never training
-            self._broken = True
-            job.stats.error = f"agreement failed: {e}"
-            self._warn_once("agree", f"snapshot agreement failed ({e}); snapshots disabled for this run")
+            self.on_phase("vote", job.version)
+            t0 = time.perf_counter()
+            agreed, union, standing = self.agreement.vote(job.version, ok, causes_to_bits(job.stats.causes),
+                                                          causes_to_bits(self.standing))
+            job.stats.vote_s = time.perf_counter() - t0
+            self.standing_everywhere = {c: self.standing.get(c, f"another rank: {c.value}")
+                                        for c in bits_to_causes(standing)}
+        except Exception as e:   # a failed vote (peer gone, gloo timeout) never ends training, nor protection
+            self._vote_failed(job, e)
             return
+        self._vote_failures = 0
         if not agreed:
             if ok:
                 job.stats.error = "another rank could not complete this version"
+            for c in bits_to_causes(union) - set(job.stats.causes):
+                self._note(job, c, f"another rank reported {c.value} for version {job.version}")
+            if not union:
+                self._note(job, Cause.STALE, f"version {job.version} did not commit on every rank")
             return
         self.on_phase("commit", job.version)
         try:
@@ -263,6 +338,27 @@ class SnapshotPipeline:
                 self.flush_to_disk(job.version)
             except HolderFailure as e:
                 self._warn_once("flush", f"flush of snapshot {job.version} to disk not queued: {e}")
+
+    MAX_VOTE_BACKOFF = 64   # snapshots skipped at most after repeated failed votes
+
+    def _vote_failed(self, job: _Job, e: BaseException) -> None:
+        """Rebuild the vote's and the parity exchange's groups under the failed version (the same on every rank),
+        and skip the vote for a while that doubles with each failure in a row."""
+        self._vote_failures += 1
+        backoff = min(1 << (self._vote_failures - 1), self.MAX_VOTE_BACKOFF)
+        self._vote_retry_at = job.version + backoff * self.interval
+        job.stats.error = f"agreement failed: {e}"
+        self._note(job, Cause.VOTE, f"rank {self.rank}: the commit vote of version {job.version} failed ({e}); "
+                                    f"retried at version {self._vote_retry_at}"[:500])
+        log.warning("[rank %d] the commit vote of snapshot %d failed (%s); its group is rebuilt and the vote retried at "
+                    "version %d (failure %d in a row)", self.rank, job.version, str(e)[:300], self._vote_retry_at,
+                    self._vote_failures)
+        try:
+            self.agreement.rebuild(job.version)
+            if self.parity is not None and hasattr(self.parity, "rebuild_groups"):
+                self.parity.rebuild_groups(job.version)
+        except Exception as err:  # noqa: BLE001 - the next vote fails again and backs off further
+            log.warning("[rank %d] rebuilding the vote's groups failed: %s", self.rank, err)
 
     def _ensure_client(self) -> HolderClient:
         if self.client is not None and self.client._sock is not None:
@@ -291,9 +387,29 @@ class SnapshotPipeline:
             self._registered.clear()
         old.close()
 
+    def _reserve(self, client: HolderClient, want: int) -> None:
+        """Tell the holder what one version of this rank takes, when that grows (the first snapshot): a holder that
+        cannot keep two versions of every rank of its node makes this rank unprotected (standing, said by the vote
+        to every rank) although the first version may still fit."""
+        from ..holder.segments import round_size
+        share = 0 if self.parity is None else self.parity.group.m * self.parity.group.chunk_size(want)
+        per_version = round_size(want) + (round_size(share) if share else 0)
+        if per_version <= self._reserved:
+            return
+        try:
+            client.reserve(rank=self.rank, nbytes=per_version)
+            self._reserved = per_version
+            self.standing.pop(Cause.BUDGET, None)
+        except HolderError as e:
+            if e.code != "budget":
+                raise
+            self.standing[Cause.BUDGET] = f"rank {self.rank}: {e}"[:500]
+            self._warn_once("reserve", f"NOT protected: {e}")
+
     def _write(self, job: _Job) -> tuple[dict, Any]:
         client = self._ensure_client()
         want = job.nbytes if self.parity is None else max(job.nbytes, self.parity.padded_nbytes(job.nbytes))
+        self._reserve(client, want)
         slot, mm = client.acquire(rank=self.rank, version=job.version, nbytes=want)
         t0 = time.perf_counter()
         dst_all = torch.frombuffer(mm, dtype=torch.uint8, count=job.nbytes) if job.nbytes else torch.empty(0, dtype=torch.uint8)
@@ -318,7 +434,8 @@ class SnapshotPipeline:
             buf.release()
         man = mf.build(version=job.version, rank=self.rank, world_size=self.world_size, node=self.node,
                        entries=job.entries, payload_nbytes=job.nbytes, meta=mf.to_jsonable(job.state.meta),
-                       extra={"timeline": self.timeline})
+                       extra={"timeline": self.timeline, "command": self._command,
+                              **({"fingerprint": self.fingerprint} if self.fingerprint else {})})
         client.seal(rank=self.rank, version=job.version, manifest=man)
         return man, mm
 

@@ -20,6 +20,7 @@ import torch
 import xxhash
 
 from .. import collectives
+from .. import fingerprint as fpr
 from ..errors import ShardsafeError
 from ..holder.client import HolderClient
 from ..holder.early_open import EarlyOpen
@@ -53,10 +54,14 @@ class RestoreError(RuntimeError, ShardsafeError):
 
 
 class Collectives:
-    """The collectives restore needs, over a process group (or trivially for one rank)."""
+    """The collectives restore needs, over a process group (or trivially for one rank).
 
-    def __init__(self, group=None, world_size: int = 1):
+    ``group``: the gloo group slots move on point to point (placement); ``hier``: the
+    :class:`shardsafe.hierarchy.Hierarchy` every vote and gather runs on (None: ``group``, a ring)."""
+
+    def __init__(self, group=None, world_size: int = 1, hier=None):
         self.group, self.world_size = group, world_size
+        self.hier = hier if hier is not None else group
 
     def all_gather_versions(self, *lists: list[int]) -> list[list[list[int]]]:
         """For each rank, each of ``lists`` (newest MAX_VERSIONS versions each), as plain ints."""
@@ -73,10 +78,10 @@ class Collectives:
 
     def gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (the same length on every rank), in rank order."""
-        return collectives.gather_ints(values, self.group, self.world_size)
+        return collectives.gather_ints(values, self.hier, self.world_size)
 
     def all_true(self, flag: bool) -> bool:
-        return collectives.all_true(flag, self.group, self.world_size)
+        return collectives.all_true(flag, self.hier, self.world_size)
 
 
 def manifest_digest(manifest: dict) -> int:
@@ -182,7 +187,7 @@ def _unrecoverable_message(data: list[list[int]], nodes: list[str] | None, excha
             msg += (f" Parity group {gi} lost {len(lost)} members {lost} but parity_shards={m} covers {m}; "
                     f"rebuilding needs parity_shards >= {len(lost)}.")
     return (msg + " Resume from your last disk checkpoint (engine.load_checkpoint / Megatron --load) with a new "
-                  "shardsafe job_id, or set shardsafe.snapshot.restore=false to start from scratch.")
+                  "shardsafe job_id, or set shardsafe.resume=\"never\" to start from scratch.")
 
 
 # Per-rank outcome of opening and verifying one copy, voted on with the copy's timeline.
@@ -211,13 +216,16 @@ class _Attempt:
     on_phase: Callable[[str, int], None] = None   # type: ignore[assignment]  # fault injection hook
     h2d: str = "pinned"     # restore_h2d: how copies into GPU tensors read the mapping (pinning.py)
     early: Optional[EarlyOpen] = None   # this rank's slot, mapped while the trainer started (holder/early_open.py)
+    fingerprint: Optional[dict] = None   # the starting run's (shardsafe/fingerprint.py); None: not compared
+    force: bool = False                  # resume "force": another run's fingerprint is applied anyway, said loudly
 
 
 def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *, rank: int, coll: Collectives,
                         on_event: Callable[..., None] | None = None, exchange=None,
                         nodes: list[str] | None = None, persist=None,
                         on_phase: Callable[[str, int], None] | None = None, h2d: str = "pinned",
-                        early: Optional[EarlyOpen] = None) -> RestoreResult:
+                        early: Optional[EarlyOpen] = None, fingerprint: Optional[dict] = None,
+                        force: bool = False) -> RestoreResult:
     """Run on every rank at start. Returns what was restored (version -1: nothing, fresh start).
 
     ``h2d`` (config ``restore_h2d``): how a restore into GPU tensors reads the holder's memory, "pinned"
@@ -247,7 +255,8 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     candidates = sorted({v for vs in data for v in vs}, reverse=True)
     _check_world_size([x[0] for x in extra], coll.world_size)
     st = _Attempt(rank, {"agree": time.perf_counter() - t0, "rebuild": 0.0, "verify": 0.0, "apply": 0.0}, [], [],
-                  on_phase=on_phase or (lambda name, version: None), h2d=h2d, early=early)
+                  on_phase=on_phase or (lambda name, version: None), h2d=h2d, early=early, fingerprint=fingerprint,
+                  force=force)
     live = adapter.capture().tensors
     res = None
     try:
@@ -263,7 +272,7 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
         res.notes = {**(res.notes or {}), **early.notes(res.version)}
     if res is None:
         # Memory could not serve (nothing held, or more losses than parity covers): the persistent tier.
-        res, disk_refusals = (_restore_persistent(adapter, persist, rank=rank, coll=coll, live=live, h2d=h2d)
+        res, disk_refusals = (_restore_persistent(adapter, persist, rank=rank, coll=coll, live=live, h2d=h2d, st=st)
                               if persist is not None else (None, []))
         if res is None and (candidates or disk_refusals):
             emit("restore_end", tier="none", version=-1, seconds=time.perf_counter() - t0, bytes=0)
@@ -336,7 +345,7 @@ def _try_version(version: int, adapter: StateAdapter, client, coll: Collectives,
             return None
         t1 = time.perf_counter()
         manifest, pin, bad, is_corrupt = _open_verified(lambda: _open_held(client, st, version), adapter, live,
-                                                        populate=True, h2d=st.h2d)
+                                                        populate=True, h2d=st.h2d, st=st)
         status = _OK if not bad else (_CORRUPT if is_corrupt else _REFUSED)
         st.on_phase("restore-verify", version)
         if bad:
@@ -431,11 +440,19 @@ def _apply(adapter: StateAdapter, client, coll: Collectives, st: _Attempt, versi
         pin.close()
     st.phases["apply"] = time.perf_counter() - t2
     res = RestoreResult(version=version, tier=tier, nbytes=manifest["payload_nbytes"],
-                        message=f"restored version {version} from holder memory")
+                        message=f"restored version {version} from holder memory" + _origin(manifest))
     res.rebuilt_bytes, res.rebuild_seconds = st.rebuilt_bytes, st.rebuild_s
     res.phases = {k: round(v, 6) for k, v in st.phases.items()}
     res.notes = {**adapter.restore_notes, **pin.notes()}
     return res
+
+
+def _origin(manifest: dict) -> str:
+    """When and by which command the restored snapshot was taken (rank 0's log line)."""
+    when = manifest.get("created")
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(when)) if isinstance(when, (int, float)) else "?"
+    cmd = manifest.get("command")
+    return f", taken {stamp}" + (f" by `{cmd}`" if cmd else "")
 
 
 class _HalfwayHook(dict):
@@ -480,7 +497,7 @@ def _refusal_message(st: _Attempt, data, nodes, exchange, persist, disk_refusals
     elif st.tried:
         msg = (f"none of the in-memory versions {st.tried} could be restored on every rank ("
                + " | ".join(r.rstrip(". ") for r in st.refusals[:6]) + "); nothing was loaded and nothing was deleted.")
-        msg += (" Resume from your last disk checkpoint with a new shardsafe job_id, or set shardsafe.snapshot.restore=false to "
+        msg += (" Resume from your last disk checkpoint with a new shardsafe job_id, or set shardsafe.resume=\"never\" to "
                 "start from scratch.")
     else:
         msg = "no in-memory snapshot of this job is held."
@@ -494,7 +511,7 @@ def _refusal_message(st: _Attempt, data, nodes, exchange, persist, disk_refusals
 
 
 def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live, *, populate: bool = False,
-                   h2d: str = "pinned") -> tuple:
+                   h2d: str = "pinned", st: Optional[_Attempt] = None) -> tuple:
     """Open a payload (holder slot or file) and check it: layout against the live tensors, every xxh3
     segment, then the adapter's own checks. ``opener`` returns (manifest, mapping, whether the mapping's page
     tables are filled already, whether its segments verified already: the early open's, same sealing, same
@@ -513,6 +530,9 @@ def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live, *, 
             # Another layout: the adapter can usually say which setting changed (ZeRO stage, DP size, ...).
             said = _adapter_problems(adapter, manifest, mm)
             return manifest, pin, said or [str(e)], False
+        other_run = _other_run(manifest, st)
+        if other_run:   # the adapter's own words first where it has any (a changed stage, schedule, ...)
+            return manifest, pin, _adapter_problems(adapter, manifest, mm) or other_run, False
         pin = PinnedMapping(mm, live, h2d)   # the layout matches: pin beside the verification
         bad = []
         if not verified:
@@ -529,6 +549,23 @@ def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live, *, 
     return manifest, pin, bad, corrupt
 
 
+def _other_run(manifest: dict, st: Optional[_Attempt]) -> list[str]:
+    """Why ``manifest`` is another run's snapshot (empty: this run's, or not compared, or ``force``)."""
+    if st is None or st.fingerprint is None:
+        return []
+    diff = fpr.differences(manifest.get("fingerprint"), st.fingerprint)
+    if not diff:
+        return []
+    if st.force:
+        log.warning("[rank %d] resume \"force\": applying version %s of another run: %s", st.rank,
+                    manifest.get("version"), "; ".join(diff[:3]))
+        return []
+    return [f"another run's snapshot (its fingerprint differs: {diff[0]}"
+            + (f"; {len(diff) - 1} more field(s)" if len(diff) > 1 else "")
+            + "). Nothing of it is applied: start this run with resume \"never\" (drops the old versions) or a new "
+              "job_id, or resume \"force\" if it is the same run (shardsafe.fingerprint)"]
+
+
 def _adapter_problems(adapter: StateAdapter, manifest: dict, mm) -> list[str]:
     """The adapter's own checks of a verified payload (layout, optimizer config, LR schedule...), without
     touching live state. They join the vote because ``apply`` may be collective (Megatron's param
@@ -543,7 +580,7 @@ def _adapter_problems(adapter: StateAdapter, manifest: dict, mm) -> list[str]:
 
 
 def _restore_persistent(adapter: StateAdapter, persist, *, rank: int, coll: Collectives, live,
-                        h2d: str = "pinned") -> tuple[Optional[RestoreResult], list[str]]:
+                        h2d: str = "pinned", st: Optional[_Attempt] = None) -> tuple[Optional[RestoreResult], list[str]]:
     """Newest version every rank has complete on disk, verified everywhere and of one timeline, applied in place.
     Returns (result or None, this rank's reasons for refusing what the tier held)."""
     t0 = time.perf_counter()
@@ -553,7 +590,7 @@ def _restore_persistent(adapter: StateAdapter, persist, *, rank: int, coll: Coll
     refusals: list[str] = []
     for version in common:
         manifest, pin, bad, _ = _open_verified(lambda: (*persist.open(version, rank), False, False), adapter, live,
-                                               h2d=h2d)
+                                               h2d=h2d, st=st)
         if bad:
             log.error("[rank %d] persistent version %d in %s failed verification, not loaded: %s", rank, version,
                       persist.dir, "; ".join(bad[:3]))
@@ -573,7 +610,8 @@ def _restore_persistent(adapter: StateAdapter, persist, *, rank: int, coll: Coll
             pin.close()
         return RestoreResult(version=version, tier="persistent", seconds=time.perf_counter() - t0,
                              nbytes=manifest["payload_nbytes"],
-                             message=f"restored version {version} from the persistent tier {persist.dir}"), []
+                             message=f"restored version {version} from the persistent tier {persist.dir}"
+                                     + _origin(manifest)), []
     anything = any(e[0] for e in held)
     if anything:
         log.warning("[rank %d] no persistent version in %s is complete and verified on every rank (this rank has %s)",

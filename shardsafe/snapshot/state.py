@@ -93,6 +93,19 @@ class StateAdapter(ABC):
         layout and checksums the restore does itself."""
         return []
 
+    def pending_state_nbytes(self) -> int:
+        """Bytes of state :meth:`capture` will hold that do not exist yet (optimizer moments a fresh engine creates
+        at its first step), for the budget check at start; the holder checks the real size at the first snapshot.
+        Default 0."""
+        return 0
+
+    def fingerprint(self) -> Mapping[str, Any]:
+        """What makes the run this run (shardsafe/fingerprint.py): JSON-able ``config``, ``model``, ``layout`` and
+        ``optimizer`` fields, taken when the engine is built, before any step or restore. Called once, before the
+        restore; every snapshot carries it and a restore with another one is refused. Default: none (nothing is
+        compared)."""
+        return {}
+
 
 # --- RNG: every generator a training step can draw from -------------------------------------------
 

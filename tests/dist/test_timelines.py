@@ -143,8 +143,8 @@ def _seal_uncommitted(client, rank, version, shard, *, timeline, world=WORLD):
 
 
 class _Never:
-    def all_ok(self, version, ok):
-        return False
+    def vote(self, version, ok, causes=0, standing=0):
+        return False, causes, standing
 
 
 def test_the_restored_version_is_kept_until_a_newer_one_commits(holders):

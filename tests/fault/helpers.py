@@ -44,14 +44,16 @@ def cached_reference(cache: dict, key, cold: bool, run):
 
 
 def run_job(run_dir, *, stage, dtype, steps, nodes=2, nproc=1, inject="", extra=(), shardsafe=True,
-            max_restarts=3, budget_gb=0.5, start_holders=True, job_id=None, watcher=None, preload=None):
+            max_restarts=3, budget_gb=0.5, start_holders=True, job_id=None, watcher=None, preload=None, holder_dir="",
+            env=None):
     """Protected runs fork their trainers from a pre-warmed server (shardsafe.launch.prewarm); unprotected
     runs start every trainer cold unless given a ``preload`` (``reference_preload``)."""
     if preload is None:
         preload = PRELOAD_DEEPSPEED if shardsafe else ()
     cfg = LaunchConfig(nodes=nodes, nproc_per_node=nproc, job_id=job_id or f"t{uuid.uuid4().hex[:8]}",
                        run_dir=str(run_dir), inject=inject, max_restarts=max_restarts, memory_budget_gb=budget_gb,
-                       start_holders=start_holders and shardsafe, attempt_timeout_s=300)
+                       start_holders=start_holders and shardsafe, attempt_timeout_s=300, holder_dir=holder_dir,
+                       env=dict(env or {}))
     cmd = [sys.executable, SCRIPT, "--steps", str(steps), "--zero-stage", str(stage), "--dtype", dtype,
            "--out", str(run_dir), *extra] + ([] if shardsafe else ["--no-shardsafe"])
     return launch(cfg, cmd, preload=preload, watcher=watcher)

@@ -122,13 +122,13 @@ def test_export_refuses_corrupt_or_incomplete_snapshots(tmp_path):
         f.seek(100)
         f.write(bytes([b[0] ^ 0xFF]))
     p = _export(str(job), str(tmp_path / "out"), "--format", "deepspeed")
-    assert p.returncode == 2 and "rank 1 of version 4" in p.stdout and "fails its checksums" in p.stdout, p.stdout
+    assert p.returncode == 2 and "rank 1 of version 4" in p.stderr and "fails its checksums" in p.stderr, p.stderr
     assert not (tmp_path / "out").exists()
     # An older, intact version can still be exported; a missing rank is named.
     p = _export(str(job), str(tmp_path / "out2"), "--format", "deepspeed", "--version", "2")
     assert p.returncode == 0, p.stdout + p.stderr
     os.unlink(job / newest / "rank000000.json")
     p = _export(str(job), str(tmp_path / "out3"), "--format", "deepspeed", "--version", "4")
-    assert p.returncode == 2 and "missing or incomplete" in p.stdout, p.stdout
+    assert p.returncode == 2 and "missing or incomplete" in p.stderr, p.stderr
     p = _export(str(tmp_path / "nowhere"), str(tmp_path / "out4"), "--format", "deepspeed")
-    assert p.returncode == 2 and "not a directory" in p.stdout, p.stdout
+    assert p.returncode == 2 and "not a directory" in p.stderr, p.stderr

@@ -10,7 +10,7 @@ torch_dist):
   item for item (every tensor byte for byte, every object -- RNG states, scheduler, counters --
   equal; only ``args`` differ by the flags). A vanilla ``--load`` of *either* fails on this CPU
   path inside Megatron (``DistributedOptimizer.state_dict``: ``assert len(steps) == 1`` on a fresh
-  torch-Adam optimizer, reference/megatron-core.md 3.4), so continuing from it is not checked here.
+  torch-Adam optimizer: Megatron's own bug on that path, its own checkpoints included), so continuing from it is not checked here.
 - Float16OptimizerWithFloat16Params (no --use-distributed-optimizer), dropout off: the same
   equality, and a vanilla ``--load`` of the export continues bit-exact (losses and final model and
   optimizer state torch.equal to an uninterrupted run). The plain run that writes Megatron's own

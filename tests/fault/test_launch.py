@@ -168,8 +168,8 @@ def test_a_signal_stops_shardsafe_launch_with_its_workers_and_holders(tmp_path, 
     in their own session). Now: agents, workers and holders are gone, the exit code is 128 + the signal, and
     the event log says why the job ended."""
     job, run, hdir = f"sig{uuid.uuid4().hex[:6]}", tmp_path / "run", tmp_path / "h"
-    cmd = [sys.executable, "-m", "shardsafe.cli", "launch", "--nodes", "2", "--run-dir", str(run), "--job-id", job,
-           "--holder-dir", str(hdir), "--memory-budget-gb", "0.5", "--hang-timeout", "0", SCRIPT,
+    cmd = [sys.executable, "-m", "shardsafe.cli", "launch", "--nnodes", "2", "--run-dir", str(run), "--job-id", job,
+           "--holder-dir", str(hdir), "--memory-budget-gb", "0.5", "--hang-timeout-s", "0", SCRIPT,
            "--steps", "100000", "--zero-stage", "2", "--dtype", "bf16", "--step-sleep", "0.05"]
     # its own session, as a batch job's launcher: the signal reaches the launcher alone, not our pytest
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -198,7 +198,7 @@ def test_a_config_error_stops_shardsafe_launch_at_once_with_the_message(tmp_path
     launcher started with 0.5, issue 15 item 8) was retried max_restarts times. Now one attempt, the message
     on stderr, exit code 3, and no restart event."""
     job, run, hdir = f"cfg{uuid.uuid4().hex[:6]}", tmp_path / "run", tmp_path / "h"
-    cmd = [sys.executable, "-m", "shardsafe.cli", "launch", "--nodes", "2", "--run-dir", str(run), "--job-id", job,
+    cmd = [sys.executable, "-m", "shardsafe.cli", "launch", "--nnodes", "2", "--run-dir", str(run), "--job-id", job,
            "--holder-dir", str(hdir), "--memory-budget-gb", "0.5", "--max-restarts", "3", "--json", SCRIPT,
            "--steps", "5", "--zero-stage", "2", "--dtype", "bf16", "--budget-gb", "2"]
     t0 = time.time()

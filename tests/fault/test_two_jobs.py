@@ -13,9 +13,11 @@ the other job's model. Here, with the tiny DeepSpeed GPT (ZeRO-2, bf16, 2 ranks 
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -23,7 +25,7 @@ import pytest
 
 from shardsafe.launch.elastic import ElasticConfig, ElasticLauncher
 from shardsafe.holder.client import HolderClient, HolderUnavailable
-from shardsafe.holder.paths import HolderPaths
+from shardsafe.holder.paths import HolderPaths, private_dir
 from shardsafe.launch import free_port
 from shardsafe.runcheck import compare_runs, read_jsonl, resume_problems
 
@@ -51,9 +53,15 @@ def lines(path):
     return len(read_jsonl(path))
 
 
+def job_dirs(holder_dir):
+    """The job ids with a directory in shardsafe's private directory inside ``holder_dir``."""
+    d = private_dir(holder_dir)
+    return sorted(j for j in os.listdir(d) if os.path.isdir(os.path.join(d, j))) if os.path.isdir(d) else []
+
+
 def stop_job_holders(holder_dir):
     """The holders plain-torchrun trainers start are detached (an idle exit ends them later): stop them now."""
-    for job in sorted(os.listdir(holder_dir)) if os.path.isdir(holder_dir) else []:
+    for job in job_dirs(holder_dir):
         for node in HolderPaths.list_nodes(holder_dir, job):
             try:
                 c = HolderClient(HolderPaths(holder_dir, job, node), timeout_s=10).connect()
@@ -64,10 +72,12 @@ def stop_job_holders(holder_dir):
 
 
 @pytest.fixture
-def holder_dir(tmp_path):
-    d = str(tmp_path / "holders")
+def holder_dir():
+    # short: DIR/shardsafe-UID/cmd-<16 hex>/NODE.sock must fit AF_UNIX's 108 bytes (pytest's tmp_path is long)
+    d = tempfile.mkdtemp(prefix="ss-")
     yield d
     stop_job_holders(d)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_two_plain_torchrun_jobs_without_ids_one_killed_and_resubmitted(tmp_path, reference, holder_dir):
@@ -97,7 +107,7 @@ def test_two_plain_torchrun_jobs_without_ids_one_killed_and_resubmitted(tmp_path
     try:
         rc = {j: p.wait(timeout=400) for j, p in procs.items()}
         assert rc["a"] != 0 and rc["b"] == 0, (rc, tail(run["a"]), tail(run["b"]))
-        jobs = sorted(os.listdir(holder_dir))
+        jobs = job_dirs(holder_dir)
         assert len(jobs) == 2 and all(j.startswith("cmd-") for j in jobs), jobs   # two ids, none shared
         # resubmit job a by the same command
         since = lines(run["a"] / "events.jsonl")
@@ -108,7 +118,7 @@ def test_two_plain_torchrun_jobs_without_ids_one_killed_and_resubmitted(tmp_path
         for p in list(procs.values()) + [locals().get("again")]:
             if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    assert sorted(os.listdir(holder_dir)) == jobs, "the resubmission derived another job id"
+    assert job_dirs(holder_dir) == jobs, "the resubmission derived another job id"
 
     # job b never saw job a's snapshots: it started fresh on every rank
     assert restores(run["b"]) == {r: -1 for r in range(WORLD)}, restores(run["b"])

@@ -8,9 +8,11 @@ block, and proof that the restarted attempt continued from the restored version 
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 
 import pytest
@@ -186,7 +188,8 @@ def test_plain_torchrun_job_killed_and_resubmitted_by_the_same_command(tmp_path,
     again. The trainers start the node's holder themselves; the second submission restores from it."""
     cfg_path = config(tmp_path / "ds.json", parity_group_size=1)   # one node: no parity group possible
     port = free_port()
-    holders = str(tmp_path / "holders")
+    # short: DIR/shardsafe-UID/cmd-<16 hex>/NODE.sock must fit AF_UNIX's 108 bytes (pytest's tmp_path is long)
+    holders = tempfile.mkdtemp(prefix="ss-")
 
     def torchrun(attempt, inject=""):
         cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2",
@@ -212,6 +215,7 @@ def test_plain_torchrun_job_killed_and_resubmitted_by_the_same_command(tmp_path,
                 os.killpg(p.pid, signal.SIGKILL)
         from .test_two_jobs import stop_job_holders
         stop_job_holders(holders)
+        shutil.rmtree(holders, ignore_errors=True)
     got = restores(tmp_path)
     assert got[1] in (3, 4), got
     _resumed_once(tmp_path, got[1])

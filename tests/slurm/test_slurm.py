@@ -9,12 +9,18 @@ One job of 3 nodes (2 active + 1 spare) trains the tiny DeepSpeed GPT under torc
   attempt 2: finishes; every rank leaves a completion marker; the TOR report is produced.
 The final losses and rank states must equal an uninterrupted run's, bit for bit. The cluster is
 torn down afterwards, also when the test fails, and nothing of it may keep running.
+
+A second job loses every node's memory at once (beyond what parity covers) twice: it is requeued with
+`scontrol requeue`, then, after the requeued allocation is lost as well, submitted again with `sbatch`.
+Each new allocation has empty holders and a new job id, and resumes from the persistent tier, which is
+keyed by the run name (SS_RUN_NAME) that a requeue and a resubmission keep.
 """
 import json
 import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +30,7 @@ import time
 import pytest
 
 from shardsafe.launch import PRELOAD_DEEPSPEED
+from shardsafe.persist import PersistentStore
 from shardsafe.runcheck import compare_runs, read_jsonl
 
 from ..fault.helpers import run_job
@@ -109,8 +116,25 @@ def _ts(s: str) -> float:
     return time.mktime(time.strptime(s, "%Y-%m-%dT%H:%M:%S"))
 
 
-def test_sbatch_rank_kill_and_node_loss_continue_in_the_allocation(cluster, tmp_path):
-    run_dir, holders = tmp_path / "run", tmp_path / "holders"
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted, unprotected run both jobs are compared with (local launcher, no shardsafe)."""
+    ref = tmp_path_factory.mktemp("reference")
+    res = run_job(ref, stage=2, dtype="bf16", steps=STEPS, shardsafe=False, max_restarts=0, nodes=2, nproc=1)
+    assert res.ok
+    return ref
+
+
+@pytest.fixture
+def holder_dir():
+    """Short: a holder's socket path (HOLDER_DIR/shardsafe-UID/JOB_ID/NODE.sock) must fit AF_UNIX's 108 bytes."""
+    d = tempfile.mkdtemp(prefix="ss-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_sbatch_rank_kill_and_node_loss_continue_in_the_allocation(cluster, tmp_path, reference, holder_dir):
+    run_dir, holders = tmp_path / "run", holder_dir
     env = {**cluster, "SS_PYTHON": sys.executable, "SS_RUN_DIR": str(run_dir), "SS_HOLDER_DIR": str(holders),
            "SS_MEMORY_BUDGET_GB": "0.5", "SS_KEEP_ALIVE_S": "2", "SS_HANG_TIMEOUT": "120", "SS_GRACE": "2",
            # --step-sleep keeps steps 8..12 running long enough for SLURM to act on the node downed after
@@ -175,6 +199,7 @@ def test_sbatch_rank_kill_and_node_loss_continue_in_the_allocation(cluster, tmp_
     flushed = [(e["rank"], e["version"], e["ok"]) for e in evs if e["kind"] == "flush"]
     assert sorted(flushed) == [(0, STEPS, True), (1, STEPS, True)], f"{flushed}\n{diag()}"
     (job_dir,) = (tmp_path / "persist").iterdir()
+    assert job_dir.name == "run"   # the run name: SS_RUN_DIR's last component
     assert sorted(os.listdir(job_dir / f"v{STEPS:012d}")) == [f"rank{r:06d}.{x}" for r in (0, 1) for x in ("bin", "json")]
     tiers = {}
     for e in evs:
@@ -198,11 +223,147 @@ def test_sbatch_rank_kill_and_node_loss_continue_in_the_allocation(cluster, tmp_
     assert (run_dir / "tor_report.txt").read_text().startswith("TOR report:")
 
     # bit for bit the same as an uninterrupted run of the same job (local launcher, no shardsafe)
-    ref = tmp_path / "reference"
-    res = run_job(ref, stage=2, dtype="bf16", steps=STEPS, shardsafe=False, max_restarts=0, nodes=2, nproc=1)
-    assert res.ok
-    cmp = compare_runs(str(run_dir), str(ref), 2, STEPS)
+    cmp = compare_runs(str(run_dir), str(reference), 2, STEPS)
     assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches, cmp.state_mismatches)
+
+
+RUN = "gpt-tiny"   # the run's directory name, so the run name the sbatch scripts derive from it
+
+
+def _job_processes(jid: str) -> list[tuple[int, str]]:
+    """(pid, what) of SLURM job ``jid``'s agents, trainers and holders on every node (python processes only:
+    not the batch script, the controller or srun)."""
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if f"SLURM_JOB_ID={jid}".encode() not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if not os.path.basename(cmd[0]).startswith(b"python"):
+            continue
+        if b"shardsafe.launch" in cmd and b"agent" in cmd:
+            out.append((int(d), "agent"))
+        elif b"shardsafe.cli" in cmd and b"holder" in cmd:
+            out.append((int(d), "holder"))
+        elif any(a.endswith(b"ds_pretrain_gpt.py") for a in cmd):
+            out.append((int(d), "trainer"))
+    return out
+
+
+def _lose_every_node(jid: str) -> list[str]:
+    """SIGKILL every agent (first: torch elastic must not restart anything), trainer and holder of the job on all of
+    its nodes: all memory and parity is gone, as when every node of the job fails at once."""
+    procs = sorted(_job_processes(jid), key=lambda p: p[1] != "agent")
+    for pid, _ in procs:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return sorted({w for _, w in procs})
+
+
+_ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def _wait(what: str, cond, diag, timeout: float = 300.0, ended=lambda: False) -> None:
+    """Poll ``cond`` until it holds; fail after ``timeout`` or as soon as ``ended()`` says the job is over."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        if ended():
+            pytest.fail(f"the job ended before {what}:\n{diag()}")
+        time.sleep(0.3)
+    pytest.fail(f"{what} did not happen within {timeout:.0f} s:\n{diag()}")
+
+
+def test_sbatch_requeue_and_resubmission_resume_from_the_persistent_tier(cluster, tmp_path, reference, holder_dir):
+    """Allocation 0 flushes every 2nd version to persist_dir and loses every node's memory at once; `scontrol
+    requeue` starts allocation 1 (SLURM_RESTART_COUNT=1, job id JID.1, empty holders), which must restore the
+    newest version complete on disk, continue, and flush newer ones; it is lost the same way and cancelled; a fresh
+    `sbatch` of the same script (a new SLURM job id) must restore the newest version again and finish. Each
+    restore is from the persistent tier, continues at its version + 1, and the run ends bit for bit as an
+    uninterrupted one."""
+    run_dir, persist = tmp_path / RUN, tmp_path / "persist"
+    store = PersistentStore(str(persist), RUN)
+    env = {**cluster, "SS_PYTHON": sys.executable, "SS_RUN_DIR": str(run_dir), "SS_HOLDER_DIR": holder_dir,
+           "SS_SPARES": "0", "SS_MEMORY_BUDGET_GB": "0.5", "SS_KEEP_ALIVE_S": "2", "SS_HANG_TIMEOUT": "120",
+           "SS_GRACE": "1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           # a second per step from step 3 on: the losses below land mid-run, between flushes
+           "SS_SCRIPT_ARGS": f"--steps {STEPS} --zero-stage 2 --dtype bf16 --running-tor-every 0 --step-sleep 1 "
+                             "--step-sleep-after 2 --shardsafe-json " + json.dumps(
+                                 {"persist_dir": str(persist), "persist_every": 2}, separators=(",", ":"))}
+    outs = []
+
+    def submit() -> str:
+        outs.append(tmp_path / f"job{len(outs)}.out")
+        sub = subprocess.run(["sbatch", "--parsable", "-N2", f"--output={outs[-1]}", SBATCH], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert sub.returncode == 0, sub.stderr
+        return sub.stdout.strip().split(";")[0]
+
+    def diag() -> str:
+        txt = "".join(f"\n==== {o.name}\n" + o.read_text(errors="replace")[-2000:] for o in outs if o.exists())
+        for f in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").exists() else []:
+            txt += f"\n==== {f.name}\n" + f.read_text(errors="replace")[-1500:]
+        return txt + f"\npersistent tier: {sorted(os.listdir(persist)) if persist.exists() else []}, " \
+                     f"versions of {RUN}: {store.versions()}"
+
+    def newest_on_disk() -> int:
+        return max(store.complete_versions(2), default=-1)
+
+    def gone(jid: str) -> bool:
+        return not _job_processes(jid)
+
+    def ended(jid: str):
+        return lambda: scontrol_job(env, jid).get("JobState") in _ENDED
+
+    jid = submit()
+    try:
+        _wait(f"a version >= 4 complete in {store.dir}", lambda: newest_on_disk() >= 4, diag, ended=ended(jid))
+        assert _lose_every_node(jid) == ["agent", "holder", "trainer"], diag()
+        r = subprocess.run(["scontrol", "requeue", jid], env=env, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        _wait("the requeued allocation", lambda: scontrol_job(env, jid).get("Restarts") == "1" and
+              scontrol_job(env, jid).get("JobState") == "RUNNING", diag)
+        v1 = newest_on_disk()   # allocation 0 is gone (its processes were SIGKILLed before the requeue)
+        _wait("allocation 1 flushing a newer version", lambda: newest_on_disk() >= v1 + 2, diag, ended=ended(jid))
+        assert _lose_every_node(jid) == ["agent", "holder", "trainer"], diag()
+        subprocess.run(["scancel", jid], env=env, timeout=30)
+        _wait(f"job {jid} to end", lambda: scontrol_job(env, jid).get("JobState") in ("CANCELLED", "FAILED")
+              and gone(jid), diag, timeout=120)
+        v2 = newest_on_disk()
+        jid2 = submit()
+        _wait(f"job {jid2} to end", ended(jid2), diag, timeout=400)
+    finally:
+        for j in [jid] + ([jid2] if "jid2" in locals() else []):
+            if scontrol_job(env, j).get("JobState") in ("RUNNING", "PENDING", "REQUEUED", "CONFIGURING"):
+                subprocess.run(["scancel", j], env=env, timeout=30)
+    info = scontrol_job(env, jid2)
+    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", f"{info}\n{diag()}"
+    assert 4 <= v1 < v2 < STEPS, (v1, v2)
+
+    # three allocations of one run: one run name, three job ids (memory scoped per allocation)
+    allocs = (run_dir / "slurm_allocations.log").read_text().splitlines()
+    assert [re.search(r"job=(\S+) restart_count=(\d) run_name=(\S+)", a).groups() for a in allocs] == \
+        [(jid, "0", RUN), (jid, "1", RUN), (jid2, "0", RUN)], allocs
+    assert os.listdir(persist) == [RUN]
+    evs = read_jsonl(str(run_dir / "events.jsonl"))
+    tiers: dict[int, set] = {}
+    for e in evs:
+        if e["kind"] == "restore_end":
+            tiers.setdefault(e["attempt"], set()).add((e["rank"], e["tier"], e["version"]))
+    # allocation 0 started fresh; each later allocation restored the newest version on disk, from disk, on every rank
+    assert [tiers[a] for a in sorted(tiers)] == [{(r, t, v) for r in (0, 1)} for t, v in (
+        ("none", -1), ("persistent", v1), ("persistent", v2))], (tiers, v1, v2, diag())
+    # and continued from it (first step = version + 1 on every rank), bit for bit as the uninterrupted run
+    cmp = compare_runs(str(run_dir), str(reference), 2, STEPS)
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches, cmp.state_mismatches)
+    print(f"run {RUN}: job {jid} requeued and restored version {v1} from disk; job {jid2} restored {v2}")
 
 
 def test_megatron_sbatch_dry_run_shows_the_steps(cluster, tmp_path):

@@ -124,7 +124,7 @@ _CLAIMER = textwrap.dedent("""
     import sys, time
     from shardsafe import jobid
     try:
-        jobid.claim(sys.argv[1], "job1", "node0", token=sys.argv[2])
+        jobid.claim(sys.argv[1], "job1", "node0", token=sys.argv[2], wait_s=1.0)   # waits 1 s for the owner to exit
     except jobid.JobConflict as e:
         print("CONFLICT", e, flush=True)
         sys.exit(3)
@@ -155,8 +155,9 @@ def test_a_second_running_job_with_the_same_id_is_refused_and_a_resubmission_tak
     owner.wait(30)
     again, said = _claimer(tmp_path, "agentB", 0)
     assert said == "CLAIMED" and again.wait(30) == 0
-    assert json.loads((tmp_path / "job1" / "node0.owner").read_text())["token"] == "agentB"
-    assert oct((tmp_path / "job1").stat().st_mode & 0o777) == "0o700"
+    job_dir = tmp_path / f"shardsafe-{os.getuid()}" / "job1"   # shardsafe's private directory in the one given
+    assert json.loads((job_dir / "node0.owner").read_text())["token"] == "agentB"
+    assert oct(job_dir.stat().st_mode & 0o777) == "0o700"
 
 
 def test_instance_token_is_the_launcher_process_under_a_launcher(clean_env):

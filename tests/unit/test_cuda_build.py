@@ -90,9 +90,9 @@ def test_kernels_do_not_spill_registers(tmp_path):
 
 
 def test_a_broken_nvcc_never_fails_the_install_and_runs_once(tmp_path):
-    """`python setup.py build_py` as pip's setuptools backend runs it (setup.py executed as __main__: the
-    in-place build, then build_py into the build directory) with an nvcc that fails: the build must
-    succeed without kernels, and nvcc must have run once, not once per build step."""
+    """The two builds of an editable install in one process, as pip's setuptools backend runs them (setup.py
+    executed as __main__: the in-place build, then build_py into the build directory), with an nvcc that
+    fails: the build must succeed without kernels, and nvcc must have run once, not once per build step."""
     cuda = tmp_path / "cuda"
     (cuda / "bin").mkdir(parents=True)
     calls = tmp_path / "nvcc_calls"
@@ -103,8 +103,8 @@ def test_a_broken_nvcc_never_fails_the_install_and_runs_once(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "SHARDSAFE_SKIP_CUDA_BUILD"}
     env.update(CUDA_HOME=str(cuda), SHARDSAFE_BUILD_INPLACE="1")
     lib_before = (REPO / "kernels" / "libshardsafe_ec.so").exists()
-    r = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(build_lib)], cwd=REPO,
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "setup.py", "-q", "build_kernels", "build_py", "--build-lib", str(build_lib)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"the install failed over the optional kernels:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
     n_calls = len(calls.read_text().splitlines()) if calls.exists() else 0
     assert n_calls == 1, f"nvcc ran {n_calls} times (expected once per install):\n{r.stdout[-2000:]}"

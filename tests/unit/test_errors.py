@@ -15,6 +15,7 @@ from shardsafe.errors import DeviceError, InternalError, ShardsafeError, UsageEr
 from shardsafe.parity.exchange import ExchangeError
 from shardsafe.export.sources import ExportError
 from shardsafe.holder.client import HolderUnavailable
+from shardsafe.holder.paths import ForeignHolder, HolderSecurityError, UnsafeHolderDir
 from shardsafe.holder.protocol import BadFrame, HolderError, HolderFailure, ProtocolError
 from shardsafe.jobid import AmbiguousJobId, JobConflict
 from shardsafe.launch.discovery import DiscoveryError
@@ -39,12 +40,13 @@ ERRORS = {
     ManifestError: ValueError, TopologyError: ValueError, Unrecoverable: ValueError,
     DiscoveryError: RuntimeError, LaunchError: RuntimeError, PrewarmError: RuntimeError,
     HolderFailure: RuntimeError, SnapshotMismatch: ValueError, UsageError: RuntimeError, DeviceError: RuntimeError, InternalError: RuntimeError,
+    HolderSecurityError: PermissionError, UnsafeHolderDir: PermissionError, ForeignHolder: PermissionError,
 }
 # Subclasses of another shardsafe error, beside their family's root.
 FAMILY = {InvalidParameter: ParityError, InvalidFragment: ParityError, InsufficientFragments: ParityError,
           BackendUnavailable: ParityError, KernelError: ParityError, BadFrame: ProtocolError,
           HolderError: HolderFailure, HolderUnavailable: HolderFailure, ProtocolError: HolderFailure,
-          Unrecoverable: TopologyError}
+          Unrecoverable: TopologyError, UnsafeHolderDir: HolderSecurityError, ForeignHolder: HolderSecurityError}
 
 
 def test_the_root_is_a_plain_exception():

@@ -432,11 +432,13 @@ def test_shardsafe_launch_cli_names_the_bad_argument_and_exits_2(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('never runs')\n")
     for args, want in ((["--memory-budget-gb", "-1"], "--memory-budget-gb must be >= 0"),
-                       (["--hang-timeout", "-5"], "--hang-timeout must be >= 0"),
-                       (["--nodes", "0"], "nodes >= 1")):
+                       (["--hang-timeout-s", "-5"], "argument --hang-timeout-s: '-5': expected seconds, a finite number >= 0"),
+                       (["--hang-timeout", "-5"], "argument --hang-timeout: '-5'"),   # the former spelling
+                       (["--nnodes", "0"], "nodes >= 1"), (["--nodes", "0"], "nodes >= 1")):
         r = subprocess.run([sys.executable, "-m", "shardsafe.launch", "launch", "--run-dir", str(tmp_path / "run"),
                             *args, str(script)], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and want in r.stderr and "did not start" not in r.stderr, (args, r.returncode, r.stderr)
+        assert len(r.stderr.splitlines()) == 1, r.stderr   # one line: no usage block, no traceback
     r = subprocess.run([sys.executable, "-m", "shardsafe.launch", "launch", str(tmp_path / "missing.py")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "missing.py' not found" in r.stderr, r.stderr

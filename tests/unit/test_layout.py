@@ -85,6 +85,7 @@ RULES = {
     "shardsafe.kernels": ("*", ("shardsafe.errors", "shardsafe.kernels")),   # only these
     "shardsafe.errors": ("*", ()),
     "shardsafe.collectives": ("*", ()),
+    "shardsafe.cliargs": ("*", ()),   # the launch commands parse with it before importing anything else
     "shardsafe.payload": ("*", ("shardsafe.errors", "shardsafe.payload", "shardsafe.kernels")),
     "shardsafe.faults": ("*", ("shardsafe.errors", "shardsafe.tor.events")),
     "shardsafe.holder": ("*", ("shardsafe.errors", "shardsafe.holder", "shardsafe.payload", "shardsafe.persist",

@@ -1,0 +1,62 @@
+"""The hierarchical collectives over real gloo (shardsafe/hierarchy.py): node-local groups and a leaders' group
+shardsafe builds itself over the job's store, only by their members; rebuilt under a new generation after a
+failure. And the same algorithms in the simulator, at sizes no machine here can run."""
+import time
+
+import pytest
+
+from shardsafe.hierarchy import (Hierarchy, HierarchyError, Topology, allgather_algo, min_reduce_algo, rounds_bound,
+                                 simulate)
+
+from ._fork_ranks import run_ranks
+
+
+def _collectives(rank, world, per_node):
+    import torch.distributed as dist
+    topo = Topology.blocks(world, per_node)
+    h = Hierarchy(dist.distributed_c10d._get_default_store(), "test/h", topo, rank, timeout_s=3)
+    out = {"min": h.min_reduce([10 + rank, -rank, 7]),
+           "gather": [b.decode() for b in h.gather_bytes(("r%d" % rank * (rank + 1)).encode())]}
+    h.close()
+    return out
+
+
+@pytest.mark.parametrize("world,per_node", [(4, 2), (5, 2), (3, 1)])
+def test_votes_and_gathers_over_nodes_and_leaders(world, per_node):
+    for got in run_ranks(world, _collectives, per_node):
+        assert got["min"] == [10, -(world - 1), 7]
+        assert got["gather"] == ["r%d" % r * (r + 1) for r in range(world)]
+
+
+def _failure_then_rebuild(rank, world):
+    import torch.distributed as dist
+    store = dist.distributed_c10d._get_default_store()
+    h = Hierarchy(store, "test/rb", Topology.blocks(world, 2), rank, timeout_s=1.5)
+    assert h.min_reduce([rank]) == [0]
+    failed = ""
+    if rank == 3:
+        time.sleep(2.5)   # slower than the timeout: every rank's vote fails
+    try:
+        h.min_reduce([rank])
+    except HierarchyError as e:
+        failed = str(e)[:200]
+    h.rebuild(1)          # every rank after the same failure: the same generation
+    return {"failed": failed, "after": h.min_reduce([100 + rank])}
+
+
+def test_a_failed_vote_leaves_the_group_rebuildable_by_every_rank():
+    got = run_ranks(4, _failure_then_rebuild, timeout_s=60)
+    assert all(g["after"] == [100] for g in got), got
+    assert all(g["failed"] for g in got[:3]), got   # the ones that waited timed out
+
+
+@pytest.mark.parametrize("ranks,per_node", [(64, 4), (1024, 8), (1000, 8)])
+def test_simulated_rounds_stay_within_two_log_nodes_plus_two(ranks, per_node):
+    topo = Topology.blocks(ranks, per_node)
+    res, st = simulate(topo, lambda r: min_reduce_algo(topo, r, [r % 7, -r]))
+    assert all(x == [0, -(ranks - 1)] for x in res)
+    assert st.rounds <= rounds_bound(topo.nodes), st
+    assert st.messages <= 2 * ranks + 2 * topo.nodes * topo.nodes.bit_length()   # O(N) messages in all
+    assert st.max_pairs_per_rank <= per_node + topo.nodes.bit_length() + 1         # O(log) connections per rank
+    res, st = simulate(topo, lambda r: allgather_algo(topo, r, b"%d" % r))
+    assert res[ranks // 2] == [b"%d" % r for r in range(ranks)] and st.rounds <= rounds_bound(topo.nodes)
