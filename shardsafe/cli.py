@@ -131,6 +131,11 @@ def _status(a: argparse.Namespace, root: str, job: str) -> int:
               f"of {h['budget'] / 2**20:.1f} MiB budget, {h['clients']} client(s), health {h.get('health', '?')}"
               f" (scrubs {h.get('scrub', {}).get('runs', 0)}, flushes {h.get('flush', {}).get('done', 0)} ok / "
               f"{h.get('flush', {}).get('failed', 0)} failed), shmem_enabled={h.get('shmem_enabled') or '?'}")
+        for who, st in sorted((h.get("protection") or {}).items()):   # each rank's last report (shardsafe.protection)
+            state = ("protected" if st.get("protected") else "NOT protected: " + "; ".join(
+                f"{c}: {d}" for c, d in (st.get("causes") or {}).items()))
+            print(f"  rank {who}: {state} (step {st.get('step')}, newest committed version {st.get('committed')}, "
+                  f"{st.get('age_steps')} step(s) old, {st.get('lapses', 0)} lapse(s))")
         scoped = [("", h["ranks"])] + sorted((h.get("scopes") or {}).items())   # a process's later engines
         for scope, ranks in scoped:
             for rank, kinds in ranks.items():

@@ -31,23 +31,20 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
-import xxhash
 
 from ..config import PARITY_TRANSPORTS
-from ..errors import ShardsafeError
 from ..holder.client import HolderClient
 from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
 from ..hierarchy import MemberGroup
 from .codec import get_codec
+from .device import DevicePath
+from .host import HostTransport
+from .transport import ExchangeError, ParityTransport
 from .topology import ParityGroup, ParityGroups, RankPlace, build_parity_groups
 
 log = logging.getLogger("shardsafe.parity.codec")
 _MANIFEST_TAG = 1 << 20
-
-
-class ExchangeError(RuntimeError, ShardsafeError):
-    """Parity could not be computed or a payload could not be rebuilt; the message says why."""
 
 
 def gather_places(rank: int, world_size: int, node: str, dp: int, tp: int = 0, pp: int = 0, group=None) -> list[RankPlace]:
@@ -115,9 +112,12 @@ class ParityExchange:
         # rebuilt under a new generation after a failed exchange, rebuild_groups).
         self.generation = 0
         self.pg = self._member_group()
-        # "device": the stripes of encode move over a second group of the same members (NCCL on GPU); votes,
-        # manifests and the rebuild after a node loss stay on the gloo group above.
-        self.device_path: DevicePath | None = None
+        self.codec = get_codec(k=self.group.k, m=self.group.m, backend=backend)
+        # How the stripes of encode move and become parity (a ParityTransport): from the holders' memory over the
+        # gloo group above ("host"), or through GPU memory over a second group of the same members, NCCL on GPU
+        # ("device"; torch's new_group, created by every rank). Votes, manifests and the rebuild after a node loss
+        # stay on the gloo group above either way.
+        self.transport: ParityTransport = HostTransport(lambda: self.pg, self.codec)
         if transport == "device":
             xpg = None
             for g in plan:
@@ -125,9 +125,7 @@ class ParityExchange:
                                     timeout=timedelta(seconds=timeout_s))
                 if rank in g.members:
                     xpg = pg
-            self.device_path = DevicePath(device, xpg, k=self.group.k, m=self.group.m)
-        self.codec = get_codec(k=self.group.k, m=self.group.m, backend=backend)
-        self._staging: torch.Tensor | None = None
+            self.transport = DevicePath(device, xpg, k=self.group.k, m=self.group.m)
         self.last_error = ""
         # Largest payload seen in the group: members with smaller payloads (Megatron's DistOpt
         # shards differ by up to a bucket) size their data slot for the group's padded layout.
@@ -179,11 +177,6 @@ class ParityExchange:
         # JSON never ends in NUL: the zero padding after a shorter manifest is cut off.
         return all(int(o[0]) == 1 for o in outs), [bytes(o[1:].numpy()).rstrip(b"\0") for o in outs]
 
-    def _staging_for(self, nbytes: int) -> torch.Tensor:
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = torch.empty(nbytes, dtype=torch.uint8).fill_(0)   # pre-faulted, reused
-        return self._staging[:nbytes]
-
     # ---- encode after a snapshot --------------------------------------------------------------------
     def encode(self, *, version: int, client: HolderClient | None, data_mm: Any, data_manifest: dict | None,
                ok: bool) -> bool:
@@ -225,10 +218,8 @@ class ParityExchange:
         data = _data_chunks(data_mm, g.k, cs)
         pview = np.frombuffer(pmm, dtype=np.uint8, count=g.m * cs)
         t_sent = time.perf_counter()
-        if self.device_path is not None:
-            sums, t_wait = self.device_path.move_and_encode(g, me, data, pview, cs)
-        else:
-            sums, t_wait = self._move_and_encode_host(data, pview, cs)
+        sums, t_wait = self.transport.move_and_encode(g, me, data, pview, cs,
+                                                      lambda: self.on_phase("parity-block", version))
         t_xfer = time.perf_counter()
         man = self._parity_manifest(version, cs, pmax, sums, {str(r): json.loads(b) for r, b in zip(g.members, blobs)})
         try:
@@ -250,43 +241,24 @@ class ParityExchange:
                         "encode_s": t_xfer - t_sent - t_wait, "seal_s": t_end - t_xfer}
         return True
 
-    def _move_and_encode_host(self, data: list[torch.Tensor], pview: np.ndarray, cs: int) -> tuple[list[str], float]:
-        """The "host" transport: chunks move from the data slot over gloo into a host staging buffer and are
-        encoded by the CPU codec straight into the parity slot ``pview``. Returns (xxh3 of each parity
-        share, seconds spent waiting for blocks)."""
-        g, me = self.group, self.rank
-        stage = self._staging_for(g.m * g.k * cs).view(g.m, g.k, cs)
-        # Chunks move in blocks, and each block is encoded (and hashed) as soon as its k pieces are in,
-        # while later blocks are still on the wire: RS works column by column, so block-wise parity
-        # is byte for byte the parity of the whole chunk.
-        blocks = _blocks(cs)
-        nb = len(blocks)
-        sends, recvs = [], []
-        for b, (a, z) in enumerate(blocks):
-            for c, stripe in enumerate(g.data_stripes(me)):
-                for pref in stripe.parity:
-                    sends.append(self.pg.isend(data[c][a:z], pref.rank, stripe.codeword * nb + b))
-            recvs.append([self.pg.irecv(stage[j, p, a:z], dref.rank, stripe.codeword * nb + b)
-                          for j, stripe in enumerate(g.parity_stripes(me)) for p, dref in enumerate(stripe.data)])
-        stripes = g.parity_stripes(me)
-        hashers = [xxhash.xxh3_64() for _ in stripes]
-        t_wait = 0.0
-        for b, (a, z) in enumerate(blocks):
-            tw = time.perf_counter()
-            for r in recvs[b]:
-                r.wait()
-            if b == 0:
-                self.on_phase("parity-block", self._version)
-            t_wait += time.perf_counter() - tw
-            for j in range(len(stripes)):
-                out = pview[j * cs + a: j * cs + z]
-                self.codec.reconstruct({p: stage[j, p, a:z].numpy() for p in range(g.k)}, [g.k + j], out=[out])
-                hashers[j].update(out)
-        for r in sends:
-            r.wait()
-        return [format(h.intdigest(), "016x") for h in hashers], t_wait   # == manifest.hash_bytes of each share
-
     # ---- rebuild at restore -------------------------------------------------------------------------
+    def can_rebuild(self, version: int, missing: Iterable[int], data: list[list[int]], parity: list[list[int]]) -> bool:
+        """Whether ``version`` can be rebuilt onto the ``missing`` ranks: every group misses at most m members and
+        all of its survivors hold the version's data and parity (``data[r]``, ``parity[r]``: rank r's versions)."""
+        gone = set(missing)   # a set: every rank of every group is looked up in it
+        for g in self.plan:
+            lost = [r for r in g.members if r in gone]
+            if lost and (len(lost) > g.m or any(version not in parity[r] or version not in data[r]
+                                                 for r in g.members if r not in gone)):
+                return False
+        return True
+
+    def beyond_parity(self, missing: Iterable[int]) -> list[tuple[int, int, list[int]]]:
+        """(group index, m, lost members) of every group that lost more members than its parity covers."""
+        gone = set(missing)
+        out = [(g.index, g.m, [r for r in g.members if r in gone]) for g in self.plan]
+        return [w for w in out if len(w[2]) > w[1]]
+
     def rebuild(self, *, version: int, client: HolderClient | None, lost: Iterable[int]) -> tuple[bool, int, str]:
         """Rebuild the data payloads of ``lost`` members of this rank's group (all members call it).
 
@@ -458,135 +430,6 @@ class ParityExchange:
                     client.drop(rank=self.rank, version=version, kind=kind)
             except Exception as e:   # the holder's state stays "sealed": restorable, just not protected from reuse
                 log.warning("[rank %d] %s of rebuilt version %d: %s", self.rank, "commit" if restored else "drop", version, e)
-
-
-_NO_CUDA = "parity_transport 'device' needs a CUDA device, and torch sees none here; use parity_transport 'host'"
-
-
-class DevicePath:
-    """The "device" parity transport of :meth:`ParityExchange.encode`: each block of a member's data chunks is
-    copied from its data slot into GPU memory, moved to the group's parity holders over NCCL (one batched
-    group call per block, so no pair of ranks waits on the other's order), encoded there by the CUDA
-    kernels, and the parity is copied back into the holder's parity slot, all on a side stream. Two blocks
-    are in flight: block b+1 moves while block b is encoded. Parity is byte for byte that of the host
-    transport (same code, same padding, same blocks); only the path of the bytes differs.
-
-    Device memory: two sets of block buffers, 2 * (k + m*k + m) * block bytes (120 MiB for k=7, m=1 and
-    4 MiB blocks), plus 2 * m * block bytes of pinned host memory; allocated at the first snapshot, reused.
-
-    Args:
-        device: ``torch.device("cuda", i)``. ``torch.device("cpu")`` runs the same pipeline on CPU tensors over
-            gloo with the CPU codec: the test double that tests/dist runs where there is no GPU.
-        pg: the process group of the parity group's members for the transfers (NCCL for a CUDA device).
-        k, m: the group's code.
-        block: bytes per block.
-    """
-
-    def __init__(self, device: "torch.device", pg: Any, *, k: int, m: int, block: int = 0):
-        self.device, self.pg, self.k, self.m = device, pg, k, m
-        self.block = block or _BLOCK
-        self.cuda = device.type == "cuda"
-        self.codec = get_codec(k=k, m=m, backend="cuda" if self.cuda else "auto")
-        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
-        self._bufs: list[dict[str, torch.Tensor]] = []
-
-    @staticmethod
-    def default_device() -> "torch.device":
-        if not torch.cuda.is_available():
-            raise ExchangeError(_NO_CUDA)
-        return torch.device("cuda", torch.cuda.current_device())
-
-    @staticmethod
-    def check(device: "torch.device", k: int, m: int) -> None:
-        """Raise ExchangeError naming what is missing for the device transport on ``device``."""
-        import torch.distributed as dist
-        if device.type != "cuda":
-            return   # the CPU test double: gloo and the CPU codec
-        if not torch.cuda.is_available():
-            raise ExchangeError(_NO_CUDA)
-        if not dist.is_nccl_available():
-            raise ExchangeError("parity_transport 'device' moves stripes over NCCL, and this torch has no NCCL; "
-                                "use parity_transport 'host'")
-        try:
-            get_codec(k=k, m=m, backend="cuda")
-        except Exception as e:   # any reason the kernels cannot load becomes one ExchangeError naming the fix
-            raise ExchangeError(f"parity_transport 'device' encodes with the CUDA kernels, which cannot be used "
-                                f"here ({e}); build them (pip install without SHARDSAFE_SKIP_CUDA_BUILD, nvcc on "
-                                "PATH) or use parity_transport 'host'") from None
-
-    def _buffers(self, nj: int) -> list[dict[str, torch.Tensor]]:
-        if not self._bufs or self._bufs[0]["recv"].shape[0] != nj or self._bufs[0]["send"].shape[1] != self.block:
-            B = self.block
-            self._bufs = [{"send": torch.empty(self.k, B, dtype=torch.uint8, device=self.device),
-                           "recv": torch.empty(nj, self.k, B, dtype=torch.uint8, device=self.device),
-                           "par": torch.empty(nj, B, dtype=torch.uint8, device=self.device),
-                           "host": torch.empty(nj, B, dtype=torch.uint8, pin_memory=self.cuda)}
-                          for _ in range(2)]
-        return self._bufs
-
-    def _encode(self, frags: dict[int, torch.Tensor], j: int, out: torch.Tensor) -> None:
-        if self.cuda:   # enqueued on the current (side) stream
-            self.codec.reconstruct(frags, [self.k + j], out=[out])
-        else:
-            self.codec.reconstruct({p: t.numpy() for p, t in frags.items()}, [self.k + j], out=[out.numpy()])
-
-    def move_and_encode(self, g: ParityGroup, me: int, data: list[torch.Tensor], pview: np.ndarray,
-                        cs: int) -> tuple[list[str], float]:
-        """Move this member's k data chunks (host tensors in its data slot) to their parity holders and encode
-        the m shares it holds into ``pview`` (its parity slot). Returns (xxh3 of each share, seconds spent
-        waiting for blocks)."""
-        import contextlib
-
-        import torch.distributed as dist
-        # One entry per (codeword, peer): ordered by codeword on both sides, so the sends from A to B and
-        # B's receives from A pair up in the same order (NCCL matches point-to-point traffic by order).
-        outs = sorted((stripe.codeword, c, pref.rank) for c, stripe in enumerate(g.data_stripes(me))
-                      for pref in stripe.parity)
-        ins = sorted((stripe.codeword, j, p, dref.rank) for j, stripe in enumerate(g.parity_stripes(me))
-                     for p, dref in enumerate(stripe.data))
-        nj = len(g.parity_stripes(me))
-        blocks = _blocks(cs, self.block)
-        bufs = self._buffers(nj)
-        hashers = [xxhash.xxh3_64() for _ in range(nj)]
-
-        def post(b: int) -> list:
-            a, z = blocks[b]
-            w, buf = z - a, bufs[b % 2]
-            for c in range(len(data)):   # H2D (async from the registered data slot) on the side stream
-                buf["send"][c, :w].copy_(data[c][a:z], non_blocking=self.cuda)
-            ops = [dist.P2POp(dist.isend, buf["send"][c, :w], peer, group=self.pg) for _, c, peer in outs]
-            ops += [dist.P2POp(dist.irecv, buf["recv"][j, p, :w], peer, group=self.pg) for _, j, p, peer in ins]
-            return dist.batch_isend_irecv(ops) if ops else []
-
-        t_wait = 0.0
-        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
-            works = post(0)
-            for b, (a, z) in enumerate(blocks):
-                w, buf = z - a, bufs[b % 2]
-                tw = time.perf_counter()
-                for work in works:   # NCCL: the side stream waits; gloo: the host waits
-                    work.wait()
-                t_wait += time.perf_counter() - tw
-                # Block b+1 goes on the wire while b is encoded; its buffers were block b-1's, which is done.
-                works = post(b + 1) if b + 1 < len(blocks) else []
-                for j in range(nj):
-                    self._encode({p: buf["recv"][j, p, :w] for p in range(self.k)}, j, buf["par"][j, :w])
-                    buf["host"][j, :w].copy_(buf["par"][j, :w], non_blocking=self.cuda)
-                if self.cuda:
-                    self.stream.synchronize()
-                for j in range(nj):
-                    out = pview[j * cs + a: j * cs + z]
-                    np.copyto(out, buf["host"][j, :w].numpy())
-                    hashers[j].update(out)
-        return [format(h.intdigest(), "016x") for h in hashers], t_wait
-
-
-_BLOCK = 4 << 20   # bytes per transfer block: large enough for gloo's throughput, small enough to overlap
-
-
-def _blocks(cs: int, block: int = _BLOCK) -> list[tuple[int, int]]:
-    """[start, end) ranges covering a chunk of ``cs`` bytes (64-byte aligned starts: ISA-L's vector loads)."""
-    return [(a, min(cs, a + block)) for a in range(0, cs, block)] or [(0, 0)]
 
 
 def _data_chunks(mm: Any, k: int, cs: int) -> list[torch.Tensor]:

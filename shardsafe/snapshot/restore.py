@@ -9,15 +9,12 @@ A torn write is never sealed, so it is never a candidate.
 """
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-import torch
-import xxhash
 
 from .. import collectives
 from .. import fingerprint as fpr
@@ -26,10 +23,14 @@ from ..holder.client import HolderClient
 from ..holder.early_open import EarlyOpen
 from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
-from .pinning import PinnedMapping, unmap_later
+from .peers import PeerPayloads, manifest_digest
+from .pinning import PinnedMapping
 from .state import StateAdapter
 
-log = logging.getLogger("shardsafe.snapshot.restore")
+if TYPE_CHECKING:   # the exchange imports the holder client and the codec; the restore needs it only typed
+    from ..parity.exchange import ParityExchange
+
+log = logging.getLogger(__name__)
 MAX_VERSIONS = 4
 
 
@@ -84,94 +85,19 @@ class Collectives:
         return collectives.all_true(flag, self.hier, self.world_size)
 
 
-def manifest_digest(manifest: dict) -> int:
-    """63-bit digest of a payload's identity (version, rank, every segment checksum): two copies of a
-    rank's snapshot with equal digests hold the same bytes."""
-    key = json.dumps([manifest.get("version"), manifest.get("rank"), [e.get("xxh3") for e in manifest["entries"]]])
-    return xxhash.xxh3_64_intdigest(key.encode()) & ((1 << 63) - 1)
-
-
-class PeerPayloads:
-    """Other ranks' payloads of the version being restored, read from this node's holder.
-
-    An adapter whose re-derivation step is a collective over data-parallel peers (DeepSpeed's
-    ``update_lp_params``: fp32 shard -> low-precision partition -> all-gather) can instead read the
-    peers' shards straight from the node's shared memory when the node holds all of them. A peer's
-    copy is used only if its digest equals the one its owner verified and voted on (``digests``,
-    all-gathered before apply): a copy left on this node by an earlier placement of that rank, from
-    an earlier timeline of the same version, is never mixed in. Nothing writes to a holder during a
-    restore. ``available`` is collective: every rank takes the same path.
-    """
-
-    def __init__(self, client: Optional[HolderClient], version: int, coll: "Collectives", digests: list[int]):
-        self.client, self.version, self.coll, self.digests = client, version, coll, digests
-        self._open: dict[int, tuple] = {}
-
-    @staticmethod
-    def pays_off(targets) -> bool:
-        """Whether reading the peers' shards from the node's memory beats the framework's collective for the
-        tensors it would fill: only when they live in host memory, where that collective is gloo (measured on
-        CPU: the bf16 all-gather 0.13-0.2 s of a 0.27 s restore, the local casts ~15 ms). On a GPU every
-        peer's fp32 shard (4 bytes per parameter) would cross PCIe from pageable memory, where the framework's
-        all-gather moves the bf16 params (2 bytes per parameter) over NVLink or the network with NCCL."""
-        return all(t.device.type == "cpu" for t in targets)
-
-    def available(self, ranks: list[int], *, usable: bool = True) -> bool:
-        """True on every rank iff every rank's holder has the verified copy of all of its ``ranks``
-        and every rank found the path ``usable``. Every rank calls it at most once per apply, and
-        either all ranks or none (it is a collective)."""
-        ok = False
-        if usable and self.client is not None:
-            try:
-                held = self.client.list()
-                ok = all(any(s["version"] == self.version and s["state"] == "sealed"
-                             for s in held.get(str(r), {}).get("data", [])) for r in ranks)
-                ok = ok and all(manifest_digest(self._get(r)[0]) == self.digests[r] for r in ranks)
-            except (HolderFailure, OSError, KeyError) as e:
-                log.info("peer payloads not available from the holder: %s", e)
-                ok = False
-        return self.coll.all_true(ok)
-
-    def tensors(self, rank: int) -> dict[str, torch.Tensor]:
-        """Views of ``rank``'s payload (valid until ``close``)."""
-        return self._get(rank)[2]
-
-    def meta(self, rank: int) -> dict:
-        """``rank``'s snapshot metadata (decoded)."""
-        return self._get(rank)[3]
-
-    def _get(self, rank: int) -> tuple:
-        if rank not in self._open:
-            man, mm = self.client.open(rank=rank, version=self.version, populate=False)
-            self._open[rank] = (man, mm, mf.views(man, mm), mf.from_jsonable(man["meta"]))
-        return self._open[rank]
-
-    def close(self) -> None:
-        for man, mm, views, _ in self._open.values():
-            views.clear()
-            unmap_later(mm)   # the pages the casts touched have page tables to tear down: not on the restore's path
-        self._open.clear()
-
-
-def _plan_version(v: int, data: list[list[int]], parity: list[list[int]], exchange) -> tuple[str, list[int]] | None:
+def _plan_version(v: int, data: list[list[int]], parity: list[list[int]],
+                  exchange: Optional[ParityExchange]) -> tuple[str, list[int]] | None:
     """How version v can be restored: ("memory", []) if every rank holds it, ("parity", lost ranks) if
     every parity group misses at most m members and all survivors hold its parity, else None."""
     missing = [r for r, vs in enumerate(data) if v not in vs]
     if not missing:
         return "memory", []
-    if exchange is None:
+    if exchange is None or not exchange.can_rebuild(v, missing, data, parity):
         return None
-    gone = set(missing)   # a set: every rank of every group is looked up in it
-    for g in exchange.plan:
-        lost = [r for r in g.members if r in gone]
-        if not lost:
-            continue
-        if len(lost) > g.m or any(v not in parity[r] or v not in data[r] for r in g.members if r not in lost):
-            return None
     return "parity", missing
 
 
-def _unrecoverable_message(data: list[list[int]], nodes: list[str] | None, exchange) -> str:
+def _unrecoverable_message(data: list[list[int]], nodes: list[str] | None, exchange: Optional[ParityExchange]) -> str:
     newest = max(v for vs in data for v in vs)
     missing = [r for r, vs in enumerate(data) if newest not in vs]
     where = sorted({nodes[r] for r in missing}) if nodes else []
@@ -180,8 +106,7 @@ def _unrecoverable_message(data: list[list[int]], nodes: list[str] | None, excha
     if exchange is None:
         msg += " Parity is off (parity_group_size=1 or all ranks on one node), so a lost node's snapshots cannot be rebuilt."
     else:
-        worst = [(g.index, g.m, [r for r in g.members if r in missing]) for g in exchange.plan]
-        worst = [w for w in worst if len(w[2]) > w[1]]
+        worst = exchange.beyond_parity(missing)
         if worst:
             gi, m, lost = worst[0]
             msg += (f" Parity group {gi} lost {len(lost)} members {lost} but parity_shards={m} covers {m}; "
@@ -221,7 +146,7 @@ class _Attempt:
 
 
 def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *, rank: int, coll: Collectives,
-                        on_event: Callable[..., None] | None = None, exchange=None,
+                        on_event: Callable[..., None] | None = None, exchange: Optional[ParityExchange] = None,
                         nodes: list[str] | None = None, persist=None,
                         on_phase: Callable[[str, int], None] | None = None, h2d: str = "pinned",
                         early: Optional[EarlyOpen] = None, fingerprint: Optional[dict] = None,

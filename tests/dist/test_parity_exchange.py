@@ -152,7 +152,7 @@ def _device_double(rank, world, root, m, device="cpu"):
     plan = plan_parity(places, group_size=0, parity_shards=m)
     host = ParityExchange(plan, rank, timeout_s=10)
     dev = ParityExchange(plan, rank, timeout_s=10, transport="device", device=torch.device(device))
-    dev.device_path.block = 64 << 10
+    dev.transport.block = 64 << 10
     n = 300_007 + 100_000 * (rank % 3)   # uneven payloads: padding and a short first slot on rank 0
     for version, ex in ((1, host), (2, dev)):
         pipe = SnapshotPipeline(client, rank=rank, world_size=world, node=f"n{rank}", agreement=GlooAgreement(),

@@ -394,3 +394,26 @@ def test_a_slot_being_allocated_does_not_hold_up_the_other_ranks(tmp_path, monke
         for lst in ent.slots.values():
             for s in lst:
                 s.seg.close()
+
+
+def test_status_shows_every_ranks_protection_state_and_reserve_checks_two_versions(holder):
+    """What ranks report (shardsafe.protection.Protection.state) is what `shardsafe status` prints; and a holder
+    whose budget cannot keep two versions of every rank that reserved refuses the reservation with the number."""
+    from shardsafe.protection import Protection, Cause
+    p, _, c = holder()
+    ok = Protection(rank=0, interval=1)
+    ok.started(7)
+    ok.observe(8, 7)
+    c.report(rank=0, state=ok.state())
+    bad = Protection(rank=1, interval=1)
+    bad.stand(Cause.BUDGET, "rank 1: holder budget")
+    c.report(rank=1, state=bad.state())
+    txt = subprocess.run([sys.executable, "-m", "shardsafe.cli", "status", "--holder-dir", p.root, "--job-id",
+                          p.job_id], capture_output=True, text=True, check=True).stdout
+    assert "  rank 0: protected (step 8, newest committed version 7, 1 step(s) old" in txt, txt
+    assert "  rank 1: NOT protected: budget: rank 1: holder budget" in txt, txt
+    budget = c.status()["budget"]
+    assert c.reserve(rank=0, nbytes=budget // 5)["reserved"] == 2 * (budget // 5)
+    with pytest.raises(HolderError, match=r"cannot keep 2 versions of its 2 rank\(s\).*Raise memory_budget_gb") as e:
+        c.reserve(rank=1, nbytes=budget // 3)
+    assert e.value.code == "budget"
