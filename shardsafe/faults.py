@@ -56,11 +56,14 @@ class FaultKind(enum.Enum):
     KILL_RESTORE_APPLY = "kill-restore-apply"
 
 
-# phase name (as the runtime's layers report it) -> the fault that fires there
-PHASES = {"parity-before": FaultKind.KILL_PARITY_BEFORE, "parity-block": FaultKind.KILL_PARITY_BLOCK,
-          "parity-after": FaultKind.KILL_PARITY_AFTER, "commit": FaultKind.KILL_COMMIT, "vote": FaultKind.STALL_VOTE,
-          "restore-rebuild": FaultKind.KILL_RESTORE_REBUILD, "restore-verify": FaultKind.KILL_RESTORE_VERIFY,
-          "restore-apply": FaultKind.KILL_RESTORE_APPLY}
+# The named phases the runtime's layers report (on_phase(name, version)); the fault that fires at each.
+PHASE_PARITY_BEFORE, PHASE_PARITY_BLOCK, PHASE_PARITY_AFTER = "parity-before", "parity-block", "parity-after"
+PHASE_VOTE, PHASE_COMMIT = "vote", "commit"
+PHASE_RESTORE_REBUILD, PHASE_RESTORE_VERIFY, PHASE_RESTORE_APPLY = "restore-rebuild", "restore-verify", "restore-apply"
+PHASES = {PHASE_PARITY_BEFORE: FaultKind.KILL_PARITY_BEFORE, PHASE_PARITY_BLOCK: FaultKind.KILL_PARITY_BLOCK,
+          PHASE_PARITY_AFTER: FaultKind.KILL_PARITY_AFTER, PHASE_COMMIT: FaultKind.KILL_COMMIT,
+          PHASE_VOTE: FaultKind.STALL_VOTE, PHASE_RESTORE_REBUILD: FaultKind.KILL_RESTORE_REBUILD,
+          PHASE_RESTORE_VERIFY: FaultKind.KILL_RESTORE_VERIFY, PHASE_RESTORE_APPLY: FaultKind.KILL_RESTORE_APPLY}
 _ANY_VERSION = {FaultKind.KILL_RESTORE_REBUILD, FaultKind.KILL_RESTORE_VERIFY, FaultKind.KILL_RESTORE_APPLY}
 # Faults whose target is a node (done by a launcher or a holder), not a rank.
 NODE_FAULTS = {FaultKind.KILL_NODE, FaultKind.KILL_HOLDER, FaultKind.KILL_FLUSH}

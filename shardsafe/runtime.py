@@ -36,7 +36,7 @@ from .holder.protocol import HolderFailure
 from .jobid import claim
 from .protection import Cause, Protection, budget_problem
 from .snapshot.restore import Collectives, RestoreResult, new_timeline, restore_from_holder
-from .snapshot.pipeline import GlooAgreement, LocalAgreement, SnapshotPipeline
+from .snapshot.pipeline import GlooAgreement, LocalAgreement, PipelineHooks, SnapshotPipeline
 from .snapshot.state import StateAdapter
 from .tor.events import EventLog, NullEventLog
 
@@ -191,10 +191,10 @@ class Runtime(BaseRuntime):
         self.pipeline = SnapshotPipeline(
             self.client, rank=rank, world_size=world_size, node=cfg.node,
             agreement=GlooAgreement(self._vote_hier) if world_size > 1 else LocalAgreement(),
-            on_progress=self.injector.copy_progress, on_event=self.events.emit, reconnect=self._reconnect,
-            parity=self.exchange, flush=self._flush_to_disk if cfg.persist_dir else None,
-            hasher=checksum.shared(cfg.hash_threads), interval=cfg.interval)
-        self.pipeline.on_phase = self.injector.phase
+            parity=self.exchange, hasher=checksum.shared(cfg.hash_threads), interval=cfg.interval,
+            hooks=PipelineHooks(on_event=self.events.emit, on_phase=self.injector.phase,
+                                on_progress=self.injector.copy_progress, reconnect=self._reconnect,
+                                flush=self._flush_to_disk if cfg.persist_dir else None))
         if self.exchange is not None:
             self.exchange.on_phase = self.injector.phase
         self.persist = PersistentStore(cfg.persist_dir, self.persist_job_id) if cfg.persist_dir else None

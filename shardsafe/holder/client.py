@@ -124,6 +124,16 @@ class HolderClient:
             raise HolderError(code, msg)
         self.holder_pid = int(resp.get("pid") or 0)
 
+    @property
+    def connected(self) -> bool:
+        """The connection is open (a broken one is closed by the request that found it broken)."""
+        return self._sock is not None
+
+    def mapped_slots(self) -> dict[int, mmap.mmap]:
+        """The writable mappings this connection caches, by slot id (a copy of the mapping): the pipeline unregisters
+        the CUDA-pinned ones before closing a broken connection."""
+        return dict(self._maps)
+
     def close(self) -> None:
         for m in self._maps.values():
             try:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..config import PARITY_TRANSPORTS
+from ..faults import PHASE_PARITY_AFTER, PHASE_PARITY_BEFORE, PHASE_PARITY_BLOCK, PHASE_RESTORE_REBUILD
 from ..holder.client import HolderClient
 from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
@@ -184,7 +185,7 @@ class ParityExchange:
         also when its own snapshot failed (``ok=False``): the group then skips together."""
         g, me = self.group, self.rank
         self.last_error = ""
-        self.on_phase("parity-before", version)
+        self.on_phase(PHASE_PARITY_BEFORE, version)
         self._version = version
         t0 = time.perf_counter()
         nbytes = data_manifest["payload_nbytes"] if ok and data_manifest else 0
@@ -219,7 +220,7 @@ class ParityExchange:
         pview = np.frombuffer(pmm, dtype=np.uint8, count=g.m * cs)
         t_sent = time.perf_counter()
         sums, t_wait = self.transport.move_and_encode(g, me, data, pview, cs,
-                                                      lambda: self.on_phase("parity-block", version))
+                                                      lambda: self.on_phase(PHASE_PARITY_BLOCK, version))
         t_xfer = time.perf_counter()
         man = self._parity_manifest(version, cs, pmax, sums, {str(r): json.loads(b) for r, b in zip(g.members, blobs)})
         try:
@@ -230,7 +231,7 @@ class ParityExchange:
             # leave this rank out of that vote and end its snapshots for the run.
             self.last_error = f"parity seal: {e}"
             return False
-        self.on_phase("parity-after", version)
+        self.on_phase(PHASE_PARITY_AFTER, version)
         t_end = time.perf_counter()
         # Where parity time goes: votes + manifests + slot (prepare), blocks moving while earlier ones are
         # encoded (transfer_s; of it, recv_wait_s waiting for blocks, the rest encode + hash), the seal.
@@ -292,7 +293,7 @@ class ParityExchange:
         cs = info["chunk_size"]
         plan = g.recovery_plan(lost)
         recv_bufs = self._transfer_sources(plan, handles if me in survivors else None, cs)
-        self.on_phase("restore-rebuild", version)
+        self.on_phase(PHASE_RESTORE_REBUILD, version)
         if me not in lost:
             return True, 0, ""
         return self._decode_mine(version, client, plan, recv_bufs, cs, info)

@@ -27,6 +27,7 @@ import torch
 
 from ..collectives import min_reduce
 from ..errors import DeviceError
+from ..faults import PHASE_COMMIT, PHASE_VOTE
 from ..holder.client import HolderClient, HolderUnavailable
 from ..holder.protocol import HolderError, HolderFailure
 from ..payload import checksum
@@ -115,30 +116,44 @@ class _Job:
     stats: SnapshotStats = None  # type: ignore[assignment]
 
 
+@dataclass
+class PipelineHooks:
+    """What the pipeline calls back into, all optional: the TOR event log, the fault injector, the runtime's holder
+    reconnect and its flush to the persistent tier."""
+
+    on_event: Callable[..., None] = lambda kind, **f: None
+    """``on_event(kind, **fields)`` for the TOR log."""
+    on_phase: Callable[[str, int], None] = lambda name, version: None
+    """``on_phase(name, version)`` at :data:`PHASE_VOTE` and :data:`PHASE_COMMIT` (shardsafe.faults)."""
+    on_progress: Optional[Callable[[int, float], None]] = None
+    """``on_progress(version, fraction_copied)`` while a copy runs (shardsafe.faults' kill-copy)."""
+    reconnect: Optional[Callable[[], HolderClient]] = None
+    """A new connection once the old one broke (the runtime's: the node's first rank starts a new holder)."""
+    flush: Optional[Callable[[int], None]] = None
+    """Called with each committed version; the runtime decides which go to disk."""
+
+
 class SnapshotPipeline:
     """Args:
         client: connection to this node's holder (or None: every snapshot is skipped with a reason).
         rank, world_size, node: identity written into manifests.
         agreement: how ranks agree that a version is complete everywhere.
-        on_progress: fault-injection hook called as ``on_progress(version, fraction_copied)``.
-        on_event: ``on_event(kind, **fields)`` for the TOR log.
+        parity: the parity exchange (shardsafe.parity.exchange.ParityExchange) or None.
+        hasher: the checksum threads (default: the process's shared ones).
+        interval: the snapshot interval (steps): a failed vote's backoff counts in it.
+        hooks: what the pipeline calls back into (:class:`PipelineHooks`).
     """
 
     def __init__(self, client: Optional[HolderClient], *, rank: int, world_size: int, node: str,
-                 agreement: Agreement, on_progress: Callable[[int, float], None] | None = None,
-                 on_event: Callable[..., None] | None = None, reconnect: Callable[[], HolderClient] | None = None,
-                 parity: Any = None, flush: Callable[[int], None] | None = None, hasher: Any = None,
-                 interval: int = 1):
+                 agreement: Agreement, parity: Any = None, hasher: Any = None, interval: int = 1,
+                 hooks: Optional[PipelineHooks] = None):
         self.client = client
         # Checksums are computed on these threads (off the GIL) while the copy goes on: shardsafe/payload/checksum.py.
         self.hasher = hasher if hasher is not None else checksum.shared()
         self.rank, self.world_size, self.node = rank, world_size, node
         self.agreement = agreement
-        self.on_progress = on_progress
-        self.on_event = on_event or (lambda kind, **f: None)
-        self.reconnect = reconnect
-        self.parity = parity   # exchange.ParityExchange or None
-        self.flush_to_disk = flush   # called with each committed version (the runtime decides which go to disk)
+        self.hooks = hooks or PipelineHooks()
+        self.parity = parity
         self.history: list[SnapshotStats] = []
         # Every second the training loop spent blocked here (submit + wait_copied), for loops that time their
         # iterations: an iteration's `seconds` excludes the stall (docs/tor.md), which is reported apart.
@@ -150,8 +165,6 @@ class SnapshotPipeline:
         # that took the snapshots: both in every manifest (a restore names when and by what a version was taken).
         self.fingerprint: Optional[dict] = None
         self._command = " ".join(sys.argv)[:300]
-        # fault injection / tracing hook: on_phase("commit", version) between the agreed vote and the commit
-        self.on_phase: Callable[[str, int], None] = lambda name, version: None
         self._q: "queue.Queue[_Job | None]" = queue.Queue()
         self._inflight: Optional[_Job] = None
         # After a failed vote: its groups are rebuilt, and the next versions (fewer than `interval` * 2^(k-1) steps
@@ -245,7 +258,7 @@ class SnapshotPipeline:
 
     def _report(self, job: _Job) -> None:
         st = job.stats
-        self.on_event("snapshot", version=st.version, stall_s=st.stall_s, copy_s=st.copy_s, hash_s=st.hash_s,
+        self.hooks.on_event("snapshot", version=st.version, stall_s=st.stall_s, copy_s=st.copy_s, hash_s=st.hash_s,
                       parity_s=st.parity_s, vote_s=st.vote_s, parity_phases=st.parity_phases, bytes=st.nbytes, committed=st.committed,
                       **({"error": st.error[:500]} if st.error else {}))
 
@@ -287,7 +300,7 @@ class SnapshotPipeline:
             self._note(job, Cause.BUDGET if budget else Cause.NO_HOLDER if isinstance(e, HolderUnavailable)
                        else Cause.SNAPSHOT, f"rank {self.rank}: {e}"[:500])
             self._warn_once(key, f"snapshot {job.version} skipped, training continues: {e}")
-            self.on_event("snapshot_skipped", version=job.version, reason=str(e)[:500])
+            self.hooks.on_event("snapshot_skipped", version=job.version, reason=str(e)[:500])
         finally:
             job.copied.set()
         try:
@@ -303,7 +316,7 @@ class SnapshotPipeline:
                     self._warn_once("parity", f"snapshot {job.version} not protected by parity, not committed: "
                                               f"{self.parity.last_error}")
                 ok = ok and pok
-            self.on_phase("vote", job.version)
+            self.hooks.on_phase(PHASE_VOTE, job.version)
             t0 = time.perf_counter()
             agreed, union, standing = self.agreement.vote(job.version, ok, causes_to_bits(job.stats.causes),
                                                           causes_to_bits(self.standing))
@@ -322,7 +335,7 @@ class SnapshotPipeline:
             if not union:
                 self._note(job, Cause.STALE, f"version {job.version} did not commit on every rank")
             return
-        self.on_phase("commit", job.version)
+        self.hooks.on_phase(PHASE_COMMIT, job.version)
         try:
             self.client.commit(ranks=[self.rank], version=job.version)
             if self.parity is not None:
@@ -333,9 +346,9 @@ class SnapshotPipeline:
             job.stats.error = f"commit failed: {e}"
             self._warn_once("commit", f"commit of snapshot {job.version} failed: {e}")
             return
-        if self.flush_to_disk is not None:
+        if self.hooks.flush is not None:
             try:
-                self.flush_to_disk(job.version)
+                self.hooks.flush(job.version)
             except HolderFailure as e:
                 self._warn_once("flush", f"flush of snapshot {job.version} to disk not queued: {e}")
 
@@ -361,11 +374,11 @@ class SnapshotPipeline:
             log.warning("[rank %d] rebuilding the vote's groups failed: %s", self.rank, err)
 
     def _ensure_client(self) -> HolderClient:
-        if self.client is not None and self.client._sock is not None:
+        if self.client is not None and self.client.connected:
             return self.client
-        if self.reconnect is not None:
+        if self.hooks.reconnect is not None:
             try:
-                fresh = self.reconnect()   # the runtime's: the node's first rank starts a new holder if none runs
+                fresh = self.hooks.reconnect()   # the runtime's: the node's first rank starts a new holder if none runs
             except HolderUnavailable as e:
                 raise HolderUnavailable(f"holder for node {self.node!r} is gone: snapshots skipped, training continues "
                                         f"({e})") from None
@@ -381,7 +394,7 @@ class SnapshotPipeline:
             return
         if self._registered:
             cudart = torch.cuda.cudart()
-            for slot, m in list(old._maps.items()):
+            for slot, m in old.mapped_slots().items():
                 if slot in self._registered:
                     cudart.cudaHostUnregister(torch.frombuffer(m, dtype=torch.uint8, count=1).data_ptr())
             self._registered.clear()
@@ -464,8 +477,8 @@ class SnapshotPipeline:
                         pending.append((i, self.hasher.submit(buf, landed)))
                         landed = []
                 done += b - a
-                if self.on_progress is not None:
-                    self.on_progress(job.version, done / total)
+                if self.hooks.on_progress is not None:
+                    self.hooks.on_progress(job.version, done / total)
             if landed:
                 pending.append((i, self.hasher.submit(buf, landed)))
             if digests:
@@ -508,5 +521,5 @@ class SnapshotPipeline:
             landed.synchronize()
             pending.append((i, self.hasher.submit(buf, group)))
         done.synchronize()
-        if self.on_progress is not None:
-            self.on_progress(job.version, 1.0)
+        if self.hooks.on_progress is not None:
+            self.hooks.on_progress(job.version, 1.0)

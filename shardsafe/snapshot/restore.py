@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from .. import collectives
 from .. import fingerprint as fpr
 from ..errors import ShardsafeError
+from ..faults import PHASE_RESTORE_APPLY, PHASE_RESTORE_VERIFY
 from ..holder.client import HolderClient
 from ..holder.early_open import EarlyOpen
 from ..holder.protocol import HolderFailure
@@ -272,7 +273,7 @@ def _try_version(version: int, adapter: StateAdapter, client, coll: Collectives,
         manifest, pin, bad, is_corrupt = _open_verified(lambda: _open_held(client, st, version), adapter, live,
                                                         populate=True, h2d=st.h2d, st=st)
         status = _OK if not bad else (_CORRUPT if is_corrupt else _REFUSED)
-        st.on_phase("restore-verify", version)
+        st.on_phase(PHASE_RESTORE_VERIFY, version)
         if bad:
             log.error("[rank %d] snapshot version %d failed verification, not loaded: %s", rank, version,
                       "; ".join(bad[:5]))
@@ -349,7 +350,7 @@ def _apply(adapter: StateAdapter, client, coll: Collectives, st: _Attempt, versi
     """Apply the verified ``manifest`` of ``version``; ``digests``: every rank's :func:`manifest_digest` of the copy
     it verified and voted on."""
     t2 = time.perf_counter()
-    views = _HalfwayHook(mf.views(manifest, pin.mm), lambda: st.on_phase("restore-apply", version))
+    views = _HalfwayHook(mf.views(manifest, pin.mm), lambda: st.on_phase(PHASE_RESTORE_APPLY, version))
     try:
         pin.wait()
         if adapter.uses_peer_payloads:

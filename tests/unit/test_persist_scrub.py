@@ -11,7 +11,7 @@ from shardsafe.holder.client import HolderClient, stop_holder
 from shardsafe.holder.paths import HolderPaths
 from shardsafe.persist import PersistentStore
 from shardsafe.snapshot.restore import Collectives, RestoreError, restore_from_holder
-from shardsafe.snapshot.pipeline import LocalAgreement, SnapshotPipeline
+from shardsafe.snapshot.pipeline import LocalAgreement, PipelineHooks, SnapshotPipeline
 
 from .test_snapshot_restore import ToyAdapter
 
@@ -34,7 +34,7 @@ def snapshots(client, versions, flush_dir=None, keep=2, seeds=None):
     def flush(v):
         client.flush(rank=0, version=v, dir=flush_dir, job_id="job", keep=keep)
     pipe = SnapshotPipeline(client, rank=0, world_size=1, node="n0", agreement=LocalAgreement(),
-                            flush=flush if flush_dir else None)
+                            hooks=PipelineHooks(flush=flush if flush_dir else None))
     states = {}
     for v in versions:
         states[v] = ToyAdapter((seeds or {}).get(v, v))
@@ -202,8 +202,8 @@ def _flushing(c, disk, *, keep=2, mbps=8.0, when=lambda v: True):
     """A one-rank pipeline whose committed versions ``when(v)`` the holder flushes at ``mbps`` MB/s
     (8 MB of ToyAdapter state at 8 MB/s: a flush takes about a second)."""
     return SnapshotPipeline(c, rank=0, world_size=1, node="n0", agreement=LocalAgreement(),
-                            flush=lambda v: c.flush(rank=0, version=v, dir=disk, job_id="job", keep=keep, mbps=mbps)
-                            if when(v) else None)
+                            hooks=PipelineHooks(flush=lambda v: c.flush(rank=0, version=v, dir=disk, job_id="job",
+                                                                        keep=keep, mbps=mbps) if when(v) else None))
 
 
 def _restores_from_disk(disk, version, state):

@@ -8,7 +8,7 @@ import torch
 from shardsafe.payload import manifest as mf
 from shardsafe.holder.client import HolderClient
 from shardsafe.snapshot.restore import Collectives, RestoreError, restore_from_holder
-from shardsafe.snapshot.pipeline import LocalAgreement, SnapshotPipeline
+from shardsafe.snapshot.pipeline import LocalAgreement, PipelineHooks, SnapshotPipeline
 from shardsafe.snapshot.state import RankState, StateAdapter, apply_rng, capture_rng
 
 
@@ -112,7 +112,7 @@ def test_no_holder_means_fresh_start_and_skipped_snapshots():
     assert res.version == -1 and res.message == "no snapshot in memory for this job: starting fresh"
     events = []
     pipe = SnapshotPipeline(None, rank=0, world_size=1, node="n0", agreement=LocalAgreement(),
-                            on_event=lambda kind, **f: events.append((kind, f)))
+                            hooks=PipelineHooks(on_event=lambda kind, **f: events.append((kind, f))))
     pipe.submit(1, ad.capture())
     assert not pipe.flush(timeout=10)
     pipe.close()
@@ -131,7 +131,7 @@ def test_stall_counter_is_the_sum_of_the_reported_stalls(client):
     the blocking time the snapshot events report: captures, waits for the copy, waits for an earlier job."""
     events = []
     pipe = SnapshotPipeline(client, rank=0, world_size=1, node="n0", agreement=LocalAgreement(),
-                            on_event=lambda kind, **f: events.append((kind, f)))
+                            hooks=PipelineHooks(on_event=lambda kind, **f: events.append((kind, f))))
     src = ToyAdapter(3)
     before = []
     for v in (1, 2, 3):
