@@ -4,7 +4,7 @@ megatron-core assumes CUDA in a handful of places (RNG tracker, `torch.cuda.curr
 allocation device, `device='cuda'` literals, `Tensor.type()` strings such as 'torch.cuda.FloatTensor',
 streams/events). These monkeypatches make its local (non-TE) GPT, DDP, DistributedOptimizer and the
 pipeline schedules run on CPU over gloo, so that the shardsafe Megatron adapter can be tested on a
-machine without a GPU (see shared/reference/megatron-core.md §2 for which failure each shim removes).
+machine without a GPU (each shim's comment names the failure it removes).
 
 They pretend CUDA exists, so they are process-global and irreversible: install them only in a process
 that does nothing but CPU Megatron work (a forked test rank, the example script). ``install()`` refuses

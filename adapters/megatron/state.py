@@ -17,7 +17,7 @@ exactly as ``optimizer.step()`` does (main -> model copy, then the DistOpt param
 
 Restore never goes through ``optimizer.load_state_dict`` / Megatron's checkpoint loaders, which
 have step-counter bugs on the torch-Adam path (shared ``step`` tensor, ``KeyError: 'step'``, step
-not restored; see shared/reference/megatron-core.md §3.4): every value is copied into the existing
+not restored on a fresh optimizer): every value is copied into the existing
 tensors, and a fresh optimizer's missing per-param state is allocated one tensor per param.
 
 Capture and apply walk the same enumeration and live here together; what is checked before either

@@ -104,7 +104,7 @@ class Cluster:
     rack_nodes: int = 16
     """Nodes per rack (failure domain of a ``rack`` event)."""
     group_nodes: int = 8
-    """Parity group size n: ranks with the same (TP, PP) coordinates on n different nodes (DESIGN.md)."""
+    """Parity group size n: ranks with the same (TP, PP) coordinates on n different nodes (docs/parity.md)."""
     parity_m: int = 1
     """Members a group may lose and still rebuild from parity (RS(n-m, m)); 0 = memory-only snapshots."""
     spares: int = 0
