@@ -94,13 +94,34 @@ class Finder:
         return spec
 
 
+def holder_socket(environ=os.environ) -> str:
+    """Where this node's holder of the job named by ``SHARDSAFE_JOB_ID`` listens ("" without a job id), by the rules
+    of shardsafe.holder.paths (``default_holder_dir``, ``private_dir``, ``default_node_name``; a unit test holds
+    the two equal), computed with ``os`` alone so that a program whose job has no holder on this node imports
+    nothing more of shardsafe. Only whether the path exists is asked here: the early open verifies the directory
+    (owner, mode) and the holder's uid before it uses anything."""
+    job = environ.get("SHARDSAFE_JOB_ID", "")
+    if not job:
+        return ""
+    mine = f"shardsafe-{os.getuid()}"
+    if environ.get("SHARDSAFE_HOLDER_DIR"):
+        named = os.path.normpath(environ["SHARDSAFE_HOLDER_DIR"])
+        root = named if os.path.basename(named) == mine else os.path.join(named, mine)
+    else:
+        base = environ.get("XDG_RUNTIME_DIR") or ""
+        root = os.path.join(base if base and os.path.isdir(base) else "/tmp", mine)
+    node = environ.get("SHARDSAFE_NODE") or environ.get("SLURMD_NODENAME") or os.uname().nodename
+    return os.path.join(root, job, f"{node}.sock")
+
+
 def _early_open() -> None:
-    """A trainer (``RANK`` set) of a shardsafe job maps and verifies its newest held snapshot while it sets up
-    (shardsafe.holder.early_open), from the moment its framework loads: the earliest point a trainer that
-    torchrun started itself reaches (the fork server's children start it before the script runs). The early open
-    decides whether this process is the trainer (not a DataLoader worker or another process the trainer started:
-    ``early_open.trainer_process``) and whether the job's holder runs on this node."""
-    if os.environ.get("RANK") and os.environ.get("SHARDSAFE_JOB_ID"):
+    """A trainer (``RANK`` set) of a job whose holder runs on this node maps and verifies its newest held snapshot
+    while it sets up (shardsafe.holder.early_open), from the moment its framework loads: the earliest point a
+    trainer that torchrun started itself reaches (the fork server's children start it before the script runs). The
+    early open decides whether this process is the trainer (not a DataLoader worker or another process the trainer
+    started: ``early_open.trainer_process``)."""
+    sock = holder_socket()
+    if os.environ.get("RANK") and sock and os.path.exists(sock):
         try:
             from shardsafe.holder import early_open
             early_open.start()

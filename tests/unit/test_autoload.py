@@ -118,3 +118,20 @@ def test_a_trainer_whose_resume_hooks_failed_is_refused_not_restored_behind_its_
         fake_accelerate.prepare(FakeDS.initialize, {"shardsafe": {"enabled": True}})
     assert fake_accelerate.prepare(FakeDS.initialize, {"no": "block"}) == "engine"
     assert autoload._called_from(("accelerate.",)) is False
+
+
+def test_the_hooks_socket_path_follows_the_holder_paths_rules(tmp_path):
+    """The activation asks only whether the job's socket exists, with ``os`` alone (a program without a holder on
+    its node imports nothing more of shardsafe): its path must be the one shardsafe.holder.paths derives, for the
+    default directory, a user-named one (shardsafe's private subdirectory in it), a user-named shardsafe-<uid>, and
+    an XDG_RUNTIME_DIR that does not exist on this node (SLURM passing the submitting host's environment)."""
+    from shardsafe.holder.paths import HolderPaths, default_holder_dir, default_node_name
+    mine = f"shardsafe-{os.getuid()}"
+    cases = [{}, {"SHARDSAFE_HOLDER_DIR": str(tmp_path / "named")}, {"SHARDSAFE_HOLDER_DIR": str(tmp_path / mine)},
+             {"XDG_RUNTIME_DIR": str(tmp_path)}, {"XDG_RUNTIME_DIR": str(tmp_path / "absent")},
+             {"SHARDSAFE_NODE": "nodeA", "SLURMD_NODENAME": "ignored"}, {"SLURMD_NODENAME": "slurm7"}]
+    for extra in cases:
+        env = {"SHARDSAFE_JOB_ID": "job1", **extra}
+        want = HolderPaths(default_holder_dir(env), "job1", default_node_name(env)).socket
+        assert autoload.holder_socket(env) == want, (extra, autoload.holder_socket(env), want)
+    assert autoload.holder_socket({}) == ""
