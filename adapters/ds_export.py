@@ -28,7 +28,7 @@ from shardsafe.snapshot.state import apply_rng
 
 from . import rng_trackers
 
-log = logging.getLogger("shardsafe.export")
+log = logging.getLogger(__name__)
 EXPORT_FORMAT = "shardsafe-export/1"
 
 

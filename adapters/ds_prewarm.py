@@ -29,7 +29,7 @@ import os
 import stat
 from typing import Callable, Optional
 
-log = logging.getLogger("shardsafe.adapters.ds_prewarm")
+log = logging.getLogger(__name__)
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 

@@ -40,7 +40,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("shardsafe.hf")
+log = logging.getLogger(__name__)
 
 EXTRA_KEY = "hf_trainer"
 """The key of ``engine.shardsafe.extra`` that holds the Trainer's progress counters."""

@@ -32,7 +32,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("shardsafe.lightning")
+log = logging.getLogger(__name__)
 
 EXTRA_KEY = "lightning"
 """The key of ``engine.shardsafe.extra`` that holds the fit loop's progress at the snapshot."""

@@ -60,7 +60,7 @@ from typing import Mapping, Sequence
 from .errors import ConfigError, ShardsafeError
 from .holder.paths import HolderPaths, open_private, safe_name
 
-log = logging.getLogger("shardsafe.jobid")
+log = logging.getLogger(__name__)
 
 ENV_JOB_ID = "SHARDSAFE_JOB_ID"
 ENV_INSTANCE = "SHARDSAFE_INSTANCE"

@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 
 from .errors import ShardsafeError
 
-log = logging.getLogger("shardsafe.persist")
+log = logging.getLogger(__name__)
 CHUNK = 8 << 20
 
 

@@ -40,7 +40,7 @@ from .snapshot.pipeline import GlooAgreement, LocalAgreement, PipelineHooks, Sna
 from .snapshot.state import StateAdapter
 from .tor.events import EventLog, NullEventLog
 
-log = logging.getLogger("shardsafe")
+log = logging.getLogger(__name__)
 
 
 def _event_log(cfg: ShardsafeConfig, rank: int):

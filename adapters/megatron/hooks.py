@@ -26,7 +26,7 @@ from ..megatron_args import compose_extra_args_provider, config_from_args
 from .core_api import _NO_EVENTS, _say_state, default_runtime_factory, wrap_optimizer_step
 from .state import MegatronStateAdapter
 
-log = logging.getLogger("shardsafe.megatron")
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------------

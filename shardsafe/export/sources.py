@@ -12,7 +12,7 @@ import torch
 from shardsafe.errors import ShardsafeError
 from shardsafe.payload import manifest as mf
 
-log = logging.getLogger("shardsafe.export")
+log = logging.getLogger(__name__)
 
 
 class ExportError(RuntimeError, ShardsafeError):

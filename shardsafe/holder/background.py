@@ -15,7 +15,7 @@ from .protocol import HolderError, req_int, req_scope
 if TYPE_CHECKING:
     from .slots import Slot
 
-log = logging.getLogger("shardsafe.holder")
+log = logging.getLogger(__name__)
 
 
 class BackgroundWork:

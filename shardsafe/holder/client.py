@@ -17,7 +17,7 @@ from .paths import ForeignHolder, HolderPaths, open_private, peer_credentials
 from .protocol import (DEFAULT_IDLE_EXIT_S, FLUSH_DRAIN_S, SCOPE_RE, HolderError, HolderFailure, ProtocolError, close_fds,
                        recv_msg, send_msg)
 
-log = logging.getLogger("shardsafe.holder")
+log = logging.getLogger(__name__)
 
 
 class HolderUnavailable(HolderFailure):

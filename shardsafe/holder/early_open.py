@@ -46,7 +46,7 @@ from .client import HolderClient, OpenedSlot
 from .paths import ForeignHolder, HolderPaths, HolderSecurityError, default_holder_dir, default_node_name
 from .protocol import HolderFailure
 
-log = logging.getLogger("shardsafe.holder.early_open")
+log = logging.getLogger(__name__)
 
 ENV_EARLY_OPEN = "SHARDSAFE_EARLY_OPEN"
 """Unset or ``1``: map and verify; ``map``: map only; ``0`` (or ``false``/``off``/``no``): off."""

@@ -27,7 +27,7 @@ from typing import Mapping
 
 from ..errors import ConfigError, ShardsafeError
 
-log = logging.getLogger("shardsafe.holder")
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 

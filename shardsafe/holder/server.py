@@ -30,7 +30,7 @@ from .serving import Serving
 from .segments import Segment, huge_pages_possible, round_size, shmem_huge_setting
 from .slots import KINDS, RankEntry, Slot
 
-log = logging.getLogger("shardsafe.holder")
+log = logging.getLogger(__name__)
 
 MAX_SLOTS = 2
 

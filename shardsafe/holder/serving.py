@@ -14,7 +14,7 @@ import time
 from .paths import peer_credentials
 from .protocol import BadFrame, HolderError, ProtocolError, close_fds, recv_msg, send_msg
 
-log = logging.getLogger("shardsafe.holder")
+log = logging.getLogger(__name__)
 
 
 class Serving:

@@ -32,7 +32,7 @@ from ..fatal import describe as describe_fatal, read_fatal
 from .controller import Keys, _store_client, publish
 from .markers import done_ranks, mark_rank_done
 
-log = logging.getLogger("shardsafe.elastic")   # the name it logged under before shardsafe.elastic was split
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)

@@ -26,7 +26,7 @@ from .errors import LaunchError
 from .incidents import Emit, Evidence, IncidentBook, exit_evidence
 from .markers import CONTROL_DIR, MARKER_DIR
 
-log = logging.getLogger("shardsafe.elastic")   # the name it logged under before shardsafe.elastic was split
+log = logging.getLogger(__name__)
 
 
 class ProgressTail:

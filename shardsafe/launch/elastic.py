@@ -41,7 +41,7 @@ from ..faults import NODE_FAULTS, FaultKind, for_attempt, parse as parse_faults
 from .incidents import Evidence
 from .markers import LOG_DIR
 
-log = logging.getLogger("shardsafe.elastic")
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)

@@ -36,7 +36,7 @@ from .prewarm import ForkServer, PrewarmError
 from .presets import PRELOAD_DEEPSPEED, PRELOAD_MEGATRON  # noqa: F401 - importable from here as before
 from .signals import SignalStop
 
-log = logging.getLogger("shardsafe.launch")
+log = logging.getLogger(__name__)
 
 
 def free_port() -> int:

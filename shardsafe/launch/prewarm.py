@@ -64,7 +64,7 @@ import encodings.idna  # noqa: F401,E402
 _RESET_SIGNALS = (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 _AT_START = {sig: signal.getsignal(sig) for sig in _RESET_SIGNALS}
 
-log = logging.getLogger("shardsafe.prewarm")   # the name it logged under before the move into shardsafe.launch
+log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0
 """How long the launcher waits for the server's imports (a cold shared file system can be slow)."""

@@ -10,7 +10,7 @@ import signal
 import threading
 from typing import Any
 
-log = logging.getLogger("shardsafe.launch")   # the name it logged under in the former module shardsafe.launch
+log = logging.getLogger(__name__)
 
 
 class SignalStop:

@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
-log = logging.getLogger("shardsafe.parity.codec")
+log = logging.getLogger(__name__)
 
 CODE_ID = "rs-cauchy1-gf256-0x11d"
 """Names the code (generator, field) in snapshot manifests; change it if the math ever changes."""

@@ -44,7 +44,7 @@ from .host import HostTransport
 from .transport import ExchangeError, ParityTransport
 from .topology import ParityGroup, ParityGroups, RankPlace, build_parity_groups
 
-log = logging.getLogger("shardsafe.parity.codec")
+log = logging.getLogger(__name__)
 _MANIFEST_TAG = 1 << 20
 
 

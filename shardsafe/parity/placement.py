@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from ..collectives import all_true, gather_json
 
-log = logging.getLogger("shardsafe.parity.placement")
+log = logging.getLogger(__name__)
 
 KINDS = ("data", "parity")
 _TAG = 1 << 22

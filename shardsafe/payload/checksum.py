@@ -45,7 +45,7 @@ import xxhash
 from ..errors import BackendUnavailable, KernelError
 from ..kernels import copy_hash as _fused
 
-log = logging.getLogger("shardsafe.payload.checksum")
+log = logging.getLogger(__name__)
 
 MAX_AUTO_THREADS = 8
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)   # Linux value; Python < 3.12 lacks the name

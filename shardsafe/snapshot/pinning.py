@@ -29,7 +29,7 @@ from typing import Mapping, Optional
 import numpy as np
 import torch
 
-log = logging.getLogger("shardsafe.snapshot.pinning")
+log = logging.getLogger(__name__)
 
 H2D_MODES = ("pinned", "pageable")
 # cudaHostRegisterPortable | cudaHostRegisterReadOnly (driver_types.h)

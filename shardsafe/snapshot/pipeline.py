@@ -35,7 +35,7 @@ from ..payload import manifest as mf
 from ..protection import Cause, bits_to_causes, causes_to_bits
 from .state import RankState
 
-log = logging.getLogger("shardsafe.snapshot.pipeline")
+log = logging.getLogger(__name__)
 
 
 class Agreement(Protocol):

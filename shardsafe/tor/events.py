@@ -23,8 +23,8 @@ from typing import Any, Callable, Mapping
 from ._checks import _is_num
 from .errors import TorError
 
-# One logger for the whole package: operators filter on "shardsafe.tor" (tests assert it too).
-logger = logging.getLogger("shardsafe.tor")
+# Under "shardsafe.tor", which operators filter on (the package's other modules log there too).
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "EVENTS_FILE", "EVENT_KINDS", "SOURCES", "TIERS", "MAX_LINE_BYTES", "ENV_ATTEMPT", "ENV_NODE", "ENV_JOB_START",

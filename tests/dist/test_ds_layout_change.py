@@ -59,14 +59,14 @@ def _changes(rank, world, root):
         records = []
         handler = logging.Handler()
         handler.emit = lambda r: records.append(r.getMessage())
-        logging.getLogger("shardsafe.deepspeed").addHandler(handler)
+        logging.getLogger("shardsafe.adapters.deepspeed").addHandler(handler)
         try:
             res = restore_from_holder(adapter, client, rank=0, coll=Collectives())
             out[what] = {"version": res.version, "notes": res.notes, "log": records}
         except RestoreError as e:
             out[what] = {"error": str(e)}
         finally:
-            logging.getLogger("shardsafe.deepspeed").removeHandler(handler)
+            logging.getLogger("shardsafe.adapters.deepspeed").removeHandler(handler)
     out["held"] = client.sealed_versions(0)
     return out
 

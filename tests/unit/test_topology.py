@@ -275,7 +275,7 @@ def test_explicit_parity_shards_that_cannot_be_placed_is_an_error():
 def test_default_parity_on_one_node_is_off_with_a_warning(caplog):
     import logging
     from shardsafe.parity.exchange import plan_parity
-    with caplog.at_level(logging.WARNING, logger="shardsafe.parity.codec"):
+    with caplog.at_level(logging.WARNING, logger="shardsafe.parity.exchange"):
         assert plan_parity(grid_places(world_size=2, ranks_per_node=2), group_size=0, parity_shards=1) is None
     assert any("parity off" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
