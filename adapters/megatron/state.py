@@ -36,7 +36,7 @@ from shardsafe.snapshot.state import RankState, apply_rng, capture_rng, cast_lik
 from .state_checks import (FORMAT, _kind, _names_with_prefix, _SnapshotChecks, check_supported, leaf_optimizers,
                            megatron_core_version, rank_coordinates)
 
-log = logging.getLogger("shardsafe.megatron")
+log = logging.getLogger(__name__)
 
 _FP8_META_KEYS = ("scaling_fwd", "scaling_bwd")
 _FP8_ATTRS = ("scale", "scale_inv", "amax_history")
