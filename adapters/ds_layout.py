@@ -103,7 +103,9 @@ def checkpoint_layout(engine: Any, kind: str) -> dict[str, Any]:
                    param_slice_mappings=[[[n, int(a.numel), int(a.start)] for n, a in g.items()]
                                          for g in o._param_slice_mappings])
     elif kind == "DeepSpeedZeroOptimizer_Stage3":
-        lay.update(zero_stage_enum=3)
+        # the sub-groups (one flat master each) depend on the data-parallel size: re-partitioning regroups them
+        lay.update(zero_stage_enum=3, sub_group_size=int(o.sub_group_size),
+                   sub_group_to_group=[int(o.sub_group_to_group_id[j]) for j in range(len(o.fp16_groups))])
     return lay
 
 

@@ -8,6 +8,8 @@ Modules, from the bottom up (the payload format they write and read is :mod:`sha
   beside the copy, the commit vote).
 * :mod:`~shardsafe.snapshot.restore`: the vote on the newest recoverable version, verification, rebuild
   through :mod:`shardsafe.parity`, and the write-back into the live tensors.
+* :mod:`~shardsafe.snapshot.reshard`: one version re-partitioned from D to D' data-parallel ranks (transfer plan,
+  byte copies; the framework's partitioning rules are handed in by its adapter).
 
 Importing this package imports nothing; its modules are imported by name.
 """

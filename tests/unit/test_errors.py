@@ -25,6 +25,7 @@ from shardsafe.payload.manifest import ManifestError
 from shardsafe.errors import (BackendUnavailable, InsufficientFragments, InvalidFragment, InvalidParameter,
                                      KernelError, ParityError)
 from shardsafe.persist import PersistError
+from shardsafe.snapshot.reshard import ReshardError
 from shardsafe.snapshot.restore import RestoreError
 from shardsafe.parity.topology import TopologyError, Unrecoverable
 from shardsafe.tor.errors import TorError
@@ -41,6 +42,7 @@ ERRORS = {
     DiscoveryError: RuntimeError, LaunchError: RuntimeError, PrewarmError: RuntimeError,
     HolderFailure: RuntimeError, SnapshotMismatch: ValueError, UsageError: RuntimeError, DeviceError: RuntimeError, InternalError: RuntimeError,
     HolderSecurityError: PermissionError, UnsafeHolderDir: PermissionError, ForeignHolder: PermissionError,
+    ReshardError: ValueError,
 }
 # Subclasses of another shardsafe error, beside their family's root.
 FAMILY = {InvalidParameter: ParityError, InvalidFragment: ParityError, InsufficientFragments: ParityError,

@@ -1,0 +1,304 @@
+"""Re-partitioning one committed version from D data-parallel ranks to D' (shrink: D' < D; grow back: D' > D).
+
+ZeRO and distributed optimizers keep each data-parallel rank's share of one logical state -- the fp32 master
+weights and optimizer moments of every parameter -- in flat per-rank tensors, cut by rules that depend on D.
+Every parameter's elements therefore lie in *runs*: (parameter, first element, length) at (rank, flat tensor,
+offset). A framework adapter describes where the runs lie at D and at D' by its framework's own partitioning
+rules (:class:`FlatLayout`; DeepSpeed: ``shardsafe.adapters.ds_reshard``); this module intersects the two into a
+:class:`TransferPlan` of (source rank, tensor, offset, length) -> (target rank, tensor, offset) segments and
+assembles a target rank's flat tensors from the source ranks' with it.
+
+What the plan guarantees (checked when it is built, pinned by tests/unit/test_reshard.py):
+
+* every element of every parameter is copied exactly once, from the one source rank that holds it to the one
+  target rank that holds it: a byte crosses the network at most once, and only when the two ranks are not on
+  the same node (:meth:`TransferPlan.elements_between` and the adapter's byte counts);
+* elements of a target tensor that belong to no parameter (alignment and partition padding) are zero, which is
+  what a freshly built engine at D' holds there and what DeepSpeed's universal-checkpoint load leaves there;
+* copies are byte copies (no arithmetic, no dtype change): the values are bit-identical to the source.
+
+:func:`reshard` is the entry point: the verified snapshots of the D ranks of one model-parallel slice (ordered by
+data-parallel rank) and the framework's :class:`Resharder` in, each requested target rank's tensors and metadata
+out, as the engine at D' holds them. It is a pure function of tensors (no process group); the launcher's
+shrink/grow policy and the restore decide which ranks call it with which snapshots.
+"""
+from __future__ import annotations
+
+import bisect
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from ..errors import ShardsafeError
+
+
+class ReshardError(ValueError, ShardsafeError):
+    """The snapshots cannot be re-partitioned to the requested size; the message says what was expected, what
+    was found and what to do."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """``length`` elements of parameter ``param`` from its element ``start`` on, at element ``offset`` of flat
+    tensor ``tensor`` of data-parallel rank ``rank``."""
+    param: int
+    start: int
+    length: int
+    rank: int
+    tensor: int
+    offset: int
+
+
+@dataclass
+class FlatLayout:
+    """Where every parameter's elements lie in the flat tensors of ``world`` data-parallel ranks.
+
+    Args:
+        world: the data-parallel size.
+        params: (name, number of elements) of every parameter, in an order that does not depend on the size.
+        numels: ``numels[rank][tensor]``: the length of each flat tensor of each rank, padding included.
+        runs: ``runs[param]``: the runs of that parameter, sorted by ``start``; together exactly its elements.
+    """
+    world: int
+    params: list[tuple[str, int]]
+    numels: list[list[int]]
+    runs: list[list[Run]]
+
+    def check(self) -> None:
+        """Every parameter is covered exactly once, and no two runs overlap inside a tensor (a layout bug would
+        otherwise copy one element over another silently)."""
+        if len(self.numels) != self.world or len(self.runs) != len(self.params):
+            raise ReshardError(f"layout of {self.world} ranks describes {len(self.numels)} ranks and "
+                               f"{len(self.runs)} of {len(self.params)} parameters")
+        spans: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for i, ((name, numel), runs) in enumerate(zip(self.params, self.runs)):
+            at = 0
+            for r in runs:
+                if r.param != i or r.start != at or r.length <= 0:
+                    raise ReshardError(f"parameter {name!r}: a run at element {r.start} (length {r.length}) where "
+                                       f"element {at} was expected")
+                if not (0 <= r.rank < self.world and 0 <= r.tensor < len(self.numels[r.rank])
+                        and r.offset >= 0 and r.offset + r.length <= self.numels[r.rank][r.tensor]):
+                    raise ReshardError(f"parameter {name!r}: run {r} lies outside rank {r.rank}'s flat tensors "
+                                       f"{self.numels[r.rank] if 0 <= r.rank < self.world else '?'}")
+                spans.setdefault((r.rank, r.tensor), []).append((r.offset, r.offset + r.length))
+                at += r.length
+            if at != numel:
+                raise ReshardError(f"parameter {name!r}: runs cover {at} of its {numel} elements")
+        for (rank, tensor), s in spans.items():
+            s.sort()
+            for (a0, a1), (b0, _) in zip(s, s[1:]):
+                if b0 < a1:
+                    raise ReshardError(f"rank {rank} tensor {tensor}: two parameters' runs overlap at element {b0}")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``length`` elements copied from (``src_rank``, ``src_tensor``, ``src_offset``) to (``dst_rank``,
+    ``dst_tensor``, ``dst_offset``)."""
+    src_rank: int
+    src_tensor: int
+    src_offset: int
+    dst_rank: int
+    dst_tensor: int
+    dst_offset: int
+    length: int
+
+
+@dataclass
+class TransferPlan:
+    """The segments that turn the source layout's tensors into the target layout's, coalesced (adjacent on both
+    sides: one segment), sorted by target."""
+    src: FlatLayout
+    dst: FlatLayout
+    segments: list[Segment]
+    _by_dst: dict[tuple[int, int], list[Segment]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for s in self.segments:
+            self._by_dst.setdefault((s.dst_rank, s.dst_tensor), []).append(s)
+
+    def into(self, rank: int, tensor: Optional[int] = None) -> list[Segment]:
+        """The segments written into target ``rank`` (into its flat tensor ``tensor`` only, when given)."""
+        if tensor is not None:
+            return list(self._by_dst.get((rank, tensor), ()))
+        return [s for s in self.segments if s.dst_rank == rank]
+
+    def elements_between(self, src_rank: int, dst_rank: int) -> int:
+        """Elements (of each flat state kind) that target ``dst_rank`` takes from source ``src_rank``."""
+        return sum(s.length for s in self.segments if s.src_rank == src_rank and s.dst_rank == dst_rank)
+
+    def elements_into(self, rank: int, colocated: Iterable[int] = ()) -> tuple[int, int]:
+        """(elements from sources on the target's own node, elements from other nodes) of target ``rank``, per
+        flat state kind; ``colocated``: the source ranks whose snapshots the target's node holds."""
+        near = set(colocated)
+        local = remote = 0
+        for s in self.into(rank):
+            if s.src_rank in near:
+                local += s.length
+            else:
+                remote += s.length
+        return local, remote
+
+
+def plan(src: FlatLayout, dst: FlatLayout) -> TransferPlan:
+    """The transfer plan from ``src`` to ``dst`` (same parameters, any sizes). Both layouts are checked first."""
+    if src.params != dst.params:
+        diff = [(a, b) for a, b in zip(src.params, dst.params) if a != b][:3]
+        raise ReshardError(f"the layouts at {src.world} and {dst.world} ranks describe different parameters (first "
+                           f"differences {diff}, {len(src.params)} vs {len(dst.params)} parameters)")
+    src.check()
+    dst.check()
+    raw: list[Segment] = []
+    for a_runs, b_runs in zip(src.runs, dst.runs):
+        starts = [r.start for r in a_runs]
+        for b in b_runs:
+            # the source runs overlapping [b.start, b.start + b.length)
+            i = bisect.bisect_right(starts, b.start) - 1
+            end = b.start + b.length
+            while i < len(a_runs) and a_runs[i].start < end:
+                a = a_runs[i]
+                lo, hi = max(a.start, b.start), min(a.start + a.length, end)
+                if lo < hi:
+                    raw.append(Segment(a.rank, a.tensor, a.offset + lo - a.start,
+                                       b.rank, b.tensor, b.offset + lo - b.start, hi - lo))
+                i += 1
+    raw.sort(key=lambda s: (s.dst_rank, s.dst_tensor, s.dst_offset))
+    out: list[Segment] = []
+    for s in raw:
+        p = out[-1] if out else None
+        if (p is not None and (p.dst_rank, p.dst_tensor, p.src_rank, p.src_tensor) ==
+                (s.dst_rank, s.dst_tensor, s.src_rank, s.src_tensor)
+                and p.dst_offset + p.length == s.dst_offset and p.src_offset + p.length == s.src_offset):
+            out[-1] = Segment(p.src_rank, p.src_tensor, p.src_offset, p.dst_rank, p.dst_tensor, p.dst_offset,
+                              p.length + s.length)
+        else:
+            out.append(s)
+    return TransferPlan(src, dst, out)
+
+
+def assemble(plan_: TransferPlan, rank: int, tensor: int, source: Callable[[int, int], torch.Tensor],
+             *, dtype: torch.dtype, device: Any = "cpu") -> torch.Tensor:
+    """Target ``rank``'s flat tensor ``tensor``: zeros, then every segment copied in from ``source(src_rank,
+    src_tensor)`` (a flat tensor of the source layout, e.g. a view of that rank's verified payload)."""
+    out = torch.zeros(plan_.dst.numels[rank][tensor], dtype=dtype, device=device)
+    for s in plan_.into(rank, tensor):
+        src = source(s.src_rank, s.src_tensor).reshape(-1)
+        if src.dtype != dtype:
+            raise ReshardError(f"source rank {s.src_rank} tensor {s.src_tensor} is {src.dtype}, the target {dtype}: "
+                               "a re-partition copies bytes and never converts")
+        out[s.dst_offset: s.dst_offset + s.length].copy_(src[s.src_offset: s.src_offset + s.length])
+    return out
+
+
+@dataclass
+class Traffic:
+    """What one target rank must receive: bytes from source ranks on its own node (``local_bytes``) and from
+    other nodes (``remote_bytes``, by source rank in ``from_ranks``)."""
+    rank: int
+    local_bytes: int = 0
+    remote_bytes: int = 0
+    from_ranks: dict[int, int] = field(default_factory=dict)
+
+    def add(self, src_rank: int, nbytes: int, local: bool) -> None:
+        if nbytes <= 0:
+            return
+        if local:
+            self.local_bytes += nbytes
+        else:
+            self.remote_bytes += nbytes
+            self.from_ranks[src_rank] = self.from_ranks.get(src_rank, 0) + nbytes
+
+
+@dataclass
+class ReshardedRank:
+    """One target rank's state: tensors and metadata named as its adapter's ``capture`` names them at D'."""
+    rank: int
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+
+@dataclass
+class Reshard:
+    """The result of :func:`reshard`: the requested target ranks' states, the plan and each target's traffic."""
+    from_world: int
+    to_world: int
+    ranks: list[ReshardedRank]
+    plan: TransferPlan
+    traffic: dict[int, Traffic]
+
+
+def default_colocation(src_world: int, dst_world: int) -> dict[int, list[int]]:
+    """Target rank r runs where source rank r ran (the survivors keep their data-parallel ranks; a rank that is
+    new when growing holds no source)."""
+    return {r: [r] if r < src_world else [] for r in range(dst_world)}
+
+
+class Resharder(ABC):
+    """One framework's re-partitioning: its partitioning rules and what else a target rank gets (counters, steps,
+    buffers). Adapters implement it (DeepSpeed: ``shardsafe.adapters.ds_reshard.DeepSpeedResharder``, also
+    ``DeepSpeedStateAdapter.resharder()``); this package never imports a framework, so callers hand it in."""
+
+    engine: ClassVar[str]
+    """The ``meta["engine"]`` of the snapshots it re-partitions."""
+
+    @abstractmethod
+    def transfer_plan(self, metas: Sequence[Mapping[str, Any]], new_world: int) -> TransferPlan:
+        """The plan from the D snapshots' metadata alone."""
+
+    @abstractmethod
+    def reshard(self, snapshots: Sequence[Any], new_world: int, *, ranks: Optional[Sequence[int]],
+                colocated: Optional[Mapping[int, Sequence[int]]]) -> Reshard:
+        """The target ranks' states (see :func:`reshard`)."""
+
+
+def _check_engine(engine: Any, resharder: Resharder) -> None:
+    if engine != resharder.engine:
+        raise ReshardError(f"the snapshot was taken by the {engine!r} adapter and {type(resharder).__name__} "
+                           f"re-partitions {resharder.engine!r} snapshots; only DeepSpeed's exist so far: restart at "
+                           "the original data-parallel size, or wait for a spare node")
+
+
+def transfer_plan(metas: Sequence[Mapping[str, Any]], new_world: int, resharder: Resharder) -> TransferPlan:
+    """The plan of a re-partition to ``new_world`` ranks from the D snapshots' metadata alone (data-parallel rank
+    order), before any payload is read: which (source rank, tensor, offset, length) each target rank needs, so it
+    fetches only those from other nodes."""
+    if not metas:
+        raise ReshardError("no snapshot metadata given: pass every data-parallel rank's")
+    _check_engine(metas[0].get("engine"), resharder)
+    return resharder.transfer_plan(metas, new_world)
+
+
+def reshard(snapshots: Sequence[Any], new_world: int, resharder: Resharder, *,
+            ranks: Optional[Sequence[int]] = None,
+            colocated: Optional[Mapping[int, Sequence[int]]] = None) -> Reshard:
+    """Re-partition one version of one model-parallel slice from D to ``new_world`` data-parallel ranks.
+
+    Args:
+        snapshots: the verified snapshots of all D data-parallel ranks of the slice, in data-parallel rank order
+            (checked where the ranks' records differ, e.g. DeepSpeed ZeRO-1/2's partition boundaries; equal
+            partitions cannot be told apart): objects with ``tensors`` and ``meta``
+            (``shardsafe.export.sources.RankSnapshot``, or a ``RankState``); with a ``manifest`` too, all must be of
+            one version. ``tensors`` may view a holder payload: only the plan's segments are copied out of them.
+        new_world: D'.
+        resharder: the framework's rules (:class:`Resharder`; the live adapter's ``resharder()``).
+        ranks: the target ranks to build (default all): a rank builds only its own.
+        colocated: target rank -> the source ranks whose snapshots its node's holder has (for the traffic
+            counts; default :func:`default_colocation`).
+
+    Returns: a :class:`Reshard`. Raises :class:`ReshardError` naming the problem when the snapshots cannot be
+    re-partitioned (another framework, inconsistent snapshots, a batch that does not divide, a layout the
+    framework's rules do not support).
+    """
+    if not snapshots:
+        raise ReshardError("no snapshots given: pass the verified snapshots of every data-parallel rank")
+    if new_world < 1:
+        raise ReshardError(f"the new data-parallel size must be at least 1, got {new_world}")
+    versions = {s.manifest.get("version") for s in snapshots if getattr(s, "manifest", None)}
+    if len(versions) > 1:
+        raise ReshardError(f"the snapshots are of different versions {sorted(versions)}: re-partition one version "
+                           "that every rank holds (the restore's vote names it)")
+    _check_engine(snapshots[0].meta.get("engine"), resharder)
+    return resharder.reshard(snapshots, new_world, ranks=ranks, colocated=colocated)
