@@ -16,6 +16,8 @@ every equation. One module per concept:
                       profiles and the Monte Carlo simulator that checks the closed form
 - :mod:`.inputs`      rates and costs from files, a bench JSON or a run's events (``project --from``);
                       :mod:`.projection_report` the projection's and the simulation's JSON and text
+- :mod:`.growth`      control-plane costs fitted as functions of the rank count from the many-rank bench
+                      (``project --from-bench``)
 - :mod:`.cli`         ``shardsafe tor report|project|simulate`` (``python -m shardsafe.tor`` too)
 
 Every public name of the former single module ``shardsafe.tor`` is re-exported here, so importers need not

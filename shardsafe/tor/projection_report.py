@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .classes import CLASSES, Cluster, Costs, Rates
 from .project import (DEFAULT_SIM_REPLICAS, FIRST_ORDER_LIMIT, PARTS, SIM_FAILURES_PER_REPLICA, STRATEGIES,
-                      Projection, closed_point, first_order_note, project, recommend, sweep)
+                      Projection, at_scale, closed_point, first_order_note, project, recommend, sweep)
 from .simulate import simulate
 from .errors import TorError
 
@@ -100,12 +100,15 @@ def projection_dict(cluster: Cluster, rates: Rates, costs: Costs, *, interval_s:
                     disk_interval_s: float | None = None, sweep_gpus: Sequence[int] | None = None,
                     target_tor: float | None = None, measured: dict[str, float] | None = None,
                     profile: dict[str, Any] | None = None, simulate_flagged: bool = True,
-                    sim_replicas: int = DEFAULT_SIM_REPLICAS, sim_seed: int = 0) -> dict[str, Any]:
+                    sim_replicas: int = DEFAULT_SIM_REPLICAS, sim_seed: int = 0, growth: dict[str, Any] | None = None,
+                    costs_at: Callable[[int], Costs] | None = None) -> dict[str, Any]:
     """Everything ``shardsafe tor project`` reports (schema :data:`PROJECT_SCHEMA`, see docs/tor.md).
 
     Every point (strategy at the cluster, at each sweep scale, the recommendation) past
     :data:`~shardsafe.tor.project.FIRST_ORDER_LIMIT` reports the simulator's TOR (``tor_source: "simulated"``,
-    ``ci95``) with (P) kept as ``tor_closed``, unless ``simulate_flagged`` is False (then (P) everywhere)."""
+    ``ci95``) with (P) kept as ``tor_closed``, unless ``simulate_flagged`` is False (then (P) everywhere).
+    ``growth``: the fitted costs of a bench (``--from-bench``), reported as they are; ``costs_at(gpus)``: the costs
+    at each sweep scale (default: ``costs`` everywhere)."""
     refine = Refiner(enabled=simulate_flagged, replicas=sim_replicas, seed=sim_seed, rates=rates, costs=costs)
     intervals = {"shardsafe": interval_s, "memory_only": interval_s, "disk": disk_interval_s}
     strategies = {}
@@ -122,8 +125,15 @@ def projection_dict(cluster: Cluster, rates: Rates, costs: Costs, *, interval_s:
            "strategies": strategies, "recommendation": None, "sweep": None, "simulation": refine.settings()}
     if target_tor is not None:
         out["recommendation"] = recommend(cluster, rates, costs, target_tor, refine=refine if simulate_flagged else None)
-    if sweep_gpus:
+    if sweep_gpus and costs_at is None:
         out["sweep"] = sweep(cluster, rates, costs, sweep_gpus, intervals=intervals, refine=refine)
+    elif sweep_gpus:   # the costs grow with the scale: one sweep point at a time, each with its own
+        out["sweep"] = []
+        for g in sweep_gpus:
+            c = costs_at(at_scale(cluster, g).gpus)
+            out["sweep"] += sweep(cluster, rates, c, [g], intervals=intervals, refine=dataclasses.replace(
+                refine, costs=c, _cache={}))
+    out["growth"] = growth
     return out
 
 
@@ -157,6 +167,36 @@ def _header(d: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _growth_lines(g: dict[str, Any] | None) -> list[str]:
+    """The fitted costs of ``--from-bench``: each law with its coefficients and its value at the job's ranks, and
+    which costs are measured and which assumed."""
+    if not g:
+        return []
+    m = g.get("machine") or {}
+    host = f" on {m['cpus']} CPUs" if m.get("cpus") else ""
+    beyond = (f", {g['factor_beyond_measured']:.0f}x beyond the largest measured: the growth law alone decides"
+              if g["extrapolated"] and g["factor_beyond_measured"] > 1 else "")
+    lines = [f"  growth   {g['source']}: measured at {', '.join(map(str, g['ranks_measured']))} ranks{host}; fitted "
+             f"({g['form']}) and taken at {g['at_ranks']} ranks, one per GPU{beyond}"]
+    for key, f in g["fits"].items():
+        gives = f"-> {f['gives']}" if f["gives"] else ("(old design, not used)" if "ring" in key else
+                                                       "(not used)")
+        plus = " (+ the stall)" if f["gives"] == "snapshot_stall_s" else ""
+        lines.append(f"    {key:<17}{gives:<24}{f['law']:<28}{f['form']:>6}, {100 * f['rel_rmse']:.0f}% err: "
+                     f"{_fmt_s(f['at_ranks'])}{plus}")
+    if g.get("vote_series"):
+        lines.append(f"    the commit vote runs beside training; it is charged on top of the copy stall "
+                     f"({g['base_stall_s']:g} s) as if it were not: an upper bound")
+    lines.append(f"    measured: {', '.join(g['measured_fields']) or 'none'}; assumed (defaults, --costs, flags): "
+                 f"{', '.join(g['assumed_fields'])}")
+    if g.get("overridden_by_flags"):
+        lines.append(f"    flags override the bench for: {', '.join(g['overridden_by_flags'])}")
+    if g.get("missing"):
+        lines.append(f"    not in the bench (kept as assumed): {', '.join(g['missing'])}")
+    lines.extend(f"    warning: {w}" for w in g.get("warnings") or [])
+    return lines
+
+
 def _tor_cells(pt: dict[str, Any], wide: bool = True) -> str:
     """TOR (9: a trailing * when simulated), its 95 % CI half-width (8) and (P) where it was replaced (8); just
     TOR (8) when no point of the table was simulated (``wide=False``: the layout of (P) alone)."""
@@ -185,7 +225,7 @@ def projection_text(d: dict[str, Any]) -> str:
     title = ("TOR projection (first-order closed form, docs/tor.md equation (P); the simulator's value where it "
              "breaks)" if (d.get("simulation") or {}).get("enabled") else
              "TOR projection (first-order closed form, docs/tor.md equation (P))")
-    lines = [title, *_header(d), ""]
+    lines = [title, *_header(d), *_growth_lines(d.get("growth")), ""]
     lines.append("  T_obs - T_opt as % of T_obs, by failure class and snapshot stall, from (P) (sums to 1 - closed):"
                  if any_sim else "  T_obs - T_opt as % of T_obs, by failure class and snapshot stall (sums to 1 - TOR):")
     lines.append(f"  {'strategy':<16}{'interval':>10}{'TOR':>8}" + (f" {'±95%':>8}{'closed':>8}" if any_sim else "")

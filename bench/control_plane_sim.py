@@ -1,0 +1,256 @@
+"""bench/control_plane_bench.py --simulate: the control plane's message pattern at 1k-16k ranks, in one process.
+
+The vote and the gathers of the snapshot and restart paths run here with shardsafe's own algorithms
+(``shardsafe.hierarchy.min_reduce_algo`` / ``allgather_algo``, the generators the runtime drives over gloo) in
+``shardsafe.hierarchy.simulate``, which delivers their messages in memory and counts:
+
+* rounds: the longest chain of messages one after another (the latency-bound steps);
+* messages, and the most one rank sends;
+* pairs of ranks that ever exchange a message: each is one gloo connection, made on first use through the job's
+  store (shardsafe's launchers set TORCH_GLOO_LAZY_INIT=1).
+
+The store's load per connection is measured, not assumed (:func:`store_costs`): gloo groups of a few ranks are
+built in threads over a counting store, once as shardsafe's hierarchy and once as a torch world group (the ring's,
+lazily and as a full mesh), and the operations per group member and per connected pair are read off; at 1k-16k
+ranks they are multiplied by the members and pairs the simulation counts. The old design (gloo's ring all-reduce
+over a world group) is not simulated: its figures are gloo's algorithm, 2(N - 1) steps per rank.
+
+An all-gather at 16k ranks would hold N x N blobs in this one process (tens of GB): gathers are simulated up to
+GATHER_SIM_MAX ranks, where the harness checks that their rounds, messages and pairs equal the vote's (both run
+the same up-across-down pattern, ``hierarchy._hierarchical``), and beyond it take the vote's pattern, with the
+bytes counted (every rank receives N blobs: an all-gather's result is O(N) per rank by definition).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import threading
+from datetime import timedelta
+from typing import Any, Sequence
+
+GATHER_SIM_MAX = 1024
+
+# What a restarted rank runs on shardsafe's hierarchy between its start and its first step (kind, ints or bytes
+# per rank, which hierarchy), as the harness records it at 4 ranks: the places gather (runtime._places), placement's
+# "nothing moved" vote, the restore's two (what every rank holds; its vote with the copies' digests) and the
+# budget check's gather. Every real run records its own (rows[].start_collectives) and the harness simulates that.
+DEFAULT_RESTART = (("gather_bytes", 46, "restore"), ("min_reduce", 1, "restore"), ("gather_bytes", 80, "restore"),
+                   ("gather_bytes", 24, "restore"), ("gather_bytes", 32, "restore"))
+
+
+def vote_len() -> int:
+    """Ints in one commit vote: the flag, the version both ways, one "not set" flag per cause bit for the
+    version's causes and for the standing ones (shardsafe.snapshot.pipeline.GlooAgreement.vote)."""
+    from shardsafe.protection import Cause
+    return 3 + 2 * len(Cause)
+
+
+def _stats(st) -> dict[str, int]:
+    return {"rounds": st.rounds, "messages": st.messages, "pairs": st.pairs,
+            "max_pairs_per_rank": st.max_pairs_per_rank, "max_messages_per_rank": st.max_messages_per_rank}
+
+
+def vote_pattern(ranks: int, per_node: int, length: int | None = None) -> dict[str, int]:
+    from shardsafe.hierarchy import Topology, min_reduce_algo, simulate
+    topo = Topology.blocks(ranks, per_node)
+    n = vote_len() if length is None else length
+    res, st = simulate(topo, lambda r: min_reduce_algo(topo, r, [r % 3] * (n - 1) + [-r]))
+    if any(x != [0] * (n - 1) + [-(ranks - 1)] for x in res):
+        raise AssertionError(f"simulated vote at {ranks} ranks: a rank got the wrong minimum")
+    return {**_stats(st), "nodes": topo.nodes}
+
+
+def gather_pattern(ranks: int, per_node: int, nbytes: int) -> dict[str, Any]:
+    """An all-gather of ``nbytes`` per rank: simulated up to GATHER_SIM_MAX, else the vote's pattern."""
+    from shardsafe.hierarchy import Topology, allgather_algo, simulate
+    if ranks > GATHER_SIM_MAX:
+        return {**vote_pattern(ranks, per_node, 1), "bytes_per_rank_received": ranks * nbytes, "simulated": False}
+    topo = Topology.blocks(ranks, per_node)
+    blobs = [bytes([r % 251]) * nbytes for r in range(ranks)]
+    res, st = simulate(topo, lambda r: allgather_algo(topo, r, blobs[r]))
+    if res[ranks // 2] != blobs:
+        raise AssertionError(f"simulated gather at {ranks} ranks: a rank got the wrong blobs")
+    return {**_stats(st), "nodes": topo.nodes, "bytes_per_rank_received": ranks * nbytes, "simulated": True}
+
+
+def ring_model(ranks: int) -> dict[str, int]:
+    """gloo's ring all-reduce over a world group (the old vote): reduce-scatter then all-gather around the ring,
+    N - 1 steps each, every rank sending one message per step to its right neighbour."""
+    return {"rounds": 2 * (ranks - 1), "messages": 2 * ranks * (ranks - 1), "pairs_lazy": ranks,
+            "pairs_full_mesh": ranks * (ranks - 1) // 2}
+
+
+class _CountingStore:
+    """Built lazily: a torch.distributed.Store subclass counting every operation on an in-process HashStore."""
+
+    @staticmethod
+    def make():
+        import torch.distributed as dist
+
+        class Counting(dist.Store):
+            def __init__(self) -> None:
+                super().__init__()
+                self.inner, self.ops, self.lock = dist.HashStore(), collections.Counter(), threading.Lock()
+
+            def _n(self, kind: str) -> None:
+                with self.lock:
+                    self.ops[kind] += 1
+
+            def set(self, key, value):
+                self._n("set")
+                return self.inner.set(key, value)
+
+            def get(self, key):
+                self._n("get")
+                return self.inner.get(key)
+
+            def add(self, key, value):
+                self._n("add")
+                return self.inner.add(key, value)
+
+            def compare_set(self, key, expected, desired):
+                self._n("compare_set")
+                return self.inner.compare_set(key, expected, desired)
+
+            def wait(self, keys, timeout=None):
+                self._n("wait")
+                return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+            def check(self, keys):
+                self._n("check")
+                return self.inner.check(keys)
+
+            def delete_key(self, key):
+                self._n("delete_key")
+                return self.inner.delete_key(key)
+
+            def num_keys(self):
+                return self.inner.num_keys()
+
+            def set_timeout(self, timeout):
+                return self.inner.set_timeout(timeout)
+
+        return Counting()
+
+
+def _in_threads(ranks: int, fn) -> None:
+    errors: list = []
+
+    def run(r: int) -> None:
+        try:
+            fn(r)
+        except BaseException as e:  # noqa: BLE001 - re-raised below with the rank
+            errors.append((r, e))
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    if errors or any(t.is_alive() for t in ts):
+        raise RuntimeError(f"store count at {ranks} ranks failed: {errors[:2] or 'a rank hung'}")
+
+
+@contextlib.contextmanager
+def _gloo_lazy(lazy: bool):
+    """TORCH_GLOO_LAZY_INIT as given while groups are created (torch reads it then; shardsafe's launchers set 1)."""
+    old = os.environ.get("TORCH_GLOO_LAZY_INIT")
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1" if lazy else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
+        else:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = old
+
+
+def _count_hierarchy(ranks: int, per_node: int) -> dict[str, Any]:
+    from shardsafe.hierarchy import Hierarchy, Topology
+    store, topo = _CountingStore.make(), Topology.blocks(ranks, per_node)
+    with _gloo_lazy(True):
+        _in_threads(ranks, lambda r: Hierarchy(store, "count", topo, r, 60).min_reduce([r]))
+    members = sum(len(topo.members(r)) for r in topo.leaders if len(topo.members(r)) > 1) \
+        + (topo.nodes if topo.nodes > 1 else 0)
+    pairs = vote_pattern(ranks, per_node, 1)["pairs"]
+    return {"ranks": ranks, "ops": sum(store.ops.values()), "by_op": dict(store.ops), "members": members,
+            "pairs": pairs}
+
+
+def _count_world_group(ranks: int, lazy: bool) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    store = _CountingStore.make()
+
+    def vote(r: int) -> None:
+        pg = dist.ProcessGroupGloo(store, r, ranks, timedelta(seconds=60))
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        pg.allreduce([torch.tensor([r])], opts).wait()
+
+    with _gloo_lazy(lazy):
+        _in_threads(ranks, vote)
+    return {"ranks": ranks, "ops": sum(store.ops.values()), "by_op": dict(store.ops)}
+
+
+def store_costs(sizes: Sequence[int] = (8, 16), per_node: int = 4) -> dict[str, Any]:
+    """Store operations per group member and per connected pair, measured at ``sizes`` ranks in threads; raises
+    when the same coefficients do not explain every size (the model would not hold)."""
+    hier = [_count_hierarchy(n, per_node) for n in sizes]
+    per_member = hier[0]["by_op"].get("set", 0) / hier[0]["members"]
+    per_pair = (hier[0]["ops"] - hier[0]["by_op"].get("set", 0)) / hier[0]["pairs"]
+    for h in hier:
+        if abs(per_member * h["members"] + per_pair * h["pairs"] - h["ops"]) > 0.5:
+            raise AssertionError(f"store ops {h}: not {per_member} per member + {per_pair} per pair")
+    lazy = [_count_world_group(n, True) for n in sizes]
+    mesh = [_count_world_group(n, False) for n in sizes]
+    # A full mesh: every rank reads every member's address, a * N^2 + b * N (solved from the two largest sizes).
+    (n1, o1), (n2, o2) = [(m["ranks"], m["ops"]) for m in mesh[-2:]]
+    a = (o2 / n2 - o1 / n1) / (n2 - n1)
+    return {"per_member": per_member, "per_pair": per_pair, "hierarchy": hier, "world_lazy": lazy,
+            "world_full_mesh": mesh, "world_lazy_per_rank": lazy[-1]["ops"] / sizes[-1],
+            "world_full_mesh_n2": a, "world_full_mesh_n1": o2 / n2 - a * n2}
+
+
+def simulate_sizes(sizes: Sequence[int], per_node: int, restart: Sequence[Sequence] = DEFAULT_RESTART,
+                   store: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per simulated rank count: the commit vote, one restart's collectives on the hierarchy, the old ring's
+    figures, and (with ``store``, :func:`store_costs`) the store operations of one restart's gloo connections."""
+    from shardsafe.hierarchy import Topology, rounds_bound
+    rows = []
+    for n in sizes:
+        topo = Topology.blocks(n, per_node)
+        vote = vote_pattern(n, per_node)
+        steps = []
+        for kind, size, _ in restart:
+            steps.append(gather_pattern(n, per_node, int(size)) if kind == "gather_bytes"
+                         else vote_pattern(n, per_node, int(size)))
+        if n <= GATHER_SIM_MAX:   # the gathers' pattern is the vote's: what lets the larger sizes use it
+            for s in steps:
+                if (s["rounds"], s["messages"], s["pairs"]) != (vote["rounds"], vote["messages"], vote["pairs"]):
+                    raise AssertionError(f"{n} ranks: a gather's pattern {s} differs from the vote's {vote}")
+        # Two hierarchies per start (the restore's and the vote's), each with its own groups: their pairs connect
+        # once each (the vote's at the first commit vote, the restore's during the restart).
+        members = sum(len(topo.members(r)) for r in topo.leaders if len(topo.members(r)) > 1) \
+            + (topo.nodes if topo.nodes > 1 else 0)
+        row = {"ranks": n, "nodes": topo.nodes, "per_node": per_node, "rounds_bound": rounds_bound(topo.nodes),
+               "vote": vote, "ring": ring_model(n),
+               "restart": {"collectives": len(steps), "rounds": sum(s["rounds"] for s in steps),
+                           "messages": sum(s["messages"] for s in steps),
+                           "gathers": sum(1 for k, _, _ in restart if k == "gather_bytes"),
+                           "votes": sum(1 for k, _, _ in restart if k == "min_reduce"),
+                           "bytes_per_rank_received": sum(s.get("bytes_per_rank_received", 0) for s in steps),
+                           "pairs": 2 * vote["pairs"], "max_pairs_per_rank": 2 * vote["max_pairs_per_rank"],
+                           "group_members": 2 * members}}
+        row["within_bound"] = vote["rounds"] <= row["rounds_bound"] and all(
+            s["rounds"] <= row["rounds_bound"] for s in steps)
+        if store is not None:
+            r = row["restart"]
+            r["store_ops"] = store["per_member"] * r["group_members"] + store["per_pair"] * r["pairs"]
+            r["store_ops_per_rank"] = r["store_ops"] / n
+            row["ring"]["store_ops_lazy"] = store["world_lazy_per_rank"] * n
+            row["ring"]["store_ops_full_mesh"] = store["world_full_mesh_n2"] * n * n + store["world_full_mesh_n1"] * n
+        rows.append(row)
+    return {"per_node": per_node, "rows": rows, "restart_sequence": [list(x) for x in restart],
+            "store": store, "gather_sim_max": GATHER_SIM_MAX}
