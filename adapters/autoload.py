@@ -1,8 +1,9 @@
 """Automatic activation: unchanged programs are protected by their configuration alone.
 
 Installed as ``shardsafe-autoload.pth`` in site-packages (setup.py puts it there, for wheels and editable
-installs alike), so every interpreter start imports this module. It imports nothing but ``sys`` and ``os``
-and puts one finder on ``sys.meta_path``; the rest of shardsafe is imported only when the program itself
+installs alike), so every interpreter start imports this module. It imports nothing but ``sys``, ``os`` and
+:mod:`shardsafe.env` (standard library only: where the environment is read) and puts one finder on
+``sys.meta_path``; the rest of shardsafe is imported only when the program itself
 imports a framework the finder knows and then asks for protection:
 
 - ``megatron.training`` (Megatron-LM's loop): with ``--shardsafe`` on the command line, ``pretrain`` and, from
@@ -37,7 +38,9 @@ from __future__ import annotations
 import os
 import sys
 
-ENV_AUTO = "SHARDSAFE_AUTO"
+from shardsafe import env
+
+ENV_AUTO = env.AUTO
 """``0`` (or ``false``/``off``/``no``) turns the automatic activation off."""
 
 _BUSY: set[str] = set()
@@ -47,7 +50,7 @@ would restore a snapshot its training loop then ignores: the deepspeed branch re
 
 
 def disabled() -> bool:
-    return os.environ.get(ENV_AUTO, "").strip().lower() in ("0", "false", "off", "no")
+    return not env.auto_enabled()
 
 
 class _Loader:
@@ -95,23 +98,11 @@ class Finder:
 
 
 def holder_socket(environ=os.environ) -> str:
-    """Where this node's holder of the job named by ``SHARDSAFE_JOB_ID`` listens ("" without a job id), by the rules
-    of shardsafe.holder.paths (``default_holder_dir``, ``private_dir``, ``default_node_name``; a unit test holds
-    the two equal), computed with ``os`` alone so that a program whose job has no holder on this node imports
+    """Where this node's holder of the job named by ``SHARDSAFE_JOB_ID`` listens ("" without a job id): computed
+    by shardsafe.env (standard library only), so that a program whose job has no holder on this node imports
     nothing more of shardsafe. Only whether the path exists is asked here: the early open verifies the directory
     (owner, mode) and the holder's uid before it uses anything."""
-    job = environ.get("SHARDSAFE_JOB_ID", "")
-    if not job:
-        return ""
-    mine = f"shardsafe-{os.getuid()}"
-    if environ.get("SHARDSAFE_HOLDER_DIR"):
-        named = os.path.normpath(environ["SHARDSAFE_HOLDER_DIR"])
-        root = named if os.path.basename(named) == mine else os.path.join(named, mine)
-    else:
-        base = environ.get("XDG_RUNTIME_DIR") or ""
-        root = os.path.join(base if base and os.path.isdir(base) else "/tmp", mine)
-    node = environ.get("SHARDSAFE_NODE") or environ.get("SLURMD_NODENAME") or os.uname().nodename
-    return os.path.join(root, job, f"{node}.sock")
+    return env.holder_socket(environ)
 
 
 def _early_open() -> None:
@@ -141,10 +132,12 @@ def _patch_deepspeed(module) -> None:
         from .ds_config import wants_protection   # stdlib only; imported at the first call, not at startup
         if not wants_protection(args, kwargs):
             return original(*args, **kwargs)
+        from shardsafe.fatal import install_excepthook
+        install_excepthook()   # the errors below end a protected run: the launcher must not restart it
         from shardsafe.holder.early_open import ENV_TRAINER, trainer_process
         if not trainer_process():
             sys.stderr.write(f"shardsafe: deepspeed.initialize in a process the trainer (pid "
-                             f"{os.environ[ENV_TRAINER].split(':')[0]}) started, with its rank's environment: not "
+                             f"{env.get(ENV_TRAINER).split(':')[0]}) started, with its rank's environment: not "
                              "protected here (its snapshots would overwrite the trainer's); only the trainer is.\n")
             return original(*args, **kwargs)
         why = FAILED.get("transformers.trainer")

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from shardsafe.config import ConfigError, ShardsafeConfig
+from shardsafe.fatal import install_excepthook
 from shardsafe.snapshot.state import (RankState, StateAdapter, apply_rng, capture_rng, cast_like_owner,
                                       copy_and_cast)
 
@@ -29,7 +30,7 @@ from .ds_layout import checkpoint_layout, describe, is_pipeline, parallel_layout
 from .ds_prewarm import memo_cpu_info
 from .ds_schedulers import ProgramSchedulers
 
-log = logging.getLogger("shardsafe.deepspeed")
+log = logging.getLogger(__name__)
 
 COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
@@ -314,8 +315,9 @@ class DeepSpeedStateAdapter(StateAdapter):
                 key = f"module/buffer/{name}"
                 if key in tensors:
                     buf.copy_(tensors[key])
-        apply_rng(tensors, meta)
-        rng_trackers.apply(tensors, meta.get("rng_trackers"))
+        if "resharded" not in meta:   # a re-partitioned state carries no RNG: the program's seeding stands
+            apply_rng(tensors, meta)
+            rng_trackers.apply(tensors, meta.get("rng_trackers"))
         if self.adam_powers is not None and meta.get("adam_powers"):
             self.restore_notes["adam_powers_calls"] = self.adam_powers.restore(meta["adam_powers"])
         self.extra.clear()
@@ -331,6 +333,24 @@ class DeepSpeedStateAdapter(StateAdapter):
                 for fp32, lp in zip(o.fp32_partitioned_groups_flat, o.fp16_partitioned_groups_flat):
                     lp.copy_(fp32)
             o.checkpoint_event_epilogue()
+
+    @staticmethod
+    def resharder() -> Any:
+        """DeepSpeed's re-partitioning rules, for shardsafe.snapshot.reshard (adapters/ds_reshard.py)."""
+        from .ds_reshard import DeepSpeedResharder
+        return DeepSpeedResharder()
+
+    def apply_resharded(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """A state re-partitioned to this engine's data-parallel size from snapshots taken at another one
+        (shardsafe.snapshot.reshard): refused unless this engine cuts its ZeRO state exactly where the re-partition
+        put it, then applied as a snapshot is, except the RNG, which stays as the program seeded it (as after
+        DeepSpeed's own universal-checkpoint resume; adapters/ds_reshard.py)."""
+        from .ds_reshard import layout_problems
+        problems = layout_problems(meta, self.checkpoint_layout()) if "resharded" in meta else \
+            ["the state given to apply_resharded was not re-partitioned (no 'resharded' in its meta): use apply"]
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.apply(tensors, meta)
 
 
 _ordinals = itertools.count()
@@ -550,9 +570,12 @@ def protect(ds_initialize: Any, args: tuple, kwargs: dict, *, auto: str = ""):
     """``ds_initialize(*args, **kwargs)`` (DeepSpeed's own), with the engine protected when its config has an
     enabled ``"shardsafe"`` block. ``auto``: set when reached through the automatic activation (the program
     itself calls ``deepspeed.initialize``) to what turns it off; rank 0 says so in one log line."""
-    # validate first: a typo fails fast, before the engine is built
+    # From here on a ConfigError or RestoreError that ends the process leaves a record for the launcher, which then
+    # stops instead of restarting (shardsafe.fatal). Validate first: a typo fails fast, before the engine is built.
+    install_excepthook()
     cfg = config_from_ds(read_config(config_source(args, kwargs)))
     if cfg.enabled:
+        cfg = cfg.resolved()
         # DeepSpeed's CPU op builders (FusedAdam's CPU build, CPUAdam under offload) ask py-cpuinfo twice per op,
         # 1.1 s a call here: a restarted trainer started cold reads this boot's answer instead (ds_prewarm.py)
         memo_cpu_info(cfg.holder_dir)

@@ -12,11 +12,11 @@ it, callers keep the unfused path (copy, then hash the landed segments on the ha
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from pathlib import Path
 from typing import Optional
 
+from shardsafe import env as shardsafe_env
 from shardsafe.errors import BackendUnavailable, KernelError
 
 LIB_NAME = "libshardsafe_cpu.so"
@@ -39,7 +39,7 @@ _lock = threading.Lock()
 
 
 def lib_candidates() -> list[Path]:
-    env = os.environ.get("SHARDSAFE_CPU_LIB")
+    env = shardsafe_env.get(shardsafe_env.CPU_LIB) or None
     return ([Path(env)] if env else []) + [Path(__file__).resolve().parent / LIB_NAME]
 
 

@@ -12,13 +12,13 @@ semantics (``torch.cuda.stream(s)``, events), exactly like a torch op. Nothing s
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from shardsafe import env as shardsafe_env
 from shardsafe.errors import BackendUnavailable, KernelError
 
 from . import reference
@@ -37,7 +37,7 @@ def _unavailable(msg: str) -> Exception:
 
 
 def lib_candidates() -> list[Path]:
-    env = os.environ.get("SHARDSAFE_EC_LIB")
+    env = shardsafe_env.get(shardsafe_env.EC_LIB) or None
     return ([Path(env)] if env else []) + [Path(__file__).resolve().parent / LIB_NAME]
 
 

@@ -24,6 +24,7 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
+from shardsafe import env as shardsafe_env
 from shardsafe.errors import BackendUnavailable, InvalidParameter
 
 from . import reference
@@ -43,7 +44,7 @@ def _candidates() -> Iterator[str]:
     """The libraries to try, in order, each looked up only when the ones before it did not load:
     ``ctypes.util.find_library`` runs ``ldconfig -p`` (and gcc where that finds nothing), 30 ms of every
     trainer's start here when the wheel's copy was there all along."""
-    env = os.environ.get("SHARDSAFE_ISAL_LIB")
+    env = shardsafe_env.get(shardsafe_env.ISAL_LIB) or None
     if env:
         yield env
     # find_spec locates the wheel without importing pyeclib (which would load liberasurecode).

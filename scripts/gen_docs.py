@@ -27,8 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "configuration.md"
 
-# Defaults computed at run time (dataclass default_factory): what they resolve to, in words. A new factory field
-# without an entry here is an error, not a silent gap in the table.
+# Fields whose empty default is filled in from the environment when a job starts (ShardsafeConfig.resolved,
+# shardsafe.env): what they resolve to, in words. A field with a computed default and no entry here is an error,
+# not a silent gap in the table.
 FACTORY_DEFAULTS = {
     "holder_dir": "`$SHARDSAFE_HOLDER_DIR`, else `$XDG_RUNTIME_DIR/shardsafe-UID`, else `/tmp/shardsafe-UID`",
     "node": "`$SHARDSAFE_NODE`, else `$SLURMD_NODENAME`, else the host name",
@@ -85,10 +86,10 @@ def config_table() -> str:
         typ = f.type if isinstance(f.type, str) else f.type.__name__
         if f.name in choices:
             typ = " \\| ".join(json.dumps(c) for c in choices[f.name])
-        if f.default is not dataclasses.MISSING:
-            default = f"`{json.dumps(f.default)}`"
-        elif f.name in FACTORY_DEFAULTS:
+        if f.name in FACTORY_DEFAULTS:
             default = FACTORY_DEFAULTS[f.name]
+        elif f.default is not dataclasses.MISSING:
+            default = f"`{json.dumps(f.default)}`"
         else:
             raise SystemExit(f"gen_docs: ShardsafeConfig.{f.name}'s default is computed: say what it resolves to in "
                              "FACTORY_DEFAULTS (scripts/gen_docs.py)")

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from shardsafe import env
 from shardsafe.cliargs import Parser, positive_seconds, seconds, usage_error, whole
 
 
@@ -19,25 +20,25 @@ UNIX_PATH_MAX = 107
 
 
 def _setup_logging(prefix: str = "") -> None:
-    logging.basicConfig(level=os.environ.get("SHARDSAFE_LOG", "INFO"),
+    logging.basicConfig(level=env.get(env.LOG, default="INFO"),
                         format=f"%(asctime)s shardsafe{prefix} %(levelname)s %(message)s", stream=sys.stderr)
 
 
 def cmd_holder(a: argparse.Namespace) -> int:
     from shardsafe.holder.paths import HolderPaths, HolderSecurityError, open_private
     from shardsafe.holder.server import Holder
-    from shardsafe.config import ShardsafeConfig, default_holder_dir, default_node_name
+    from shardsafe.config import ShardsafeConfig
     # A holder serves one job: its id comes from the command line or the job's environment, never from a
     # digest of this holder's own command line (shardsafe.jobid's last rule, meant for trainers).
-    job_id = a.job_id or os.environ.get("SHARDSAFE_JOB_ID") or os.environ.get("SLURM_JOB_ID") or ""
+    job_id = a.job_id or env.launcher_job_id()
     if not job_id:
         return usage_error("shardsafe holder", "which job? pass --job-id (the trainers' job id; `shardsafe status` "
                                                "lists the jobs with holders) or set SHARDSAFE_JOB_ID")
     from shardsafe.launch.holders import budget_problem
     if budget_problem(a.memory_budget_gb):   # said with the flag's name, and against this node's RAM
         return usage_error("shardsafe holder", budget_problem(a.memory_budget_gb))
-    cfg = ShardsafeConfig(job_id=job_id, node=a.node or default_node_name(),
-                          holder_dir=a.holder_dir or default_holder_dir(), memory_budget_gb=a.memory_budget_gb)
+    cfg = ShardsafeConfig(job_id=job_id, node=a.node or env.node_name(),
+                          holder_dir=a.holder_dir or env.holder_dir(), memory_budget_gb=a.memory_budget_gb)
     paths = HolderPaths(cfg.holder_dir, cfg.job_id, cfg.node)
     if len(os.fsencode(paths.socket)) > UNIX_PATH_MAX:
         return usage_error("shardsafe holder", f"the socket path {paths.socket} is {len(os.fsencode(paths.socket))} "
@@ -81,10 +82,10 @@ def cmd_holder(a: argparse.Namespace) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    from shardsafe.config import ConfigError, default_holder_dir
+    from shardsafe.config import ConfigError
     from shardsafe.holder.paths import HolderSecurityError, private_dir
-    root = private_dir(a.holder_dir or default_holder_dir())
-    job = a.job_id or os.environ.get("SHARDSAFE_JOB_ID") or os.environ.get("SLURM_JOB_ID") or ""
+    root = private_dir(a.holder_dir or env.holder_dir())
+    job = a.job_id or env.launcher_job_id()
     try:
         return _status(a, root, job)
     except (HolderSecurityError, ConfigError) as e:   # not this user's directory or holder (nothing read), a bad name
@@ -175,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a client must say hello, send the rest of a started frame and take its reply within this")
     h.add_argument("--max-clients", type=whole(1, "connections"), default=DEFAULT_MAX_CLIENTS, metavar="N",
                    help="connections served at once; more are answered 'busy' and closed")
-    h.add_argument("--run-dir", default=os.environ.get("SHARDSAFE_RUN_DIR", ""),
+    h.add_argument("--run-dir", default=env.get(env.RUN_DIR),
                    help="append TOR events to RUN_DIR/events.jsonl (default: $SHARDSAFE_RUN_DIR, else none)")
     h.add_argument("--scrub-interval-s", type=seconds, default=300.0, metavar="S",
                    help="re-verify every held version this often (0 = never); bad ones are marked unusable")

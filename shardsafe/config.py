@@ -1,44 +1,34 @@
-"""One config dataclass for shardsafe, built from a DeepSpeed JSON block, Megatron CLI args or env.
+"""One config dataclass for shardsafe, built from a DeepSpeed JSON block or Megatron CLI args.
 
 Every field is checked in ``__post_init__``; an error names the key, what was expected, what came,
-and what to do. Unknown keys are rejected (a typo must not silently disable protection).
+and what to do. Unknown keys are rejected (a typo must not silently disable protection). What a field leaves to
+the environment (the job id, the node, the holder and run directories, the persistent tier) is filled in by
+:meth:`ShardsafeConfig.resolved`, at the edge where a job starts (the runtime, the adapters' entry points):
+constructing a config reads nothing.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from .errors import ConfigError  # noqa: F401 - the family lives in the root module; importable from here as before
-from .holder.paths import default_holder_dir, default_node_name  # noqa: F401 - the config's defaults; importable from here
-from .fatal import install_excepthook
-from .jobid import AmbiguousJobId, derive_job_id
-
-# Every protected trainer imports this module: from here on a ConfigError or RestoreError that ends the
-# process leaves a marker for the launcher, which then stops instead of restarting (shardsafe.fatal).
-install_excepthook()
+from . import env
+from .errors import ConfigError
 
 
-def default_job_id() -> str:
+def default_job_id(environ: Mapping[str, str] | None = None) -> str:
     """The job id when none is configured (rules in shardsafe.jobid and docs/operations.md "Job ids").
 
     Raises:
         ConfigError: nothing identifies the job (no launcher id, no command line); set SHARDSAFE_JOB_ID.
     """
+    from .jobid import AmbiguousJobId, derive_job_id
     try:
-        return derive_job_id()[0]
+        return derive_job_id(environ)[0]
     except AmbiguousJobId as e:
         raise ConfigError(str(e)) from None
-
-
-ENV_HOLDER_BUDGET = "SHARDSAFE_HOLDER_BUDGET_GB"
-ENV_PERSIST_DIR = "SHARDSAFE_PERSIST_DIR"
-ENV_RUN_NAME = "SHARDSAFE_RUN_NAME"
-ENV_EXPORT_DIR = "SHARDSAFE_EXPORT_DIR"
-"""Set by the launchers that start the holders (their --memory-budget-gb): a trainer's config cannot change
-the budget of a holder that already runs, so a different value in the config is an error naming both."""
 
 
 PARITY_TRANSPORTS = ("host", "device")
@@ -57,16 +47,17 @@ class ShardsafeConfig:
     """Snapshot every `interval` optimizer steps (1 = every iteration)."""
     memory_budget_gb: float = 0.0
     """Holder memory budget in GiB for the whole node (0 = half of the node's RAM)."""
-    holder_dir: str = field(default_factory=default_holder_dir)
+    holder_dir: str = ""
     """Directory for the holder's socket, lock and log files. shardsafe keeps them in its own private
     ``shardsafe-<uid>`` inside the directory named here (the default already is that directory), created 0700 and
-    verified; the named directory itself is never changed (docs/operations.md "Security model")."""
+    verified; the named directory itself is never changed (docs/operations.md "Security model"). Empty:
+    SHARDSAFE_HOLDER_DIR, else ``shardsafe-<uid>`` under XDG_RUNTIME_DIR or /tmp."""
     job_id: str = ""
     """Scopes sockets, shared memory and, without a run_name, the persistent directory; two jobs on one node never
     see each other. Empty: derived when protection is enabled (SHARDSAFE_JOB_ID, SLURM_JOB_ID, torchrun's
     --rdzv-id, else a digest of the launch command; docs/operations.md "Job ids")."""
-    node: str = field(default_factory=default_node_name)
-    """Failure-domain name of this process (hostname by default)."""
+    node: str = ""
+    """Failure-domain name of this process. Empty: SHARDSAFE_NODE, else SLURM's node name, else the hostname."""
     start_holder: bool = True
     """Start a detached holder when none is running for this node and job."""
     holder_idle_exit_s: float = 600.0
@@ -179,40 +170,46 @@ class ShardsafeConfig:
         if self.holder_idle_exit_s < 0:
             raise ConfigError(f"shardsafe.holder_idle_exit_s must be >= 0 seconds (0 = the holder never exits on its "
                               f"own); got {self.holder_idle_exit_s}.")
-        if self.enabled and not self.job_id:
-            self.job_id = default_job_id()
-        for key in ("job_id", "node") if self.enabled or self.job_id else ("node",):
+        for key in ("job_id", "node"):
             v = getattr(self, key)
+            if v and (any(c in v for c in "/\0") or len(v) > 64):
+                raise ConfigError(f"shardsafe.{key} must be 1-64 characters without '/'; got {v!r}.")
+        _check_run_name(self.run_name, "shardsafe.run_name")
+
+    def resolved(self, environ: Mapping[str, str] | None = None) -> "ShardsafeConfig":
+        """This config with what it leaves to the environment filled in (shardsafe.env): the holder directory, the
+        node, the run and persistent directories, the run name, the export directory, and, when protection is on,
+        the job id (derived by shardsafe.jobid when none is set). Called where a job starts; idempotent.
+
+        Raises:
+            ConfigError: nothing identifies the job, or the launcher's holder budget differs from the config's.
+        """
+        e = os.environ if environ is None else environ
+        run_name = self.run_name or env.get(env.RUN_NAME, e)
+        if not self.run_name:
+            _check_run_name(run_name, f"{env.RUN_NAME} (the default of shardsafe.run_name)")
+        out = dataclasses.replace(
+            self, holder_dir=self.holder_dir or env.holder_dir(e), node=self.node or env.node_name(e),
+            run_dir=self.run_dir or env.get(env.RUN_DIR, e), persist_dir=self.persist_dir or env.get(env.PERSIST_DIR, e),
+            run_name=run_name, export_dir=self.export_dir or env.get(env.EXPORT_DIR, e))
+        if out.enabled and not out.job_id:
+            out.job_id = default_job_id(e)
+        for key in ("job_id", "node") if out.enabled or out.job_id else ("node",):
+            v = getattr(out, key)
             if not v or any(c in v for c in "/\0") or len(v) > 64:
                 raise ConfigError(f"shardsafe.{key} must be 1-64 characters without '/'; got {v!r}.")
-        if not self.run_dir:
-            self.run_dir = os.environ.get("SHARDSAFE_RUN_DIR", "")
-        if not self.persist_dir:
-            self.persist_dir = os.environ.get(ENV_PERSIST_DIR, "")
-        self._resolve_run_name()
-        if not self.export_dir:
-            self.export_dir = os.environ.get(ENV_EXPORT_DIR, "")
-        if self.enabled:
-            self._check_launcher_budget()
-
-    def _resolve_run_name(self) -> None:
-        where = "shardsafe.run_name"
-        if not self.run_name and os.environ.get(ENV_RUN_NAME):
-            self.run_name, where = os.environ[ENV_RUN_NAME], f"{ENV_RUN_NAME} (the default of shardsafe.run_name)"
-        # a directory name under persist_dir: one path component, never '.' or '..'
-        if self.run_name and (not _RUN_NAME.fullmatch(self.run_name) or self.run_name.strip(".") == ""):
-            raise ConfigError(f"{where} must be 1-64 of the characters A-Z a-z 0-9 . _ - (and not only dots): it names "
-                              f"the run's directory under persist_dir; got {self.run_name!r}. Choose a name such as "
-                              "'gpt-1b-lr3e-4' (the sbatch scripts: SS_RUN_NAME).")
+        if out.enabled:
+            out._check_launcher_budget(env.get(env.HOLDER_BUDGET_GB, e))
+        return out
 
     @property
     def persist_name(self) -> str:
         """The run's directory under persist_dir: run_name, else the job id."""
         return self.run_name or self.job_id
 
-    def _check_launcher_budget(self) -> None:
-        """Under a launcher that started the holders, a budget in the config must be the holders' budget."""
-        launched = os.environ.get(ENV_HOLDER_BUDGET, "")
+    def _check_launcher_budget(self, launched: str) -> None:
+        """Under a launcher that started the holders (SHARDSAFE_HOLDER_BUDGET_GB: ``launched``), a budget in the config
+        must be the holders' budget: a running holder's budget cannot change."""
         if not launched or self.memory_budget_gb == 0:
             return   # no launcher-started holder, or the config leaves the budget to whoever starts it
         try:
@@ -248,6 +245,14 @@ class ShardsafeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _check_run_name(value: str, where: str) -> None:
+    """A run name names a directory under persist_dir: one path component, never '.' or '..'."""
+    if value and (not _RUN_NAME.fullmatch(value) or value.strip(".") == ""):
+        raise ConfigError(f"{where} must be 1-64 of the characters A-Z a-z 0-9 . _ - (and not only dots): it names "
+                          f"the run's directory under persist_dir; got {value!r}. Choose a name such as "
+                          "'gpt-1b-lr3e-4' (the sbatch scripts: SS_RUN_NAME).")
 
 
 _TYPES = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}

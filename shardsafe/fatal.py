@@ -6,8 +6,8 @@ the message in a log. A trainer that dies of one leaves ``RUN_DIR/fatal/rank{R}.
 (JSON: type, message, rank, node, attempt, t); both launchers look for it when an attempt fails, do not
 restart, and print the message (docs/operations.md "Holder lifecycle").
 
-The trainer side is a ``sys.excepthook`` (installed when :mod:`shardsafe.config` is imported, i.e. by
-every protected trainer): it records exactly the errors that *end the process* — a script that catches
+The trainer side is a ``sys.excepthook``, installed where protection starts (the adapters' entry points and the
+runtime; importing shardsafe installs nothing): it records exactly the errors that *end the process* — a script that catches
 a ``RestoreError`` and carries on deliberately is not stopped. Call :func:`record_fatal` yourself where an
 error is handled otherwise (e.g. logged and followed by ``sys.exit``).
 
@@ -20,6 +20,8 @@ import os
 import sys
 import time
 from typing import Any, Optional
+
+from . import env
 
 FATAL_DIR = "fatal"
 
@@ -35,18 +37,17 @@ def is_fatal(exc: BaseException) -> bool:
 
 
 def _attempt() -> int:
-    for var in ("SHARDSAFE_ATTEMPT", "TORCHELASTIC_RESTART_COUNT"):
-        v = os.environ.get(var, "")
-        if v.isdigit():
-            return int(v)
-    return 0
+    try:
+        return env.attempt()
+    except ValueError:   # not a number: the record says attempt 0 rather than fail to be written
+        return 0
 
 
 def record_fatal(exc: BaseException, run_dir: Optional[str] = None, rank: Optional[int] = None) -> Optional[str]:
     """Write the fatal-error marker for ``exc``; returns its path (None without a run directory).
 
     Never raises: it runs while the process is dying of another error."""
-    run_dir = run_dir if run_dir is not None else os.environ.get("SHARDSAFE_RUN_DIR", "")
+    run_dir = run_dir if run_dir is not None else env.get(env.RUN_DIR)
     if not run_dir:
         return None
     try:
@@ -58,7 +59,7 @@ def record_fatal(exc: BaseException, run_dir: Optional[str] = None, rank: Option
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump({"type": type(exc).__name__, "message": str(exc), "rank": rank, "attempt": attempt,
-                       "node": os.environ.get("SHARDSAFE_NODE"), "t": time.time()}, f)
+                       "node": env.get(env.NODE) or None, "t": time.time()}, f)
         os.replace(tmp, path)
         return path
     except Exception:  # noqa: BLE001 - the original error must still be reported

@@ -36,6 +36,7 @@ import signal
 import time
 from dataclasses import dataclass
 
+from . import env
 from .errors import ConfigError
 
 
@@ -102,12 +103,12 @@ def for_attempt(faults: list[Fault], attempt: int, kinds=None) -> list[Fault]:
 
 
 def current_attempt() -> int:
-    return int(os.environ.get("SHARDSAFE_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    return env.attempt()
 
 
 def _record(kind: str, rank: int, step: int) -> None:
     """Leave the true fault time for TOR's detection accounting before dying."""
-    run_dir = os.environ.get("SHARDSAFE_RUN_DIR")
+    run_dir = env.get(env.RUN_DIR)
     if run_dir:
         try:
             from shardsafe.tor.events import EventLog
@@ -121,7 +122,7 @@ class Injector:
     """The faults (if any) this rank's engine ``scope`` ("" the process's first) must suffer in this attempt."""
 
     def __init__(self, rank: int, spec: str | None = None, attempt: int | None = None, *, scope: str = ""):
-        faults = parse(os.environ.get("SHARDSAFE_INJECT", "") if spec is None else spec)
+        faults = parse(env.get(env.INJECT) if spec is None else spec)
         attempt = current_attempt() if attempt is None else attempt
         self.rank = rank
         target = f"{rank}:{scope}" if scope else str(rank)
@@ -149,7 +150,7 @@ class Injector:
             if f.kind is not PHASES.get(name) or not (f.step == version or (f.step == 0 and f.kind in _ANY_VERSION)):
                 continue
             if f.kind is FaultKind.STALL_VOTE:   # slow, not dead: the attempt goes on
-                time.sleep(float(os.environ.get("SHARDSAFE_INJECT_STALL_S", "10")))
+                time.sleep(float(env.get(env.INJECT_STALL_S, default="10")))
                 continue
             _record(str(f), self.rank, version)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -163,7 +164,7 @@ class Injector:
 
 def flush_fault(node: str, spec: str | None = None) -> "Fault | None":
     """The kill-flush fault for this node's holder, if any (attempt-independent: holders outlive attempts)."""
-    faults = parse(os.environ.get("SHARDSAFE_INJECT", "") if spec is None else spec)
+    faults = parse(env.get(env.INJECT) if spec is None else spec)
     return next((f for f in faults if f.kind == FaultKind.KILL_FLUSH and f.target == node), None)
 
 

@@ -58,12 +58,12 @@ import time
 from typing import Mapping, Sequence
 
 from .errors import ConfigError, ShardsafeError
+from . import env as shardsafe_env
 from .holder.paths import HolderPaths, open_private, safe_name
 
 log = logging.getLogger(__name__)
 
-ENV_JOB_ID = "SHARDSAFE_JOB_ID"
-ENV_INSTANCE = "SHARDSAFE_INSTANCE"
+ENV_JOB_ID, ENV_INSTANCE = shardsafe_env.JOB_ID, shardsafe_env.INSTANCE
 """Set by shardsafe's launchers: one value per launcher run, shared by all its trainers and restarts."""
 
 _LAUNCHER_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -206,8 +206,9 @@ def derive_job_id(env: Mapping[str, str] | None = None, argv: Sequence[str] | No
     """
     env = os.environ if env is None else env
     for var in (ENV_JOB_ID, "SLURM_JOB_ID"):
-        if env.get(var):
-            return _sanitize(env[var]), var
+        value = shardsafe_env.get(var, env) if var == ENV_JOB_ID else env.get(var)
+        if value:
+            return _sanitize(value), var
     run_id = env.get("TORCHELASTIC_RUN_ID", "")
     rendezvous, unsure = None, ""
     if run_id:
@@ -263,8 +264,8 @@ def instance_token(env: Mapping[str, str] | None = None) -> str:
     deepspeed launcher, slurmstepd, orted: one per job and node, alive as long as the job); else, for a
     process nobody launched, the process itself. ``pid.starttime``, so a reused pid is another instance."""
     env = os.environ if env is None else env
-    if env.get(ENV_INSTANCE):
-        return _sanitize(env[ENV_INSTANCE])
+    if shardsafe_env.get(ENV_INSTANCE, env):
+        return _sanitize(shardsafe_env.get(ENV_INSTANCE, env))
     pid = os.getppid() if any(env.get(v) for v in _LAUNCHER_VARS) else os.getpid()
     return f"{pid}.{_proc_start(pid)}"
 

@@ -23,11 +23,13 @@ from .collectives import mesh_advice
 from .hierarchy import Hierarchy, Topology
 from .payload import checksum
 from .payload import manifest as mf
-from .config import ENV_HOLDER_BUDGET, ConfigError, ShardsafeConfig
+from . import env
+from .config import ConfigError, ShardsafeConfig
 from .persist import PersistentStore
 from .parity.exchange import ExchangeError, ParityExchange, gather_places, plan_parity
 from .parity.placement import migrate
 from .parity.topology import TopologyError
+from .fatal import install_excepthook
 from .faults import Injector, current_attempt
 from .holder import early_open
 from .holder.client import HolderClient, HolderUnavailable, connect_or_start
@@ -128,6 +130,10 @@ class Runtime(BaseRuntime):
 
     def __init__(self, cfg: ShardsafeConfig, *, rank: int, world_size: int, coords: dict[str, int] | None = None,
                  scope: str = ""):
+        # From here on a ConfigError or RestoreError that ends the process leaves a record for the launcher, which
+        # then stops instead of restarting (shardsafe.fatal); what the config leaves to the environment is filled in.
+        install_excepthook()
+        cfg = cfg.resolved()
         self.cfg, self.rank, self.world_size, self.scope = cfg, rank, world_size, scope
         # The persistent tier keeps each engine's versions in its own directory under the run's (run_name, which
         # outlives the job id across SLURM requeues and resubmissions; else the job id).
@@ -258,7 +264,7 @@ class Runtime(BaseRuntime):
             if self.nodes else self.rank
         start = self.cfg.start_holder and self.rank == first and time.monotonic() >= self._holder_retry_at
         # A launcher that started the holders says their budget; a config without one leaves it to them.
-        budget = self.cfg.memory_budget_gb or float(os.environ.get(ENV_HOLDER_BUDGET) or 0)
+        budget = self.cfg.memory_budget_gb or float(env.get(env.HOLDER_BUDGET_GB) or 0)
         try:
             c = connect_or_start(self.paths, budget_gb=budget, start=start, timeout_s=self.cfg.timeout_s,
                                  idle_exit_s=self.cfg.holder_idle_exit_s, run_dir=self.cfg.run_dir, scope=self.scope)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, MutableMapping, Optional
 
 from shardsafe.config import ConfigError, ShardsafeConfig
 from shardsafe.errors import UsageError
+from shardsafe.fatal import install_excepthook
 from shardsafe.runtime import BaseRuntime, Runtime
 from shardsafe.tor.events import NullEventLog
 
@@ -196,6 +197,7 @@ def protect(model_chunks: Any, optimizer: Any, scheduler: Any, cfg: Any, *,
             layout; before any snapshot or restore.
         shardsafe.snapshot.restore.RestoreError: snapshots exist but none can be restored (the message says what to do).
     """
+    install_excepthook()   # a ConfigError that ends the process leaves a record for the launcher
     conf = _as_config(cfg)
     adapter = MegatronStateAdapter(model_chunks, optimizer, scheduler, get_iteration=get_iteration,
                                    set_iteration=set_iteration, get_counters=get_counters, set_counters=set_counters,
@@ -393,5 +395,6 @@ def _say_state(runtime: BaseRuntime, cfg: ShardsafeConfig) -> None:
     state = runtime.banner()
     if (not dist.is_initialized()) or dist.get_rank() == 0:
         how = runtime.restored.message if runtime.restored is not None else ""
+        cfg = getattr(runtime, "cfg", cfg)   # the runtime's: what the environment filled in (the job id)
         log.warning("shardsafe: Megatron training is %s (in-memory snapshots every %d iteration(s), job %s); "
                     "--shardsafe-enabled off turns protection off. %s", state, cfg.interval, cfg.job_id, how)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from shardsafe.config import ShardsafeConfig
+from shardsafe.fatal import install_excepthook
 from shardsafe.runtime import BaseRuntime
 from shardsafe.snapshot.state import RankState
 
@@ -71,6 +72,7 @@ class _HookState:
     # ---- setup_model_and_optimizer ------------------------------------------------------------------
     def setup(self, orig: Callable[..., Any], a: tuple, kw: dict) -> Any:
         args = self.get_args()
+        install_excepthook()   # a ConfigError that ends the process leaves a record for the launcher
         cfg = config_from_args(args)  # ConfigError here: before the model is built or anything trains
         model, optimizer, scheduler = orig(*a, **kw)
         if not cfg.enabled or optimizer is None:

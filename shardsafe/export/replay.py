@@ -52,21 +52,21 @@ def export_deepspeed_replay(src: str, dst: str, command: list[str], *, holder_di
     every layout DeepSpeed can save is exported as that DeepSpeed version writes it: pipeline stages, tensor
     and expert parallelism, BF16_Optimizer -- what the offline writer (``export_deepspeed``) does not assemble.
     The command must run the job's layout (world size, pipeline stages, mpu)."""
-    from shardsafe.config import ENV_EXPORT_DIR, ENV_PERSIST_DIR, ENV_RUN_NAME
+    from shardsafe import env
     dst = os.path.abspath(dst)
 
     if not command:
         raise ExportError("the export run needs the job's launch command after `--`")
 
     def extra(job: str, persist: str, hdir: str) -> tuple[list[str], dict[str, str]]:
-        env = {ENV_EXPORT_DIR: dst, "SHARDSAFE_JOB_ID": job}
+        variables = {env.EXPORT_DIR: dst, env.JOB_ID: job}
         if persist:
             # the directory is named after the run (run_name, else the job id): with no run name from the
             # environment, the job id names it
-            env.update({ENV_PERSIST_DIR: persist, ENV_RUN_NAME: ""})
+            variables.update({env.PERSIST_DIR: persist, env.RUN_NAME: ""})
         if hdir:
-            env["SHARDSAFE_HOLDER_DIR"] = hdir
-        return [], env
+            variables[env.HOLDER_DIR] = hdir
+        return [], variables
 
     _replay_job(src, command, extra, holder_dir=holder_dir, timeout_s=timeout_s)
     latest = os.path.join(dst, "latest")
@@ -84,7 +84,7 @@ def export_megatron(src: str, dst: str, command: list[str], *, holder_dir: str =
     that Megatron version's ``--save`` writes), then exits before training. Megatron checkpoints hold
     the model's own sharding metadata (``sharded_state_dict`` of the live modules), which only the
     model code can produce; hence the replay instead of an offline writer as for DeepSpeed."""
-    from shardsafe.config import ENV_RUN_NAME
+    from shardsafe import env
     if not command:
         raise ExportError("--format megatron needs the job's launch command after `--` (e.g. `-- torchrun "
                           "--nproc-per-node 8 pretrain_gpt.py ARGS`), with the layout (TP/PP/DP) it was trained at.")
@@ -96,7 +96,7 @@ def export_megatron(src: str, dst: str, command: list[str], *, holder_dir: str =
             flags += ["--shardsafe-persist-dir", persist]
         if hdir:
             flags += ["--shardsafe-holder-dir", hdir]
-        return flags, {ENV_RUN_NAME: ""} if persist else {}   # the job id names the directory (as for DeepSpeed)
+        return flags, {env.RUN_NAME: ""} if persist else {}   # the job id names the directory (as for DeepSpeed)
 
     _replay_job(src, command, extra, holder_dir=holder_dir, timeout_s=timeout_s)
     marker = os.path.join(dst, "latest_checkpointed_iteration.txt")

@@ -41,6 +41,7 @@ import threading
 import time
 from typing import Mapping, MutableMapping, NamedTuple, Optional
 
+from .. import env
 from ..errors import ConfigError
 from .client import HolderClient, OpenedSlot
 from .paths import ForeignHolder, HolderPaths, HolderSecurityError, default_holder_dir, default_node_name
@@ -48,12 +49,12 @@ from .protocol import HolderFailure
 
 log = logging.getLogger(__name__)
 
-ENV_EARLY_OPEN = "SHARDSAFE_EARLY_OPEN"
+ENV_EARLY_OPEN = env.EARLY_OPEN
 """Unset or ``1``: map and verify; ``map``: map only; ``0`` (or ``false``/``off``/``no``): off."""
 CLAIM_WAIT_S = 600.0
 """How long an opened mapping waits for the restore to claim it before it is closed."""
 CONNECT_TIMEOUT_S = 10.0
-ENV_TRAINER = "SHARDSAFE_TRAINER"
+ENV_TRAINER = env.TRAINER
 """``PID:RANK:LOCAL_RANK`` of the trainer process (:func:`trainer_process`); the processes it starts inherit it."""
 _MAP_ONLY = "not verified early (SHARDSAFE_EARLY_OPEN=map)"
 
@@ -221,14 +222,14 @@ def mode(environ: Mapping[str, str] = os.environ) -> str:
 
     Raises:
         ConfigError: another value (said with the ones accepted)."""
-    v = environ.get(ENV_EARLY_OPEN, "").strip().lower()
+    v = env.get(ENV_EARLY_OPEN, environ).strip().lower()
     if v in ("0", "false", "off", "no"):
         return "off"
     if v == "map":
         return "map"
     if v in ("", "1", "true", "on", "yes", "verify"):
         return "verify"
-    raise ConfigError(f"{ENV_EARLY_OPEN}={environ.get(ENV_EARLY_OPEN)!r}: expected 1 (map and verify, the default), "
+    raise ConfigError(f"{ENV_EARLY_OPEN}={env.get(ENV_EARLY_OPEN, environ)!r}: expected 1 (map and verify, the default), "
                      "map (map only; the restore verifies) or 0 (off)")
 
 
@@ -247,7 +248,7 @@ def trainer_process(environ: MutableMapping[str, str] = os.environ) -> bool:
     if not environ.get("RANK"):
         return True
     ranks = f"{environ['RANK']}:{environ.get('LOCAL_RANK', '')}"
-    pid, _, theirs = environ.get(ENV_TRAINER, "").partition(":")
+    pid, _, theirs = env.get(ENV_TRAINER, environ).partition(":")
     if pid and pid != str(os.getpid()) and theirs == ranks:
         return False
     environ[ENV_TRAINER] = f"{os.getpid()}:{ranks}"
@@ -260,7 +261,7 @@ def start(environ: MutableMapping[str, str] = os.environ) -> Optional[EarlyOpen]
     directory that is not private to this user is logged at ERROR and not used (the trainer's claim of its job id
     then fails with the same error)."""
     global _current
-    job, rank = environ.get("SHARDSAFE_JOB_ID", ""), environ.get("RANK", "")
+    job, rank = env.get(env.JOB_ID, environ), environ.get("RANK", "")
     try:
         how = mode(environ)
     except ConfigError as e:

@@ -23,8 +23,9 @@ import socket
 import stat
 import struct
 from dataclasses import dataclass
-from typing import Mapping
 
+
+from .. import env
 from ..errors import ConfigError, ShardsafeError
 
 log = logging.getLogger(__name__)
@@ -46,44 +47,12 @@ class ForeignHolder(HolderSecurityError):
     """The process serving a holder socket runs as another user (SO_PEERCRED)."""
 
 
-def private_name() -> str:
-    """The name of shardsafe's own directory of this user: ``shardsafe-<uid>``."""
-    return f"shardsafe-{os.getuid()}"
-
-
-def private_dir(named: str) -> str:
-    """The directory shardsafe keeps its files in for ``named`` (a default, or the directory the user set):
-    ``named`` itself when it already is shardsafe's own (named ``shardsafe-<uid>``, as the defaults are), else
-    ``named/shardsafe-<uid>``, so that the user's directory is never chmodded. Idempotent."""
-    named = os.path.normpath(named)
-    return named if os.path.basename(named) == private_name() else os.path.join(named, private_name())
-
-
-def default_node_name(environ: Mapping[str, str] = os.environ) -> str:
-    """The failure domain this process lives in (simulated nodes set SHARDSAFE_NODE)."""
-    return environ.get("SHARDSAFE_NODE") or environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
-_xdg_said: set[str] = set()
-
-
-def default_holder_dir(environ: Mapping[str, str] = os.environ) -> str:
-    """Where holders put their sockets when the config does not say: shardsafe's directory in
-    SHARDSAFE_HOLDER_DIR (:func:`private_dir`), else ``shardsafe-<uid>`` under XDG_RUNTIME_DIR or /tmp.
-
-    An XDG_RUNTIME_DIR that does not exist on this node (SLURM hands the submitting host's environment to the
-    compute nodes, where the user has no login session) falls back to /tmp, said once per process."""
-    if environ.get("SHARDSAFE_HOLDER_DIR"):
-        return private_dir(environ["SHARDSAFE_HOLDER_DIR"])
-    base = environ.get("XDG_RUNTIME_DIR") or ""
-    if base and not os.path.isdir(base):
-        if base not in _xdg_said:
-            _xdg_said.add(base)
-            log.warning("XDG_RUNTIME_DIR=%s does not exist on this node%s: holder directory %s instead", base,
-                        " (SLURM passed on the submitting host's environment)" if environ.get("SLURM_JOB_ID") else "",
-                        os.path.join("/tmp", private_name()))
-        base = ""
-    return os.path.join(base or "/tmp", private_name())
+# What the environment names (the default holder directory, the node) is resolved in shardsafe.env; the holder's
+# paths are built from it here.
+default_holder_dir = env.holder_dir
+default_node_name = env.node_name
+private_dir = env.private_dir
+private_name = env.private_name
 
 
 # ---- the checks -------------------------------------------------------------------------------------------

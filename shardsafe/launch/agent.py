@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import env as names
 from ..collectives import lazy_gloo_env
 from ..fatal import describe as describe_fatal, read_fatal
 from .controller import Keys, _store_client, publish
@@ -73,20 +74,20 @@ class AgentOptions:
         return argv + list(self.torchrun_args) + list(script)
 
     def worker_env(self) -> dict[str, str]:
-        env = {"SHARDSAFE_NODE": self.node, "SHARDSAFE_JOB_ID": self.job_id,
+        env = {names.NODE: self.node, names.JOB_ID: self.job_id,
                # Each round's rank-0 *worker* hosts the workers' store: an agent-hosted store would stay
                # cached in the other agents after that agent's node is lost (torch 2.x).
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                # gloo groups connect pairs on first use, not as a full mesh at every restart (collectives.py)
                **lazy_gloo_env(os.environ)}
         if self.run_dir:
-            env["SHARDSAFE_RUN_DIR"] = self.run_dir
+            env[names.RUN_DIR] = self.run_dir
         if self.holder_dir:
-            env["SHARDSAFE_HOLDER_DIR"] = self.holder_dir
+            env[names.HOLDER_DIR] = self.holder_dir
         if self.inject:
-            env["SHARDSAFE_INJECT"] = self.inject
+            env[names.INJECT] = self.inject
         if self.job_start_t is not None:
-            env["SHARDSAFE_JOB_START_T"] = repr(self.job_start_t)
+            env[names.JOB_START_T] = repr(self.job_start_t)
         return env
 
 
@@ -135,7 +136,7 @@ class _AgentHooks:
             attempt = int(st.get(Keys.ROUND_ATTEMPT))
         self.attempt = attempt
         self.worker_group = worker_group
-        os.environ["SHARDSAFE_ATTEMPT"] = str(attempt)   # workers inherit the agent's environment
+        os.environ[names.ATTEMPT] = str(attempt)   # workers inherit the agent's environment
         ranks = [w.global_rank for w in worker_group.workers]
         log.info("[agent %s] attempt %d: group rank %d, ranks %s", self.opts.node, attempt, worker_group.group_rank, ranks)
         self._publish({"type": "start", "attempt": attempt, "group_rank": worker_group.group_rank, "ranks": ranks})

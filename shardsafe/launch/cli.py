@@ -19,12 +19,12 @@ import logging
 import os
 import shlex
 import signal
-import socket
 import sys
 import threading
 import time
 from typing import Any, Callable
 
+from .. import env
 from ..cliargs import Parser, hidden_alias, positive_seconds, seconds, usage_error, whole
 from ..errors import ConfigError
 from .agent import AgentOptions, run_agent
@@ -38,7 +38,7 @@ HOLDER_DIR_DEFAULT = "$SHARDSAFE_HOLDER_DIR, else shardsafe-<uid> under $XDG_RUN
 
 
 def _setup_logging(prefix: str) -> None:
-    logging.basicConfig(level=os.environ.get("SHARDSAFE_LOG", "INFO"),
+    logging.basicConfig(level=env.get(env.LOG, default="INFO"),
                         format=f"%(asctime)s shardsafe[{prefix}] %(levelname)s %(message)s", stream=sys.stderr)
 
 
@@ -133,7 +133,7 @@ def cmd_launch(a: argparse.Namespace) -> int:
 
 def _agent_options(a: argparse.Namespace) -> AgentOptions:
     return AgentOptions(node=a.node, control=a.control, nnodes=a.nnodes, nproc_per_node=a.nproc_per_node,
-                        job_id=a.job_id or os.environ.get("SHARDSAFE_JOB_ID") or os.environ.get("SLURM_JOB_ID") or "",
+                        job_id=a.job_id or env.launcher_job_id(),
                         run_dir=a.run_dir, holder_dir=a.holder_dir, inject=a.inject, max_restarts=a.max_restarts,
                         local_addr=a.local_addr, monitor_interval_s=a.monitor_interval_s,
                         rendezvous_poll_s=a.rendezvous_poll_s, keep_alive_s=a.keep_alive_s,
@@ -143,7 +143,7 @@ def _agent_options(a: argparse.Namespace) -> AgentOptions:
 
 
 def cmd_agent(a: argparse.Namespace) -> int:
-    node = a.node or os.environ.get("SHARDSAFE_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    node = a.node or env.node_name()
     a.node = node
     try:
         shlex.split(a.torchrun_args or "")
@@ -258,7 +258,7 @@ def _add_agent_timing(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rendezvous-poll-s", type=_poll_s, default=-1.0, metavar="S",
                    help="how often a waiting agent re-reads the rendezvous state; torch's own is 1 s, which every "
                         "restart pays (default -1: 1 ms per node of the job, between 10 ms and 1 s)")
-    p.add_argument("--preload", type=preload_arg, default=os.environ.get("SHARDSAFE_PRELOAD", ""),
+    p.add_argument("--preload", type=preload_arg, default=env.get(env.PRELOAD),
                    metavar="PRESET|MODULES",
                    help="a fork server per node imports these once and every worker (every start and restart) is "
                         f"forked from it instead of importing them again: a preset ({', '.join(PRESETS)}) or "
@@ -315,11 +315,11 @@ def register_cli(sub) -> None:
     hidden_alias(g, "--nproc_per_node", g.add_argument(
         "--nproc-per-node", type=whole(1, "processes"), default=1, metavar="N", help="workers on this node"))
     g.add_argument("--job-id", default="", help="names the rendezvous (default: $SHARDSAFE_JOB_ID, else $SLURM_JOB_ID)")
-    g.add_argument("--run-dir", default=os.environ.get("SHARDSAFE_RUN_DIR", ""),
+    g.add_argument("--run-dir", default=env.get(env.RUN_DIR),
                    help="the job's run directory (default: $SHARDSAFE_RUN_DIR)")
-    g.add_argument("--holder-dir", default=os.environ.get("SHARDSAFE_HOLDER_DIR", ""),
+    g.add_argument("--holder-dir", default=env.get(env.HOLDER_DIR),
                    help=f"where the holders' sockets live (default: {HOLDER_DIR_DEFAULT})")
-    g.add_argument("--inject", type=fault_spec_arg, default=os.environ.get("SHARDSAFE_INJECT", ""), metavar="FAULTS",
+    g.add_argument("--inject", type=fault_spec_arg, default=env.get(env.INJECT), metavar="FAULTS",
                    help="faults for the workers (default: $SHARDSAFE_INJECT, else none)")
     g.add_argument("--max-restarts", type=whole(0), default=3, metavar="N", help="torchrun --max-restarts")
     g.add_argument("--local-addr", default="",
@@ -347,7 +347,7 @@ def register_cli(sub) -> None:
                    help="where the store listens: the agents' --control and rendezvous endpoint")
     s.add_argument("--world-size", required=True, type=whole(1, "ranks"), metavar="N",
                    help="ranks of a complete attempt")
-    s.add_argument("--job-id", default=os.environ.get("SHARDSAFE_JOB_ID") or os.environ.get("SLURM_JOB_ID", ""),
+    s.add_argument("--job-id", default=env.launcher_job_id(),
                    help="the job id in the events (default: $SHARDSAFE_JOB_ID, else $SLURM_JOB_ID)")
     _add_restarts_and_timing(s, grace_s=3.0)
     s.add_argument("--job-start-t", type=float, default=None, metavar="UNIX_TIME",

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, MutableMapping
 
+from .. import env as shardsafe_env
 from ..errors import ShardsafeError
 
 DEFAULT_PORT = 29500
@@ -163,7 +164,7 @@ def from_torchrun(env: Mapping[str, str]) -> DistEnv | None:
     lws = int(env.get("LOCAL_WORLD_SIZE", 0) or 0) or 1
     if not 0 <= rank < world:
         raise DiscoveryError(f"RANK={rank} is outside WORLD_SIZE={world}")
-    node = env.get("SHARDSAFE_NODE") or env.get("SLURMD_NODENAME") or socket.gethostname()
+    node = shardsafe_env.node_name(env)
     return DistEnv(rank, world, local, lws, node, env.get("MASTER_ADDR", "127.0.0.1"),
                    int(env.get("MASTER_PORT", DEFAULT_PORT)), "torchrun")
 
@@ -179,7 +180,7 @@ def from_slurm(env: Mapping[str, str], *, node_addr: Callable[[str], str] = slur
     node_id = int(env.get("SLURM_NODEID", 0) or 0)
     counts = _slurm_tasks_per_node(per_node) if per_node else []
     lws = counts[node_id] if node_id < len(counts) else (int(env.get("SLURM_NTASKS_PER_NODE", 0) or 0) or 1)
-    node = env.get("SHARDSAFE_NODE") or env.get("SLURMD_NODENAME") or socket.gethostname()
+    node = shardsafe_env.node_name(env)
     if env.get("MASTER_ADDR"):
         addr = env["MASTER_ADDR"]
     else:
@@ -209,7 +210,7 @@ def from_mpi(env: Mapping[str, str], *, comm=None) -> DistEnv | None:
     else:
         shared, processor = None, socket.gethostname()
     rank, world = comm.Get_rank(), comm.Get_size()
-    host = env.get("SHARDSAFE_NODE") or env.get("SLURMD_NODENAME") or processor
+    host = shardsafe_env.get(shardsafe_env.NODE, env) or env.get("SLURMD_NODENAME") or processor
     local = next((int(env[v]) for v in _MPI_LOCAL_VARS if env.get(v, "").isdigit()), None)
     lws = next((int(env[v]) for v in _MPI_LOCAL_SIZE_VARS if env.get(v, "").isdigit()), None)
     if local is None or lws is None:
@@ -246,7 +247,7 @@ def discover(env: MutableMapping[str, str] | None = None, *, set_env: bool = Tru
     found = (from_torchrun(env) or from_slurm(env, node_addr=node_addr)
              or (from_mpi(env, comm=comm) if comm is not None or _mpi_in_env(env) else None))
     if found is None:
-        node = env.get("SHARDSAFE_NODE") or env.get("SLURMD_NODENAME") or socket.gethostname()
+        node = shardsafe_env.node_name(env)
         found = DistEnv(0, 1, 0, 1, node, env.get("MASTER_ADDR", "127.0.0.1"),
                         int(env.get("MASTER_PORT", 0) or 0) or _free_port(), "single")
     if set_env:
@@ -255,7 +256,7 @@ def discover(env: MutableMapping[str, str] | None = None, *, set_env: bool = Tru
                 env.setdefault(k, v)   # an explicit master wins
             else:
                 env[k] = v
-        env.setdefault("SHARDSAFE_NODE", found.node)
+        env.setdefault(shardsafe_env.NODE, found.node)
     return found
 
 

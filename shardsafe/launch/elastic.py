@@ -34,6 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import env as names
 from ..fatal import describe as describe_fatal, read_fatal
 from .controller import Controller
 from .errors import LaunchError
@@ -110,8 +111,7 @@ class ElasticConfig:
         if not self.job_id:
             self.job_id = f"launch-{uuid.uuid4().hex[:8]}"
         if not self.holder_dir:
-            from ..config import default_holder_dir
-            self.holder_dir = default_holder_dir()
+            self.holder_dir = names.holder_dir()
 
 
 @dataclass
@@ -225,10 +225,10 @@ class ElasticLauncher:
             cmd += ["--local-addr", self.node_addr(node)]
         from .holders import holder_budget_env
         env = {**os.environ, **c.env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "SHARDSAFE_INSTANCE": self.instance,
+               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), names.INSTANCE: self.instance,
                **(holder_budget_env(c.memory_budget_gb) if c.start_holders else {})}
-        env.pop("SHARDSAFE_ATTEMPT", None)   # the agent numbers attempts
-        env.pop("SHARDSAFE_TRAINER", None)   # its workers are trainers, not processes of one (early_open.ENV_TRAINER)
+        env.pop(names.ATTEMPT, None)   # the agent numbers attempts
+        env.pop(names.TRAINER, None)   # its workers are trainers, not processes of one (early_open.trainer_process)
         logf = open(os.path.join(c.run_dir, LOG_DIR, f"agent_{node}.log"), "ab")
         self.agents[node] = subprocess.Popen(cmd + ["--", *self._script], stdin=subprocess.DEVNULL, stdout=logf,
                                              stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 
+from .. import env as names
 from ..holder.paths import HolderPaths
 
 
@@ -75,14 +76,14 @@ def kill_serving_holder(paths: HolderPaths) -> None:
 def holder_budget_env(budget_gb: float) -> dict[str, str]:
     """Tells trainers the budget their launcher started the holders with (shardsafe.config checks a
     memory_budget_gb in the job's config against it)."""
-    return {"SHARDSAFE_HOLDER_BUDGET_GB": repr(float(budget_gb))}
+    return {names.HOLDER_BUDGET_GB: repr(float(budget_gb))}
 
 
 def holder_env(inject: str) -> dict[str, str]:
     """A launcher-started holder's environment: the launcher's, plus the fault spec (kill-flush is done by
     the holder itself)."""
     env = dict(os.environ)
-    env.pop("SHARDSAFE_INJECT", None)
+    env.pop(names.INJECT, None)
     if inject:
-        env["SHARDSAFE_INJECT"] = inject
+        env[names.INJECT] = inject
     return env

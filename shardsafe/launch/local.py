@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import env as names
 from ..collectives import lazy_gloo_env
 from ..errors import ConfigError
 from ..fatal import describe as describe_fatal, read_fatal
@@ -33,7 +34,6 @@ from ..faults import FaultKind, for_attempt, parse
 from .errors import LaunchError
 from .holders import budget_problem, holder_budget_env, holder_env, holder_failure, holder_running, kill_serving_holder
 from .prewarm import ForkServer, PrewarmError
-from .presets import PRELOAD_DEEPSPEED, PRELOAD_MEGATRON  # noqa: F401 - importable from here as before
 from .signals import SignalStop
 
 log = logging.getLogger(__name__)
@@ -83,8 +83,7 @@ class LaunchConfig:
         if problem:
             raise ConfigError(problem.replace("--memory-budget-gb", "LaunchConfig.memory_budget_gb"))
         if not self.holder_dir:
-            from ..config import default_holder_dir
-            self.holder_dir = default_holder_dir()
+            self.holder_dir = names.holder_dir()
 
     def node_name(self, i: int) -> str:
         return f"node{i}"
@@ -198,10 +197,10 @@ class LocalLauncher:
                    "LOCAL_WORLD_SIZE": str(c.nproc_per_node), "GROUP_RANK": str(node_idx),
                    "GROUP_WORLD_SIZE": str(c.nodes),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "SHARDSAFE_NODE": c.node_name(node_idx), "SHARDSAFE_JOB_ID": c.job_id,
-                   "SHARDSAFE_HOLDER_DIR": c.holder_dir, "SHARDSAFE_RUN_DIR": c.run_dir,
-                   "SHARDSAFE_ATTEMPT": str(attempt), "SHARDSAFE_INJECT": c.inject,
-                   "SHARDSAFE_JOB_START_T": repr(self.t_start), "SHARDSAFE_INSTANCE": self.instance,
+                   names.NODE: c.node_name(node_idx), names.JOB_ID: c.job_id,
+                   names.HOLDER_DIR: c.holder_dir, names.RUN_DIR: c.run_dir,
+                   names.ATTEMPT: str(attempt), names.INJECT: c.inject,
+                   names.JOB_START_T: repr(self.t_start), names.INSTANCE: self.instance,
                    **(holder_budget_env(c.memory_budget_gb) if c.start_holders else {})}
             log_path = os.path.join(c.run_dir, f"trainer_rank{rank}.log")
             with open(log_path, "ab") as out:

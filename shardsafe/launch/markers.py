@@ -13,6 +13,7 @@ import os
 import time
 from typing import Any, Optional
 
+from .. import env
 from ..errors import ConfigError
 
 CONTROL_DIR = "control"     # RUN_DIR/control: notifications from scripts to the controller
@@ -32,13 +33,13 @@ def mark_rank_done(run_dir: str | None = None, rank: int | None = None, **info: 
     """Write ``RUN_DIR/markers/rank{R}.done`` (JSON: rank, node, attempt, t). Call it as the very last
     thing a rank does after finishing: a launcher must not take the exit status of ``srun`` as proof
     that every rank finished (a rank on a crashed node may never report one). No-op without a run dir."""
-    run_dir = run_dir if run_dir is not None else os.environ.get("SHARDSAFE_RUN_DIR", "")
+    run_dir = run_dir if run_dir is not None else env.get(env.RUN_DIR)
     if not run_dir:
         return None
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     path = os.path.join(run_dir, MARKER_DIR, f"rank{rank}.done")
-    _atomic_write(path, {"rank": rank, "node": os.environ.get("SHARDSAFE_NODE"),
-                         "attempt": os.environ.get("SHARDSAFE_ATTEMPT"), "t": time.time(), **info})
+    _atomic_write(path, {"rank": rank, "node": env.get(env.NODE) or None,
+                         "attempt": env.get(env.ATTEMPT) or None, "t": time.time(), **info})
     return path
 
 

@@ -42,6 +42,7 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 import xxhash
 
+from .. import env as shardsafe_env
 from ..errors import BackendUnavailable, KernelError
 from ..kernels import copy_hash as _fused
 
@@ -94,7 +95,7 @@ def _bind_lib(path: str, label: str) -> Xxh3Lib:
 def _candidates() -> list[tuple[str, str]]:
     """(path, label) of the libraries to try, best first."""
     out = []
-    env = os.environ.get("SHARDSAFE_XXH3_LIB", "").strip()
+    env = shardsafe_env.get(shardsafe_env.XXH3_LIB).strip()
     if env.lower() != "none":
         path = env or ctypes.util.find_library("xxhash") or "libxxhash.so.0"
         out.append((path, f"libxxhash ({path})"))

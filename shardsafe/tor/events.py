@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ._checks import _is_num
+from .. import env
 from .errors import TorError
 
 # Under "shardsafe.tor", which operators filter on (the package's other modules log there too).
@@ -38,9 +39,7 @@ SOURCES = ("launcher", "trainer", "holder", "bench")
 TIERS = ("memory", "parity", "persistent")
 
 # Environment the launcher exports to its children; EventLog and RunningTor fill unset fields from it.
-ENV_ATTEMPT = "SHARDSAFE_ATTEMPT"
-ENV_NODE = "SHARDSAFE_NODE"
-ENV_JOB_START = "SHARDSAFE_JOB_START_T"
+ENV_ATTEMPT, ENV_NODE, ENV_JOB_START = env.ATTEMPT, env.NODE, env.JOB_START_T
 
 # kind -> (usual source, fields the accounting reads). The format is specified in docs/tor.md.
 EVENT_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -78,7 +77,7 @@ _RESERVED = ("t", "kind", "source")
 
 def _env_int(*names: str) -> int | None:
     for name in names:
-        v = os.environ.get(name, "").strip()
+        v = (env.get(name) if name in env.NAMES else os.environ.get(name, "")).strip()
         if v.lstrip("-").isdigit():
             return int(v)
     return None
@@ -143,7 +142,7 @@ class EventLog:
         self.path = self.run_dir / EVENTS_FILE
         self.source = source
         self.rank = rank if rank is not None else (_env_int("RANK") if source == "trainer" else None)
-        self.node = node if node is not None else (os.environ.get(ENV_NODE) or None)
+        self.node = node if node is not None else (env.get(ENV_NODE) or None)
         self.attempt = attempt if attempt is not None else _env_int(ENV_ATTEMPT, "TORCHELASTIC_RESTART_COUNT")
         self._fd: int | None = None
         self._lock = threading.Lock()

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Callable
 
 from ._checks import _is_num, _pos
 from .events import ENV_JOB_START, EventLog, _int_field
+from .. import env as shardsafe_env
 from .errors import TorError
 
 __all__ = ["RunningTor"]
@@ -67,9 +67,9 @@ class RunningTor:
         _pos("ideal_iteration_s", ideal_iteration_s)
         self.log, self.every, self.ideal, self.clock = log, every, ideal_iteration_s, clock
         if job_start_t is None:
-            env = os.environ.get(ENV_JOB_START, "")
+            start = shardsafe_env.get(ENV_JOB_START)
             try:
-                job_start_t = float(env) if env else None
+                job_start_t = float(start) if start else None
             except ValueError:
                 job_start_t = None
         if job_start_t is None or first_iteration is None:

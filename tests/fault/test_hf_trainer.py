@@ -158,7 +158,8 @@ def test_without_the_block_the_trainer_imports_nothing_of_shardsafe_beyond_the_h
         with open(os.path.join(str(hf_reference), f"modules_rank{r}.json")) as f:
             # the activation and, from deepspeed.initialize on, its reader of the config (stdlib only)
             assert json.load(f) == ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload",
-                                    "shardsafe.adapters.ds_config"]
+                                    "shardsafe.adapters.ds_config", "shardsafe.env",
+                                    "shardsafe.errors"]
     assert "protected" not in trainer_logs(str(hf_reference))
 
 

@@ -68,5 +68,6 @@ def test_without_the_block_lightning_imports_nothing_of_shardsafe_beyond_the_hoo
     for r in range(2):
         with open(os.path.join(str(lt_reference), f"modules_rank{r}.json")) as f:
             assert json.load(f) == ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload",
-                                    "shardsafe.adapters.ds_config"]
+                                    "shardsafe.adapters.ds_config", "shardsafe.env",
+                                    "shardsafe.errors"]
     assert "protected" not in trainer_logs(str(lt_reference))

@@ -276,7 +276,7 @@ def test_megatron_lm_unmodified_entry_protected_by_its_flags_alone(tmp_path, meg
     # cold: what a plain start of this program imports (a fork server's child has the server's modules)
     ref = megatron_reference("megatron_lm_plain_entry", [*lm_args(), "--plain-entry"], script=MEGATRON_LM,
                              env=lm_env(), cold=True)
-    hook_only = ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload"]
+    hook_only = ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload", "shardsafe.env", "shardsafe.errors"]
     for r in range(4):
         with open(os.path.join(str(ref), f"modules_rank{r}.json")) as f:
             assert json.load(f) == hook_only

@@ -28,7 +28,8 @@ BASE = os.path.join(ROOT, "configs", "deepspeed", "plain_zero2_bf16.json")
 STEPS = 10
 # The hook: the activation (imported at interpreter start) and, once the program calls deepspeed.initialize, the
 # reader that looks for the block in its config (adapters/ds_config.py, standard library only).
-HOOK_ONLY = ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload", "shardsafe.adapters.ds_config"]
+HOOK_ONLY = ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload", "shardsafe.adapters.ds_config",
+             "shardsafe.env", "shardsafe.errors"]
 
 
 def config(path, *, block=True, **shardsafe):

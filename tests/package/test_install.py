@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PLAIN = ROOT / "examples" / "ds_plain_gpt.py"
 BASE = ROOT / "configs" / "deepspeed" / "plain_zero2_bf16.json"
 STEPS = 10
-HOOK_ONLY = ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload", "shardsafe.adapters.ds_config"]
+HOOK_ONLY = ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload", "shardsafe.adapters.ds_config",
+             "shardsafe.env", "shardsafe.errors"]
 
 
 def _run(cmd, *, timeout=600, **kw) -> subprocess.CompletedProcess:
@@ -212,7 +213,8 @@ def test_installing_with_extras_keeps_the_venvs_torch_and_installs_the_hook(fres
              "sorted(m for m in sys.modules if m.startswith('shardsafe'))]))")
     where, version, mods = json.loads(_ok(_run([v.python, "-c", probe], cwd=cwd, env=v.env()), "probe").stdout)
     assert where.startswith(purelib) and version == __version__
-    assert mods == ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload"], mods   # the hook, nothing more
+    assert mods == ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload", "shardsafe.env",
+                    "shardsafe.errors"], mods   # the hook, nothing more
     out = _ok(_run([v.bin / "shardsafe", "--version"], cwd=cwd, env=v.env()), "shardsafe --version").stdout
     assert out.strip() == f"shardsafe {__version__}"
 

@@ -33,7 +33,8 @@ def test_a_new_interpreter_imports_only_the_hook_and_none_with_the_switch_off():
     probe = ("import sys, json; print(json.dumps([sorted(m for m in sys.modules if m.startswith('shardsafe')), "
              "[type(f).__name__ for f in sys.meta_path]]))")
     mods, finders = json.loads(_py(probe).stdout)
-    assert mods == ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload"] and "Finder" in finders
+    assert mods == ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload", "shardsafe.env",
+                    "shardsafe.errors"] and "Finder" in finders
     for off in ("0", "false", "off", "no", " OFF "):
         mods, finders = json.loads(_py(probe, SHARDSAFE_AUTO=off).stdout)
         assert mods == [] and "Finder" not in finders, off

@@ -97,27 +97,27 @@ def test_plain_torchrun_jobs_get_ids_unique_per_job_and_stable_across_resubmissi
     for k, v in base.items():
         clean_env.setenv(k, v)
     clean_env.setattr(sys, "argv", a)
-    first = ShardsafeConfig().job_id
-    assert first == ShardsafeConfig().job_id == jobid.command_digest(a, os.getcwd(), base)
+    first = ShardsafeConfig().resolved().job_id
+    assert first == ShardsafeConfig().resolved().job_id == jobid.command_digest(a, os.getcwd(), base)
     clean_env.setenv("MASTER_PORT", "29501")
-    assert ShardsafeConfig().job_id != first
+    assert ShardsafeConfig().resolved().job_id != first
     clean_env.setenv("MASTER_PORT", "29500")
     clean_env.setattr(sys, "argv", a[:-1] + ["2"])
-    assert ShardsafeConfig().job_id != first
+    assert ShardsafeConfig().resolved().job_id != first
     clean_env.setattr(sys, "argv", a)
     assert jobid.derive_job_id(None, a, "/elsewhere")[0] != first
-    assert ShardsafeConfig().job_id == first
+    assert ShardsafeConfig().resolved().job_id == first
 
 
 def test_no_launcher_id_and_no_command_line_is_refused(clean_env):
     clean_env.setenv("TORCHELASTIC_RUN_ID", "none")
     clean_env.setattr(sys, "argv", ["-c"])
     with pytest.raises(ConfigError) as e:
-        ShardsafeConfig()
+        ShardsafeConfig().resolved()
     for w in ("SHARDSAFE_JOB_ID", "--rdzv-id", "shardsafe.job_id", "Refusing"):
         assert w in str(e.value), str(e.value)
-    assert ShardsafeConfig(job_id="explicit").job_id == "explicit"
-    assert ShardsafeConfig(enabled=False).job_id == ""   # protection off: nothing to identify, nothing raised
+    assert ShardsafeConfig(job_id="explicit").resolved().job_id == "explicit"
+    assert ShardsafeConfig(enabled=False).resolved().job_id == ""   # protection off: nothing to identify, nothing raised
 
 
 _CLAIMER = textwrap.dedent("""
@@ -173,21 +173,22 @@ def test_config_budget_that_differs_from_the_launchers_holders_is_an_error_namin
     in the DeepSpeed config was silently ignored."""
     clean_env.setenv("SHARDSAFE_HOLDER_BUDGET_GB", "0.5")
     with pytest.raises(ConfigError) as e:
-        config_from_ds({"shardsafe": {"memory_budget_gb": 2, "job_id": "j"}})
+        config_from_ds({"shardsafe": {"memory_budget_gb": 2, "job_id": "j"}}).resolved()
     for w in ("memory_budget_gb is 2 GiB", "--memory-budget-gb 0.5", "pass --memory-budget-gb 2"):
         assert w in str(e.value), str(e.value)
-    assert config_from_ds({"shardsafe": {"memory_budget_gb": 0.5, "job_id": "j"}}).memory_budget_gb == 0.5
-    assert config_from_ds({"shardsafe": {"job_id": "j"}}).memory_budget_gb == 0       # the launcher's holders decide
+    assert config_from_ds({"shardsafe": {"memory_budget_gb": 0.5, "job_id": "j"}}).resolved().memory_budget_gb == 0.5
+    assert config_from_ds({"shardsafe": {"job_id": "j"}}).resolved().memory_budget_gb == 0       # the launcher's holders decide
     clean_env.setenv("SHARDSAFE_HOLDER_BUDGET_GB", "0.0")
     with pytest.raises(ConfigError, match="half of the node's RAM"):
-        config_from_ds({"shardsafe": {"memory_budget_gb": 1, "job_id": "j"}})
+        config_from_ds({"shardsafe": {"memory_budget_gb": 1, "job_id": "j"}}).resolved()
 
 
 # ---- fatal errors recorded for the launcher (shardsafe.fatal) -----------------------------------------------
 
 _DIES = textwrap.dedent("""
     import sys
-    import shardsafe.config   # what every protected trainer imports (installs the hook)
+    from shardsafe.fatal import install_excepthook
+    install_excepthook()   # what every protected trainer's entry point does first (the adapters' protect, the runtime)
     from shardsafe.config import ShardsafeConfig
     if sys.argv[1] == "config":
         ShardsafeConfig(interval=0, job_id="j")

@@ -129,12 +129,12 @@ def run_env(monkeypatch):
 
 
 def test_run_name_keys_the_persistent_tier_and_defaults_to_the_job_id(run_env):
-    assert ShardsafeConfig(job_id="4711.0").persist_name == "4711.0"
+    assert ShardsafeConfig(job_id="4711.0").resolved().persist_name == "4711.0"
     run_env.setenv("SHARDSAFE_RUN_NAME", "gpt-1b")
-    assert ShardsafeConfig(job_id="4711.1").persist_name == "gpt-1b"      # the sbatch scripts' SS_RUN_NAME
-    assert ShardsafeConfig(job_id="4712.0", run_name="mine").persist_name == "mine"   # the config wins
+    assert ShardsafeConfig(job_id="4711.1").resolved().persist_name == "gpt-1b"      # the sbatch scripts' SS_RUN_NAME
+    assert ShardsafeConfig(job_id="4712.0", run_name="mine").resolved().persist_name == "mine"   # the config wins
     run_env.setenv("SHARDSAFE_RUN_NAME", "")
-    assert ShardsafeConfig(job_id="4711.0").persist_name == "4711.0"
+    assert ShardsafeConfig(job_id="4711.0").resolved().persist_name == "4711.0"
 
 
 @pytest.mark.parametrize("bad", ["a/b", "..", ".", "x" * 65, "a b", "../up"])
@@ -143,7 +143,7 @@ def test_a_run_name_that_is_no_single_directory_name_is_refused(run_env, bad):
         ShardsafeConfig(job_id="j", run_name=bad)
     run_env.setenv("SHARDSAFE_RUN_NAME", bad)
     with pytest.raises(ConfigError, match="SHARDSAFE_RUN_NAME .*must be 1-64"):
-        ShardsafeConfig(job_id="j")
+        ShardsafeConfig(job_id="j").resolved()
 
 
 def sbatch_run_name(**env):

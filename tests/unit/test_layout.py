@@ -77,19 +77,19 @@ def test_the_import_graph_has_no_cycle_also_counting_imports_inside_functions():
 
 
 # Who may not import whom: each floor lists what lies above it. Entry points (cli, demo, export's command,
-# elastic's re-export, runcheck) and adapters sit on top; the accounting beside everything, read through
+# runcheck) and adapters sit on top; the accounting beside everything, read through
 # tor.events only.
-_ABOVE_CORE = ("shardsafe.adapters", "shardsafe.cli", "shardsafe.demo", "shardsafe.export", "shardsafe.elastic",
-               "shardsafe.runcheck")
+_ABOVE_CORE = ("shardsafe.adapters", "shardsafe.cli", "shardsafe.demo", "shardsafe.export", "shardsafe.runcheck")
 RULES = {
-    "shardsafe.kernels": ("*", ("shardsafe.errors", "shardsafe.kernels")),   # only these
+    "shardsafe.env": ("*", ("shardsafe.errors",)),   # where the environment is read: the bottom, under everything (the hook imports it)
+    "shardsafe.kernels": ("*", ("shardsafe.errors", "shardsafe.kernels", "shardsafe.env")),   # only these
     "shardsafe.errors": ("*", ()),
     "shardsafe.collectives": ("*", ()),
     "shardsafe.cliargs": ("*", ()),   # the launch commands parse with it before importing anything else
-    "shardsafe.payload": ("*", ("shardsafe.errors", "shardsafe.payload", "shardsafe.kernels")),
-    "shardsafe.faults": ("*", ("shardsafe.errors", "shardsafe.tor.events")),
+    "shardsafe.payload": ("*", ("shardsafe.errors", "shardsafe.payload", "shardsafe.kernels", "shardsafe.env")),
+    "shardsafe.faults": ("*", ("shardsafe.errors", "shardsafe.tor.events", "shardsafe.env")),
     "shardsafe.holder": ("*", ("shardsafe.errors", "shardsafe.holder", "shardsafe.payload", "shardsafe.persist",
-                               "shardsafe.faults", "shardsafe.tor.events")),
+                               "shardsafe.faults", "shardsafe.tor.events", "shardsafe.env")),
     "shardsafe.parity": ("not", ("shardsafe.snapshot", "shardsafe.runtime", "shardsafe.launch", "shardsafe.tor",
                                  *_ABOVE_CORE)),
     "shardsafe.snapshot": ("not", ("shardsafe.parity", "shardsafe.runtime", "shardsafe.launch", "shardsafe.tor",
@@ -127,7 +127,7 @@ def test_no_upward_import(floor):
     "shardsafe.adapters.megatron:MegatronStateAdapter", "shardsafe.adapters.megatron:BaseRuntime",
     "shardsafe.parity:get_codec", "shardsafe.parity:InsufficientFragments",
     "shardsafe.export:apply_client_state", "shardsafe.export:ExportError", "shardsafe.export:open_source",
-    "shardsafe.elastic:ElasticLauncher", "shardsafe.tor:compute_tor", "shardsafe.tor:EventLog",
+    "shardsafe.launch:ElasticLauncher", "shardsafe.tor:compute_tor", "shardsafe.tor:EventLog",
 ])
 def test_public_import_paths_keep_working(path):
     mod, name = path.split(":")

@@ -310,7 +310,7 @@ def test_the_holder_answers_no_client_of_another_user(tmp_path):
 # ---- 6. XDG_RUNTIME_DIR of the submitting host -------------------------------------------------------------------
 
 def test_an_xdg_runtime_dir_missing_on_the_node_falls_back_to_tmp_said_once(tmp_path, caplog, monkeypatch):
-    from shardsafe.holder import paths as hp
+    from shardsafe import env as hp
     monkeypatch.setattr(hp, "_xdg_said", set())
     env = {"XDG_RUNTIME_DIR": str(tmp_path / "run-user-1000"), "SLURM_JOB_ID": "4711"}
     with caplog.at_level(logging.INFO, logger="shardsafe.holder"):
