@@ -127,7 +127,7 @@ def test_no_upward_import(floor):
     "shardsafe.adapters.megatron:MegatronStateAdapter", "shardsafe.adapters.megatron:BaseRuntime",
     "shardsafe.parity:get_codec", "shardsafe.parity:InsufficientFragments",
     "shardsafe.export:apply_client_state", "shardsafe.export:ExportError", "shardsafe.export:open_source",
-    "shardsafe.launch:ElasticLauncher", "shardsafe.tor:compute_tor", "shardsafe.tor:EventLog",
+    "shardsafe.launch.elastic:ElasticLauncher", "shardsafe.tor:compute_tor", "shardsafe.tor:EventLog",
 ])
 def test_public_import_paths_keep_working(path):
     mod, name = path.split(":")
