@@ -210,7 +210,7 @@ def _patch_megatron_training(module) -> None:
         @functools.wraps(parse)
         def parse_and_validate_args(*args, extra_args_provider=None, **kwargs):
             if megatron_wanted():
-                from shardsafe.adapters.megatron_args import compose_extra_args_provider
+                from shardsafe.adapters.megatron.args import compose_extra_args_provider
                 extra_args_provider = compose_extra_args_provider(extra_args_provider)
             return parse(*args, extra_args_provider=extra_args_provider, **kwargs)
 

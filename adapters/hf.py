@@ -22,13 +22,13 @@ unchanged when the engine is not protected; only then is this module imported:
   as ``resume_from_checkpoint`` (HF would load the older checkpoint's LR scheduler over the snapshot's).
 
 Every ``train()`` call (and every ``hyperparameter_search`` trial) builds a new engine, and each protected engine
-of a process has its own snapshots (adapters/deepspeed.py ``ShardsafeEngineHook.ordinal``): after a crash in the
+of a process has its own snapshots (adapters/deepspeed/ ``ShardsafeEngineHook.ordinal``): after a crash in the
 second ``train()``, the restarted program's first ``train()`` restores the first engine's last version (HF then
 sees its last step done and trains nothing), and the second restores its own. At the end of every ``train()`` its
 engine is retired: its newest committed version stays, its older one is freed, its snapshot thread stops.
 
 The LR schedule is the engine's: HF's schedulers (LambdaLR) are stepped and snapshotted by DeepSpeed, and the
-snapshot restores their state (adapters/ds_checks.py ``scheduler_state``). What ``TrainerState`` holds beyond
+snapshot restores their state (adapters/deepspeed/checks.py ``scheduler_state``). What ``TrainerState`` holds beyond
 the step (``total_flos``, ``num_input_tokens_seen``, ``best_*``, stateful callbacks) is recorded in
 ``engine.shardsafe.extra["hf_trainer"]`` at every step end; ``log_history`` is not (it grows with the run; the
 restarted Trainer's history starts at v+1, the earlier entries went to the loggers already).

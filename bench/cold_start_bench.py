@@ -4,7 +4,7 @@
 
 A trainer that torchrun restarts without a fork server imports everything itself, and DeepSpeed's CPU op builders
 (FusedAdam's CPU build: DeepSpeed's default optimizer; CPUAdam and friends under offload) ask py-cpuinfo for the
-CPU's flags, a Python subprocess per call (adapters/ds_prewarm.py). The DeepSpeed adapter answers those calls from
+CPU's flags, a Python subprocess per call (adapters/deepspeed/prewarm.py). The DeepSpeed adapter answers those calls from
 memory, and from this boot's answer in the holder directory when an earlier process left it there. Each run is one
 cold `torchrun --nproc-per-node 1 examples/ds_pretrain_gpt.py --steps 1` (its own job id and holder directory's
 cache file as the mode says), timed from the command's start to its exit; runs alternate between the modes:

@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.load and attempt >= a.load_from_attempt:
         # Vanilla DeepSpeed load; an exported snapshot also carries what DeepSpeed's format has no
         # place for (per-rank RNG, micro_steps), put back by apply_client_state.
-        from shardsafe.adapters.ds_export import apply_client_state
+        from shardsafe.adapters.deepspeed.export import apply_client_state
         path, client = engine.load_checkpoint(a.load.format(rank=rank))
         if path is None:
             raise SystemExit(f"no DeepSpeed checkpoint under {a.load}")

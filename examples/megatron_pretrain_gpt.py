@@ -272,7 +272,7 @@ def init_distributed(timeout_s: float) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shardsafe.adapters.megatron_args import add_arguments
+    from shardsafe.adapters.megatron.args import add_arguments
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], fromfile_prefix_chars="@")
     p.convert_arg_line_to_args = lambda line: line.split("#")[0].split()  # @file: several flags per line
     p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
@@ -334,7 +334,7 @@ def pipeline_loss(tr: Trainer, loss: Optional[float]) -> float:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from shardsafe.adapters.megatron_args import config_from_args
+    from shardsafe.adapters.megatron.args import config_from_args
     ss_cfg = config_from_args(args)  # bad --shardsafe-* values fail here, before anything is built
     rank = int(os.environ.get("RANK", 0))
     if os.environ.get("SHARDSAFE_RUN_DIR"):

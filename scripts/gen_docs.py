@@ -7,7 +7,7 @@ Two blocks are generated, each between ``<!-- BEGIN GENERATED: NAME -->`` and ``
 
 * ``config-keys``: every field of ``shardsafe.config.ShardsafeConfig`` (the DeepSpeed "shardsafe" block), its type,
   its default and its docstring (the string literal under the field in config.py);
-* ``megatron-flags``: every option of ``shardsafe.adapters.megatron_args.add_arguments``, the key it sets and its
+* ``megatron-flags``: every option of ``shardsafe.adapters.megatron.args.add_arguments``, the key it sets and its
   help text (which says its default).
 
 Everything else in the page is written by hand; tests/unit/test_docs.py runs :func:`render` and fails when the
@@ -98,7 +98,7 @@ def config_table() -> str:
 
 
 def megatron_actions() -> list[argparse.Action]:
-    from shardsafe.adapters.megatron_args import GROUP_TITLE, add_arguments
+    from shardsafe.adapters.megatron.args import GROUP_TITLE, add_arguments
     parser = add_arguments(argparse.ArgumentParser(add_help=False))
     group = next(g for g in parser._action_groups if g.title == GROUP_TITLE)
     return list(group._group_actions)

@@ -8,11 +8,11 @@ One module per concept; every name stays importable from ``shardsafe.adapters.me
   * :mod:`.core_api`: a megatron-core loop of your own: ``protect``, or ``restore`` once and ``snapshot``
     after every step, ``close``; ``default_runtime_factory`` and ``wrap_optimizer_step``.
   * :mod:`.hooks`: Megatron-LM's loop: ``pretrain`` (drop-in), ``install_hooks``, ``protected_pretrain``.
-  * the flags live beside this package, in ``shardsafe.adapters.megatron_args``.
+  * :mod:`.args`: the ``--shardsafe-*`` flags (``add_arguments``, ``config_from_args``).
 """
 from __future__ import annotations
 
-from ..megatron_args import add_arguments, compose_extra_args_provider, config_from_args
+from .args import add_arguments, compose_extra_args_provider, config_from_args
 from shardsafe.runtime import BaseRuntime
 
 from .core_api import (Protection, Restored, close, default_runtime_factory, protect, protection_of, restore, snapshot,

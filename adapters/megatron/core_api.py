@@ -19,7 +19,7 @@ from shardsafe.fatal import install_excepthook
 from shardsafe.runtime import BaseRuntime, Runtime
 from shardsafe.tor.events import NullEventLog
 
-from ..megatron_args import config_from_args
+from .args import config_from_args
 from .state import MegatronStateAdapter
 from .state_checks import parity_coordinates
 

@@ -22,7 +22,7 @@ from shardsafe.fatal import install_excepthook
 from shardsafe.runtime import BaseRuntime
 from shardsafe.snapshot.state import RankState
 
-from ..megatron_args import compose_extra_args_provider, config_from_args
+from .args import compose_extra_args_provider, config_from_args
 
 from .core_api import _NO_EVENTS, _say_state, default_runtime_factory, wrap_optimizer_step
 from .state import MegatronStateAdapter

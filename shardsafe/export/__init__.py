@@ -2,7 +2,7 @@
 
 Modules: :mod:`.sources` (open one verified version of every rank from the persistent tier or the live holders),
 :mod:`.replay` (the job's own command run once more so that the framework writes the export itself; the
-``shardsafe export`` command), and, framework glue, :mod:`shardsafe.adapters.ds_export` (DeepSpeed's checkpoint
+``shardsafe export`` command), and, framework glue, :mod:`shardsafe.adapters.deepspeed.export` (DeepSpeed's checkpoint
 files assembled offline, and ``apply_client_state``).
 
 The way back from shardsafe to plain DeepSpeed: ``shardsafe export --format deepspeed SRC DST``
@@ -32,7 +32,7 @@ _WHERE = {
     **{n: "shardsafe.export.sources" for n in ("ExportError", "RankSnapshot", "open_persistent", "open_holders",
                                                "open_source")},
     **{n: "shardsafe.export.replay" for n in ("export_deepspeed_replay", "export_megatron", "cmd_export")},
-    **{n: "shardsafe.adapters.ds_export" for n in ("EXPORT_FORMAT", "export_deepspeed", "apply_client_state",
+    **{n: "shardsafe.adapters.deepspeed.export" for n in ("EXPORT_FORMAT", "export_deepspeed", "apply_client_state",
                                                    "rank_side_file", "save_rank_side_file")},
 }
 __all__ = sorted(_WHERE)

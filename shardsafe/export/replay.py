@@ -3,7 +3,7 @@
 From a persistent job directory or the live holders, the job's command restores the newest snapshot and the
 framework writes it with its own writer (DeepSpeed's ``save_checkpoint``, Megatron's ``save_checkpoint``), then
 exits before training. Without a command, ``--format deepspeed`` assembles the files offline
-(:func:`shardsafe.adapters.ds_export.export_deepspeed`).
+(:func:`shardsafe.adapters.deepspeed.export.export_deepspeed`).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def export_deepspeed_replay(src: str, dst: str, command: list[str], *, holder_di
                             timeout_s: float | None = None) -> str:
     """``shardsafe export --format deepspeed SRC DST -- COMMAND``: run the job's own command once more with
     SHARDSAFE_EXPORT_DIR=DST. Its engine restores the newest snapshot of SRC at ``deepspeed.initialize`` and
-    writes it with DeepSpeed's own ``save_checkpoint``, then exits before training (adapters/deepspeed.py), so
+    writes it with DeepSpeed's own ``save_checkpoint``, then exits before training (adapters/deepspeed/), so
     every layout DeepSpeed can save is exported as that DeepSpeed version writes it: pipeline stages, tensor
     and expert parallelism, BF16_Optimizer -- what the offline writer (``export_deepspeed``) does not assemble.
     The command must run the job's layout (world size, pipeline stages, mpu)."""
@@ -143,7 +143,7 @@ def cmd_export(a: Any) -> int:
             out = export_deepspeed_replay(a.src, a.dst, cmd, holder_dir=a.holder_dir)
             print(f"exported {a.src} as a DeepSpeed checkpoint written by save_checkpoint: {out}", flush=True)
             return 0
-        from shardsafe.adapters.ds_export import export_deepspeed
+        from shardsafe.adapters.deepspeed.export import export_deepspeed
         version, ranks = open_source(a.src, holder_dir=a.holder_dir, version=a.version)
         out = export_deepspeed(ranks, a.dst, version=version, tag=a.tag or None)
     except ExportError as e:   # one line on stderr, exit code 2, as the CLI's usage errors

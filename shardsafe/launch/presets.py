@@ -14,8 +14,8 @@ from ..errors import ConfigError
 
 PRELOAD_DEEPSPEED = ("torch", "deepspeed", "torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer",
                      "deepspeed.module_inject.auto_ep_layer", "torch.utils.cpp_extension",
-                     "shardsafe.adapters.ds_prewarm:remember_cpu_info",
-                     "shardsafe.adapters.ds_prewarm:probe_compatible_ops", "shardsafe.runtime",
+                     "shardsafe.adapters.deepspeed.prewarm:remember_cpu_info",
+                     "shardsafe.adapters.deepspeed.prewarm:probe_compatible_ops", "shardsafe.runtime",
                      "shardsafe.adapters.deepspeed")
 """The heavy imports of a DeepSpeed ZeRO trainer before its first step (measured with -X importtime, 1.9 s of
 3.3 s): torch._dynamo comes with torch.optim's first step (torch >= 2.1); DeepSpeed >= 0.18's ZeRO and
@@ -25,7 +25,7 @@ with it its Triton ops and MoE modules, 0.03 s) in every ``initialize``. Then wh
 JIT-built CPU ops costs every trainer (FusedAdam's CPU build is DeepSpeed's default optimizer;
 CPUAdam/Lion/Adagrad under offload): torch's cpp_extension module (it imports setuptools, 0.06 s) and
 py-cpuinfo's answer, asked once for every trainer instead of twice per op each trainer loads (2.3 s per trainer:
-adapters/ds_prewarm.py), and DeepSpeed's op-compatibility probe (a C compiler run, 0.04 s, on the CPU
+adapters/deepspeed/prewarm.py), and DeepSpeed's op-compatibility probe (a C compiler run, 0.04 s, on the CPU
 accelerator only: on a GPU it queries the device). shardsafe's own runtime last: ~35 modules that
 ``initialize`` imported on every restart (0.07 s here, 0.11 s where no bytecode cache is written; they start no
 thread and open nothing at import)."""

@@ -365,7 +365,7 @@ def _preload(modules: Sequence[str]) -> list[str]:
     import fails the server (the trainers, started cold, would fail on it too and say why).
 
     An entry ``module:function`` imports the module and calls ``function()``: work a trainer does at start
-    that the server can do once for all of them (``shardsafe.adapters.ds_prewarm``). It returns a line for
+    that the server can do once for all of them (``shardsafe.adapters.deepspeed.prewarm``). It returns a line for
     the server's log; if it raises, the line says so and the server goes on without it (the trainers then
     do that work themselves, as a cold start would)."""
     done = []

@@ -4,7 +4,8 @@ ZeRO and distributed optimizers keep each data-parallel rank's share of one logi
 weights and optimizer moments of every parameter -- in flat per-rank tensors, cut by rules that depend on D.
 Every parameter's elements therefore lie in *runs*: (parameter, first element, length) at (rank, flat tensor,
 offset). A framework adapter describes where the runs lie at D and at D' by its framework's own partitioning
-rules (:class:`FlatLayout`; DeepSpeed: ``shardsafe.adapters.ds_reshard``); this module intersects the two into a
+rules (:class:`FlatLayout`; DeepSpeed: ``shardsafe.adapters.deepspeed.reshard``, Megatron's DistributedOptimizer:
+``shardsafe.adapters.megatron.reshard``); this module intersects the two into a
 :class:`TransferPlan` of (source rank, tensor, offset, length) -> (target rank, tensor, offset) segments and
 assembles a target rank's flat tensors from the source ranks' with it.
 
@@ -238,8 +239,9 @@ def default_colocation(src_world: int, dst_world: int) -> dict[int, list[int]]:
 
 class Resharder(ABC):
     """One framework's re-partitioning: its partitioning rules and what else a target rank gets (counters, steps,
-    buffers). Adapters implement it (DeepSpeed: ``shardsafe.adapters.ds_reshard.DeepSpeedResharder``, also
-    ``DeepSpeedStateAdapter.resharder()``); this package never imports a framework, so callers hand it in."""
+    buffers). Adapters implement it (DeepSpeed: ``shardsafe.adapters.deepspeed.reshard.DeepSpeedResharder``, also
+    ``DeepSpeedStateAdapter.resharder()``; Megatron: ``shardsafe.adapters.megatron.reshard.MegatronResharder``, also
+    ``MegatronStateAdapter.resharder()``); this package never imports a framework, so callers hand it in."""
 
     engine: ClassVar[str]
     """The ``meta["engine"]`` of the snapshots it re-partitions."""
@@ -257,8 +259,8 @@ class Resharder(ABC):
 def _check_engine(engine: Any, resharder: Resharder) -> None:
     if engine != resharder.engine:
         raise ReshardError(f"the snapshot was taken by the {engine!r} adapter and {type(resharder).__name__} "
-                           f"re-partitions {resharder.engine!r} snapshots; only DeepSpeed's exist so far: restart at "
-                           "the original data-parallel size, or wait for a spare node")
+                           f"re-partitions {resharder.engine!r} snapshots: pass the resharder of the adapter that took "
+                           "them (its resharder()), or restart at the original data-parallel size")
 
 
 def transfer_plan(metas: Sequence[Mapping[str, Any]], new_world: int, resharder: Resharder) -> TransferPlan:

@@ -19,7 +19,7 @@ Compared, tensor for tensor (torch.equal) and value for value:
 What DeepSpeed's universal resume does not restore, or restores wrongly, is put into the oracle engine by hand,
 and said here: ZeRO-3's load gives every parameter group group 0's hyperparameters (a no-decay group would
 decay; each group's own are in DeepSpeed's converted optimizer_state.pt and are taken from there); FusedAdam's
-CPU kernel keeps beta1^t / beta2^t in C++, in no checkpoint (adapters/cpu_adam_powers.py; restored from the
+CPU kernel keeps beta1^t / beta2^t in C++, in no checkpoint (adapters/deepspeed/cpu_adam_powers.py; restored from the
 snapshot's metadata on both sides); ``load_universal`` skips the module state, so the module buffers are copied
 from DeepSpeed's own saved module state (data-parallel rank 0's, as a same-size load_checkpoint loads them); and
 ``micro_steps`` is in no checkpoint (a loaded engine counts from 0; the re-partition carries micro_steps x D / D',
@@ -246,7 +246,7 @@ def test_reshard_equals_deepspeed_universal_checkpoint(case, tmp_path):
     import time
 
     from shardsafe.adapters.deepspeed import DeepSpeedStateAdapter
-    from shardsafe.adapters.ds_reshard import SIZED_FIELDS
+    from shardsafe.adapters.deepspeed.reshard import SIZED_FIELDS
     from shardsafe.payload import manifest as mf
     from shardsafe.snapshot.reshard import reshard
     _, _, d, g, d2, _ = CASES[case]

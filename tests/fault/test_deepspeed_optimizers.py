@@ -1,7 +1,7 @@
 """Every optimizer path DeepSpeed picks from its config resumes bit-exact after a SIGKILL, and resumed.
 
 - "AdamW" without torch_adam is DeepSpeed's FusedAdam, what users get by default. Its CPU build keeps
-  beta1^t / beta2^t in a C++ object outside optimizer.state (adapters/cpu_adam_powers.py): without restoring
+  beta1^t / beta2^t in a C++ object outside optimizer.state (adapters/deepspeed/cpu_adam_powers.py): without restoring
   that, step v+1 after a restore to v used pow(beta, v+1) instead of the float32 product chain and every
   later loss differed by 1e-5..1e-4 (issue 15). Tested without scheduler and clipping (the issue's script);
   the other cases cover scheduler and clipping on, off and mixed.
@@ -34,7 +34,7 @@ CASES = [
 def test_optimizer_path_resumes_bit_exact(tmp_path, reference, optimizer, flags):
     extra = ["--optimizer", optimizer, *flags]
     # Cold for the kernels DeepSpeed JIT-loads (FusedAdam's and CPUAdam's CPU builds): their builder reads the CPU's
-    # flags from py-cpuinfo, whose answer a forked trainer gets from the fork server (adapters/ds_prewarm.py).
+    # flags from py-cpuinfo, whose answer a forked trainer gets from the fork server (adapters/deepspeed/prewarm.py).
     ref = reference(2, "bf16", STEPS, extra=extra, cold=optimizer in ("fused-adamw", "cpu-adam"))
     res = run_job(tmp_path, stage=2, dtype="bf16", steps=STEPS, inject="kill-rank:1@21", extra=extra)
     assert res.ok and res.attempts == 2, res

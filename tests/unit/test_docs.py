@@ -38,7 +38,7 @@ def test_the_generated_tables_are_what_the_code_says():
     re-documented or given another default without `python scripts/gen_docs.py` fails here."""
     page = CONFIG_PAGE.read_text()
     assert _gen_docs().render(page) == page, \
-        "docs/configuration.md differs from the code (ShardsafeConfig, megatron_args): run python scripts/gen_docs.py"
+        "docs/configuration.md differs from the code (ShardsafeConfig, the Megatron flags): run python scripts/gen_docs.py"
 
 
 def test_every_config_key_is_in_the_table_with_its_docstring_and_default():
@@ -58,7 +58,7 @@ def test_every_config_key_has_a_megatron_flag_that_says_its_default():
     keys = {gen.megatron_key(a) for a in actions}
     no_flag = {k for k, flag in gen.MEGATRON_SPECIAL.items() if flag is None}
     missing = [f.name for f in dataclasses.fields(ShardsafeConfig) if f.name not in keys | no_flag]
-    assert not missing, f"ShardsafeConfig keys without a --shardsafe-* flag in adapters/megatron_args.py: {missing}"
+    assert not missing, f"ShardsafeConfig keys without a --shardsafe-* flag in adapters/megatron/args.py: {missing}"
     assert keys <= {f.name for f in dataclasses.fields(ShardsafeConfig)}, keys
     silent = [a.option_strings[0] for a in actions if a.nargs != 0 and "default" not in (a.help or "").lower()]
     assert not silent, f"Megatron flags whose help does not say the default: {silent}"

@@ -1,10 +1,10 @@
-"""adapters/ds_client_state.py: which program's client state a DeepSpeed job keeps, and the one a load_checkpoint
+"""adapters/deepspeed/client_state.py: which program's client state a DeepSpeed job keeps, and the one a load_checkpoint
 without a checkpoint returns after a restore (the fault tests run it: tests/fault/test_unchanged_programs.py)."""
 import argparse
 
 import pytest
 
-from shardsafe.adapters.ds_client_state import client_state_at, client_state_without_checkpoint, program_layout
+from shardsafe.adapters.deepspeed.client_state import client_state_at, client_state_without_checkpoint, program_layout
 from shardsafe.config import ConfigError, ShardsafeConfig
 
 
@@ -82,7 +82,7 @@ def test_an_old_checkpoints_tracker_states_become_the_snapshots_and_the_program_
     import torch
     from deepspeed.runtime.activation_checkpointing import checkpointing as ck
 
-    from shardsafe.adapters.ds_client_state import client_state_at, live_rng
+    from shardsafe.adapters.deepspeed.client_state import client_state_at, live_rng
     tracker = ck.get_cuda_rng_tracker()
     tracker.reset()
     try:

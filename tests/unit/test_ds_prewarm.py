@@ -1,4 +1,4 @@
-"""py-cpuinfo's answer remembered for a host's boot (shardsafe.adapters.ds_prewarm).
+"""py-cpuinfo's answer remembered for a host's boot (shardsafe.adapters.deepspeed.prewarm).
 
 The memo logic runs against a stand-in for the ``cpuinfo`` module whose ``get_cpu_info`` counts its calls (the real
 one costs 1.1 s a call here); one test runs the real py-cpuinfo in fresh interpreters, and one checks that the
@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from shardsafe.adapters import ds_prewarm
+from shardsafe.adapters.deepspeed import prewarm as ds_prewarm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ANSWER = {"arch": "X86_64", "flags": ["avx2", "avx512f", "sse2"], "brand_raw": "Test CPU", "vendor_id_raw": "Tst"}
@@ -108,7 +108,7 @@ def test_a_directory_others_can_enter_gets_no_file(memo):
 
 _PROBE = """
 import json, sys
-from shardsafe.adapters import ds_prewarm
+from shardsafe.adapters.deepspeed import prewarm as ds_prewarm
 said = ds_prewarm.remember_cpu_info(sys.argv[1])
 import cpuinfo
 info = cpuinfo.get_cpu_info()

@@ -1,10 +1,10 @@
-"""The LR schedulers a program steps itself (adapters/ds_schedulers.py), with torch alone: HF's Trainer builds its
+"""The LR schedulers a program steps itself (adapters/deepspeed/schedulers.py), with torch alone: HF's Trainer builds its
 LambdaLR over accelerate's optimizer wrapper, whose ``param_groups`` is the wrapped optimizer's list."""
 import logging
 
 import torch
 
-from shardsafe.adapters.ds_schedulers import ProgramSchedulers, find_program_schedulers
+from shardsafe.adapters.deepspeed.schedulers import ProgramSchedulers, find_program_schedulers
 
 
 class Wrapper(torch.optim.Optimizer):

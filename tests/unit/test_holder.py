@@ -148,7 +148,7 @@ def test_status_cli(holder):
                           p.job_id], capture_output=True, text=True, check=True).stdout
     assert "  rank 2 data: v3 sealed" in txt and "  engine1 rank 2 data: v1 sealed" in txt, txt
     # without --job-id: every job with a holder under the root; a file there (py-cpuinfo's answer for the boot,
-    # adapters/ds_prewarm.py) is no job
+    # adapters/deepspeed/prewarm.py) is no job
     (Path(p.root) / "cpuinfo-boot.json").write_text("{}")
     env = {k: v for k, v in os.environ.items() if k not in ("SHARDSAFE_JOB_ID", "SLURM_JOB_ID")}
     out = subprocess.run([sys.executable, "-m", "shardsafe.cli", "status", "--holder-dir", p.root, "--json"],

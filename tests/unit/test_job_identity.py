@@ -182,7 +182,7 @@ def test_the_runtime_flushes_and_restores_under_the_run_name(run_env, tmp_path):
 
 def test_megatron_flag_names_the_run(run_env):
     import argparse
-    from shardsafe.adapters.megatron_args import add_arguments, config_from_args
+    from shardsafe.adapters.megatron.args import add_arguments, config_from_args
     args = add_arguments(argparse.ArgumentParser()).parse_args(["--shardsafe", "--shardsafe-job-id", "4711.0",
                                                                 "--shardsafe-run-name", "gpt-1b"])
     assert config_from_args(args).persist_name == "gpt-1b"

@@ -136,7 +136,7 @@ def test_public_import_paths_keep_working(path):
 
 def test_compatibility_names_are_the_defining_modules_objects():
     from shardsafe import export
-    from shardsafe.adapters import ds_export
+    from shardsafe.adapters.deepspeed import export as ds_export
     from shardsafe.export import sources
     from shardsafe.errors import InsufficientFragments, ShardsafeError
     from shardsafe.parity import codec

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from shardsafe.adapters.megatron_args import add_arguments, compose_extra_args_provider, config_from_args
+from shardsafe.adapters.megatron.args import add_arguments, compose_extra_args_provider, config_from_args
 from shardsafe.config import ConfigError, ShardsafeConfig
 
 
@@ -107,7 +107,7 @@ if not hasattr(typing, "override"):   # megatron.training >= 0.18 on Python 3.11
     typing.override = lambda f: f
 from megatron.training import arguments
 import megatron.core
-from shardsafe.adapters.megatron_args import add_arguments, config_from_args
+from shardsafe.adapters.megatron.args import add_arguments, config_from_args
 sys.argv = ["pretrain_gpt.py", "--shardsafe", "--shardsafe-interval", "4"]
 cfg = config_from_args(arguments.parse_args(extra_args_provider=add_arguments))
 print(json.dumps({"version": megatron.core.__version__, "enabled": cfg.enabled, "interval": cfg.interval}))

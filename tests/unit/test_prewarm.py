@@ -216,11 +216,11 @@ def _forked_and_cold(tmp_path, preload: list[str], probe: str) -> tuple[dict, di
 
 
 def test_function_entries_run_once_in_the_server_and_a_failing_one_is_skipped(tmp_path):
-    """``module:function`` preload entries: shardsafe.adapters.ds_prewarm:remember_cpu_info asks py-cpuinfo once in
+    """``module:function`` preload entries: shardsafe.adapters.deepspeed.prewarm:remember_cpu_info asks py-cpuinfo once in
     the server; a forked trainer gets the same flags and vendor as its own cold call would (asked here, in a
     fresh interpreter), without the subprocess py-cpuinfo starts per call; an entry that raises is logged and
     skipped, the server serves anyway."""
-    entry = "shardsafe.adapters.ds_prewarm:remember_cpu_info"
+    entry = "shardsafe.adapters.deepspeed.prewarm:remember_cpu_info"
     forked, fresh, text = _forked_and_cold(tmp_path, [entry, "json:no_such_function"], CPU_INFO_PROBE)
     assert f"{entry}: py-cpuinfo asked once" in text, text
     assert "json:no_such_function failed (AttributeError" in text and "the trainers do that work themselves" in text
@@ -239,10 +239,10 @@ OPS_PROBE = textwrap.dedent("""
 
 
 def test_deepspeed_op_probe_runs_in_the_server_and_answers_what_a_cold_trainer_finds(tmp_path):
-    """``shardsafe.adapters.ds_prewarm:probe_compatible_ops`` (CPU accelerator): the forked trainer finds DeepSpeed's
+    """``shardsafe.adapters.deepspeed.prewarm:probe_compatible_ops`` (CPU accelerator): the forked trainer finds DeepSpeed's
     op-compatibility answer already made (it would otherwise run a C compiler for async_io at its start), and it
     is the answer a cold interpreter computes for itself."""
-    entry = "shardsafe.adapters.ds_prewarm:probe_compatible_ops"
+    entry = "shardsafe.adapters.deepspeed.prewarm:probe_compatible_ops"
     forked, fresh, text = _forked_and_cold(tmp_path, ["deepspeed", entry], OPS_PROBE)
     assert f"{entry}: DeepSpeed's op compatibility probed once" in text, text
     assert forked["inherited"] and not fresh["inherited"]

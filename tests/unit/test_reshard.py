@@ -1,4 +1,4 @@
-"""Re-partitioning snapshots from D to D' data-parallel ranks (shardsafe.snapshot.reshard, adapters/ds_reshard.py),
+"""Re-partitioning snapshots from D to D' data-parallel ranks (shardsafe.snapshot.reshard, adapters/deepspeed/reshard.py),
 without processes: DeepSpeed's layouts worked out by hand for small cases, the plan's guarantees (every element
 once, padding zero, byte copies) over a grid of sizes, round trips, the metadata a target rank gets, and the
 refusals. tests/dist/test_ds_reshard_oracle.py compares the same code against DeepSpeed's universal checkpoint.
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from shardsafe.adapters.ds_reshard import (BF16, ZERO12, ZERO3, DeepSpeedPartitioning, DeepSpeedResharder,
+from shardsafe.adapters.deepspeed.reshard import (BF16, ZERO12, ZERO3, DeepSpeedPartitioning, DeepSpeedResharder,
                                            layout_problems)
 from shardsafe.snapshot import reshard as core
 from shardsafe.snapshot.reshard import ReshardError, Segment

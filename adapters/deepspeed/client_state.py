@@ -1,7 +1,7 @@
 """The program's own resume through ``engine.load_checkpoint`` after a restore: what an older disk checkpoint's
 client state must say for a program that sets its counters, data position and RNG from it (GPT-NeoX,
 Megatron-DeepSpeed, plain scripts). Used by the DeepSpeed adapter's ``load_checkpoint`` wrapper
-(adapters/deepspeed.py ``ShardsafeEngineHook._resume_load``); docs/deepspeed.md has the table of rules.
+(adapters/deepspeed/ ``ShardsafeEngineHook._resume_load``); docs/deepspeed.md has the table of rules.
 """
 from __future__ import annotations
 

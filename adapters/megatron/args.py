@@ -132,7 +132,7 @@ def config_from_args(args: Any) -> ShardsafeConfig:
     """
     if not hasattr(args, "shardsafe"):
         raise ConfigError("the shardsafe flags are missing from the parsed arguments: pass "
-                          "extra_args_provider=shardsafe.adapters.megatron_args.add_arguments to Megatron's "
+                          "extra_args_provider=shardsafe.adapters.megatron.args.add_arguments to Megatron's "
                           "pretrain() (megatron-core <= 0.17) or parse_and_validate_args() (>= 0.18).")
     kw: dict[str, Any] = {"enabled": bool(args.shardsafe),
                           "restore": not bool(getattr(args, "shardsafe_no_restore", False)),

@@ -24,7 +24,7 @@ import logging
 import weakref
 from typing import Any, Optional
 
-from .ds_checks import scheduler_state
+from .checks import scheduler_state
 
 log = logging.getLogger(__name__)
 

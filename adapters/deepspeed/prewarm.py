@@ -1,7 +1,7 @@
 """Start-up work of a DeepSpeed trainer that a fork server does once for every trainer it forks, and py-cpuinfo's
 answer remembered for every process of this host's boot.
 
-Listed in ``PRELOAD_DEEPSPEED`` as ``shardsafe.adapters.ds_prewarm:remember_cpu_info`` and
+Listed in ``PRELOAD_DEEPSPEED`` as ``shardsafe.adapters.deepspeed.prewarm:remember_cpu_info`` and
 ``...:probe_compatible_ops`` (shardsafe/launch/prewarm.py calls them after the imports, before it forks anything).
 
 DeepSpeed's op builders ask py-cpuinfo for the CPU's vendor and SIMD flags (``OpBuilder.cpu_arch`` and
@@ -72,7 +72,7 @@ def cache_path(cache_dir: Optional[str] = None) -> Optional[str]:
         return None
     if not boot or not all(c.isalnum() or c == "-" for c in boot):
         return None
-    from ..holder.paths import default_holder_dir, private_dir
+    from shardsafe.holder.paths import default_holder_dir, private_dir
     cache_dir = default_holder_dir() if cache_dir is None else private_dir(cache_dir)   # never the user's own
     return os.path.join(cache_dir, f"cpuinfo-{boot}.json")
 
@@ -99,7 +99,7 @@ class _Memo:
             return copy.deepcopy(self.answer()[0])
 
         get_cpu_info.__doc__ = ("py-cpuinfo's answer, remembered by shardsafe for this boot of this host "
-                                "(shardsafe.adapters.ds_prewarm).")
+                                "(shardsafe.adapters.deepspeed.prewarm).")
         self._fn = get_cpu_info
         cpuinfo.get_cpu_info = get_cpu_info
 
@@ -124,7 +124,7 @@ _MEMO = _Memo()
 
 def _read(path: str, version: str) -> Optional[dict]:
     """This boot's answer from ``path``, or None (absent, not private to this user, or not an answer)."""
-    from ..holder.paths import UnsafeHolderDir, check_private_dir, open_private
+    from shardsafe.holder.paths import UnsafeHolderDir, check_private_dir, open_private
     try:
         if not check_private_dir(os.path.dirname(path)):
             return None
@@ -158,7 +158,7 @@ def _read(path: str, version: str) -> Optional[dict]:
 
 def _write(path: str, version: str, info: dict) -> None:
     """Write the answer next to the holders' sockets (a private directory), atomically; failing is harmless."""
-    from ..holder.paths import UnsafeHolderDir, check_private_dir, open_private
+    from shardsafe.holder.paths import UnsafeHolderDir, check_private_dir, open_private
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         check_private_dir(os.path.dirname(path), create=True)

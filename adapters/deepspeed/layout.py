@@ -1,5 +1,5 @@
 """Which slice of the model a DeepSpeed rank's state is (pipeline stage, tensor-parallel slice, experts), and
-its coordinates for parity placement. Recorded in every snapshot and checked at restore (adapters/deepspeed.py).
+its coordinates for parity placement. Recorded in every snapshot and checked at restore (adapters/deepspeed/).
 """
 from __future__ import annotations
 
