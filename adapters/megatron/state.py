@@ -33,6 +33,8 @@ import torch
 from shardsafe.errors import ShardsafeError
 from shardsafe.snapshot.state import RankState, apply_rng, capture_rng, cast_like_owner
 
+from .distopt_layout import record as distopt_record
+from .reshard import ReshardingMixin, batch_record
 from .state_checks import (FORMAT, _kind, _names_with_prefix, _SnapshotChecks, check_supported, leaf_optimizers,
                            megatron_core_version, rank_coordinates)
 
@@ -74,7 +76,7 @@ def _like_live(saved: Any, live: Any) -> Any:
     return saved
 
 
-class MegatronStateAdapter(_SnapshotChecks):
+class MegatronStateAdapter(_SnapshotChecks, ReshardingMixin):
     """:class:`shardsafe.snapshot.state.StateAdapter` for megatron-core model chunks + MegatronOptimizer.
 
     Args:
@@ -201,14 +203,16 @@ class MegatronStateAdapter(_SnapshotChecks):
         cloned because TE updates amax history during the *forward* pass, i.e. before the next step.
         """
         st = RankState()
-        meta: dict[str, Any] = {"format": FORMAT, "megatron_core": megatron_core_version(),
-                                "iteration": int(self.get_iteration())}
+        meta: dict[str, Any] = {"format": FORMAT, "engine": "megatron", "megatron_core": megatron_core_version(),
+                                "iteration": int(self.get_iteration()), "batch": batch_record()}
         meta["coords"] = self._coordinates()  # None without parallel_state: single-process use
         opts = []
         for li, leaf in enumerate(self.leaves):
             inner = getattr(leaf, "optimizer", None)
             owner = self._model_param_of(li)
             om: dict[str, Any] = {"type": self._kinds[li], "stub": inner is None, "groups": []}
+            if self._kinds[li] == "DistributedOptimizer" and inner is not None:   # for re-partitioning (.reshard)
+                om["distopt"] = distopt_record(leaf, self.model_chunks, self._param_names)
             for gi, group in enumerate(self._groups(li)):
                 gm: dict[str, Any] = {"hparams": {}, "hparam_tensors": [], "params": []}
                 for k, v in group.items():

@@ -259,7 +259,7 @@ def test_a_batch_that_does_not_divide_is_refused():
     (lambda s: s[1].meta.update(counters={**s[1].meta["counters"], "global_steps": 4}), "rank 1's snapshot differs"),
     (lambda s: s.pop(), "2 were given"),
     (lambda s: s.reverse(), "out of rank order"),
-    (lambda s: [x.meta.update(engine="megatron") for x in s], "only DeepSpeed's exist so far"),
+    (lambda s: [x.meta.update(engine="megatron") for x in s], "re-partitions 'deepspeed' snapshots: pass the"),
     (lambda s: [x.meta.update(parallel={"experts": {"m": [4, 0, 1]}}) for x in s], "MoE"),
     (lambda s: [x.meta["ds_checkpoint"]["ds_config"]["zero_optimization"].update(round_robin_gradients=True)
                 for x in s], "round_robin_gradients"),
