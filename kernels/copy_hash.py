@@ -1,9 +1,8 @@
 """The snapshot copy with its checksums fused (``csrc/copy_hash.c``): lazy ctypes loader of ``libshardsafe_cpu.so``.
 
-``copy_hash(dst, src, n, seg, api)`` copies ``n`` bytes and returns the xxh3-64 of every ``seg``-byte segment of
-the copy, each 256 KiB piece hashed right after it landed, from the core's cache (the C file says why and what
-it measured). The xxh3 library is the caller's (``Xxh3Api``: its streaming functions, as ctypes addresses), so
-the digests are that library's own.
+``copy_hash(dst, src, n, seg, api)`` copies ``n`` bytes and returns the xxh3-64 of every ``seg``-byte segment of the
+copy, each 256 KiB piece hashed right after it landed, from the core's cache (the C file says why). The xxh3 library
+is the caller's (``Xxh3Api``: its streaming functions, as ctypes addresses), so the digests are that library's own.
 
 setup.py builds the library with the system C compiler (``cc``) beside this file for editable installs and into
 the wheel otherwise (``SHARDSAFE_SKIP_CPU_BUILD=1`` skips); ``SHARDSAFE_CPU_LIB`` names another file. Without
@@ -22,9 +21,9 @@ from shardsafe.errors import BackendUnavailable, KernelError
 LIB_NAME = "libshardsafe_cpu.so"
 ABI_VERSION = 1   # must match SHARDSAFE_CPU_ABI_VERSION in csrc/copy_hash.c
 PIECE_BYTES = 256 << 10
-"""Bytes copied, then hashed, at a time: small enough to stay in a core's L2 between the copy and the hash
-(measured on an EPYC with 1 MiB of L2 per core, 1 GiB: 256 KiB 0.068 s, 512 KiB 0.065 s, 1 MiB 0.079 s in a
-Python-driven prototype; a plain memcpy 0.055-0.061 s)."""
+"""Bytes copied, then hashed, at a time: small enough to stay in a core's L2 between the copy and the hash (a
+piece as large as the whole L2 is partly evicted before the hash reads it), large enough that the calls per piece
+cost little."""
 
 
 class Xxh3Api(ctypes.Structure):

@@ -42,8 +42,8 @@ _load_lock = threading.Lock()
 
 def _candidates() -> Iterator[str]:
     """The libraries to try, in order, each looked up only when the ones before it did not load:
-    ``ctypes.util.find_library`` runs ``ldconfig -p`` (and gcc where that finds nothing), 30 ms of every
-    trainer's start here when the wheel's copy was there all along."""
+    ``ctypes.util.find_library`` runs ``ldconfig -p`` (and gcc where that finds nothing) as subprocesses, a
+    cost in every trainer's start that is wasted when the wheel's copy is there."""
     env = shardsafe_env.get(shardsafe_env.ISAL_LIB) or None
     if env:
         yield env

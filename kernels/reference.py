@@ -12,7 +12,7 @@ Fragment ``i`` of a codeword is ``sum_j A[i][j] * data_j`` (byte-wise, GF arithm
 ``isa_l_rs_cauchy``, the shared C/CUDA header (``csrc/gf256.h``) and this module must agree on
 bit-for-bit; tests check all four against each other.
 
-This module is the oracle: slow (~0.5 GB/s) but obviously correct. Production code uses
+This module is the oracle: slow (an order of magnitude below ISA-L) but obviously correct. Production code uses
 :mod:`shardsafe.kernels.isal` on CPU and :mod:`shardsafe.kernels.cuda` on GPU. The module-level
 :func:`encode` / :func:`reconstruct` have the same signatures in all three kernel modules.
 """

@@ -63,7 +63,8 @@ def usage_error(prog: str, message: str, *, hint: bool = True) -> int:
 
 
 def hidden_alias(parser: argparse.ArgumentParser, old: str, new: argparse.Action) -> None:
-    """Accept ``old`` (a former spelling of the option ``new``) without showing it in ``--help``."""
+    """Accept ``old`` (another spelling of the option ``new``, for command lines written with it) without showing it
+    in ``--help``."""
     kwargs = {"dest": new.dest, "help": argparse.SUPPRESS, "default": argparse.SUPPRESS}
     if new.nargs == 0:
         kwargs["action"] = "store_true" if new.const is True else "store_const"

@@ -19,8 +19,8 @@ __all__ = ["min_reduce", "all_true", "gather_ints", "gather_json", "lazy_gloo_en
 # gloo connects every pair of a group's ranks when the group is created (a full mesh: N - 1 connections and store
 # lookups per rank, N^2 lookups on the job's one store, at every start and restart); with TORCH_GLOO_LAZY_INIT=1,
 # which torch reads when it creates a gloo group, a pair connects on its first use, and the ring collectives below
-# use two neighbours per rank. Measured (bench/collective_bench.py --setup, ranks on one 2-core host): a world-wide
-# group ready for its first vote in 21 ms lazily against 98 ms as a full mesh at 32 ranks, 1.3x at 2-4 ranks.
+# use two neighbours per rank, so a world-wide group's set-up grows with N instead of N^2 (bench/RESULTS.md,
+# "Collectives and process groups").
 LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"
 MESH_ADVICE_RANKS = 512   # from here on, a full mesh at every restart is worth a line in the log
 

@@ -5,7 +5,7 @@ The job id scopes holders, sockets, shared memory and the persistent directory. 
 * **the same for every rank of a job and across its restarts** (in place by torch elastic, or the whole
   job resubmitted by the same command), or a restarted job cannot find its snapshots;
 * **different for two jobs that run at the same time**, or they share a holder and restore each other's
-  state (issue 15: two plain ``torchrun`` jobs of one user on one node did exactly that).
+  state (e.g. two plain ``torchrun`` jobs of one user on one node).
 
 Rules, first match wins (docs/operations.md "Job ids"):
 
@@ -62,9 +62,6 @@ from . import env as shardsafe_env
 from .holder.paths import HolderPaths, open_private, safe_name
 
 log = logging.getLogger(__name__)
-
-ENV_JOB_ID, ENV_INSTANCE = shardsafe_env.JOB_ID, shardsafe_env.INSTANCE
-"""Set by shardsafe's launchers: one value per launcher run, shared by all its trainers and restarts."""
 
 _LAUNCHER_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 """Any of these: a launcher started this process, so the parent is the job instance on this node."""
@@ -205,8 +202,8 @@ def derive_job_id(env: Mapping[str, str] | None = None, argv: Sequence[str] | No
         AmbiguousJobId: rule 4 applies but there is no command line to digest.
     """
     env = os.environ if env is None else env
-    for var in (ENV_JOB_ID, "SLURM_JOB_ID"):
-        value = shardsafe_env.get(var, env) if var == ENV_JOB_ID else env.get(var)
+    for var in (shardsafe_env.JOB_ID, "SLURM_JOB_ID"):
+        value = shardsafe_env.get(var, env) if var == shardsafe_env.JOB_ID else env.get(var)
         if value:
             return _sanitize(value), var
     run_id = env.get("TORCHELASTIC_RUN_ID", "")
@@ -264,8 +261,8 @@ def instance_token(env: Mapping[str, str] | None = None) -> str:
     deepspeed launcher, slurmstepd, orted: one per job and node, alive as long as the job); else, for a
     process nobody launched, the process itself. ``pid.starttime``, so a reused pid is another instance."""
     env = os.environ if env is None else env
-    if shardsafe_env.get(ENV_INSTANCE, env):
-        return _sanitize(shardsafe_env.get(ENV_INSTANCE, env))
+    if shardsafe_env.get(shardsafe_env.INSTANCE, env):
+        return _sanitize(shardsafe_env.get(shardsafe_env.INSTANCE, env))
     pid = os.getppid() if any(env.get(v) for v in _LAUNCHER_VARS) else os.getpid()
     return f"{pid}.{_proc_start(pid)}"
 

@@ -258,7 +258,7 @@ def protect(ds_initialize: Any, args: tuple, kwargs: dict, *, auto: str = ""):
     if cfg.enabled:
         cfg = cfg.resolved()
         # DeepSpeed's CPU op builders (FusedAdam's CPU build, CPUAdam under offload) ask py-cpuinfo twice per op,
-        # 1.1 s a call here: a restarted trainer started cold reads this boot's answer instead (prewarm.py)
+        # a Python subprocess per call: a restarted trainer started cold reads this boot's answer instead (prewarm.py)
         memo_cpu_info(cfg.holder_dir)
     ret = ds_initialize(*args, **kwargs)
     engine = ret[0]

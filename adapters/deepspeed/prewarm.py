@@ -8,9 +8,10 @@ DeepSpeed's op builders ask py-cpuinfo for the CPU's vendor and SIMD flags (``Op
 ``simd_width``, each a call of ``cpuinfo.get_cpu_info()``) every time a process loads one of its CPU ops:
 FusedAdam's CPU build (``"AdamW"`` without ``torch_adam``, DeepSpeed's default optimizer), and DeepSpeedCPUAdam /
 CPULion / CPUAdagrad (``offload_optimizer``, on GPU nodes too); DeepSpeedCPUAdam's constructor asks once more.
-``get_cpu_info()`` starts a Python subprocess each time: 1.15 s here, so a trainer loading FusedAdam spent 2.3 s
-in it, most of its restart (bench/restart_bench.py --optimizer fused-adamw: recovery 3.29 s, 0.69 s with the
-answer remembered). The answer cannot change while the host runs (the kernel fixes the CPU flags at boot), so:
+``get_cpu_info()`` starts a Python subprocess each time (an interpreter start and py-cpuinfo's probing), and a
+trainer loading FusedAdam asks twice: without a remembered answer, that is most of a forked trainer's restart
+(bench/RESULTS.md "Restart: trainers forked from a fork server vs cold starts", ``--optimizer fused-adamw``). The
+answer cannot change while the host runs (the kernel fixes the CPU flags at boot), so:
 
 - a fork server asks once (``remember_cpu_info``) and its trainers get a copy of that answer;
 - the answer is also kept on disk for this boot of this host (``cpuinfo-<boot id>.json`` in the user's holder
@@ -185,7 +186,7 @@ def probe_compatible_ops() -> str:
     """Run DeepSpeed's op-compatibility probe once, on the CPU accelerator, so that every forked trainer finds its
     answer (``deepspeed.ops.__compatible_ops__``, computed on first access and kept in the module) instead of
     running it: ``deepspeed.comm`` asks for it when the process group comes up, and the probe compiles a test
-    program for async_io with the system's C compiler, 38 ms of each trainer's start here. On a GPU the probe
+    program for async_io with the system's C compiler, a compiler run in every trainer's start. On a GPU the probe
     queries the device, which the fork server must not touch (a forked child cannot use a CUDA context made
     before the fork): not probed there, the trainers probe as a cold start does. Returns a line for the fork
     server's log."""

@@ -1,6 +1,6 @@
 """Megatron adapter: shardsafe for megatron-core training loops and for Megatron-LM's ``pretrain``.
 
-One module per concept; every name stays importable from ``shardsafe.adapters.megatron``:
+One module per concept; the adapter's public names (``__all__``) are importable from ``shardsafe.adapters.megatron``:
   * :mod:`.state`: :class:`MegatronStateAdapter`, a rank's Megatron state as a ``RankState`` and back,
     in place (``capture``/``apply``), and its functional form ``snapshot_state``/``apply_state``.
   * :mod:`.state_checks`: what is checked before state moves: ``check_supported`` (unsupported setups
@@ -12,22 +12,20 @@ One module per concept; every name stays importable from ``shardsafe.adapters.me
 """
 from __future__ import annotations
 
-from .args import add_arguments, compose_extra_args_provider, config_from_args
+from .args import add_arguments, config_from_args
 from shardsafe.runtime import BaseRuntime
 
 from .core_api import (Protection, Restored, close, default_runtime_factory, protect, protection_of, restore, snapshot,
                        wrap_optimizer_step)
-from .hooks import HookHandle, install_hooks, pretrain, protected_pretrain
+from .hooks import install_hooks, pretrain, protected_pretrain
 from .state import MegatronStateAdapter, SnapshotMismatch, apply_state, snapshot_state
-from .state_checks import (FORMAT, check_supported, leaf_optimizers, megatron_core_version, parity_coordinates,
-                           rank_coordinates)
+from .state_checks import FORMAT, check_supported, parity_coordinates, rank_coordinates
 
 __all__ = [
     "MegatronStateAdapter", "SnapshotMismatch", "BaseRuntime", "Protection", "protect",
     "restore", "snapshot", "close", "Restored", "protection_of",
     "snapshot_state", "apply_state", "rank_coordinates", "parity_coordinates", "check_supported",
     "wrap_optimizer_step", "install_hooks", "pretrain", "add_arguments", "config_from_args", "FORMAT",
-    # public names the single module also had (not in its __all__): importable as before
-    "leaf_optimizers", "megatron_core_version", "default_runtime_factory", "HookHandle", "protected_pretrain",
-    "compose_extra_args_provider",
+    # the runtime wiring docs/megatron.md describes, and the entry the automatic activation calls
+    "default_runtime_factory", "protected_pretrain",
 ]

@@ -2,15 +2,15 @@
  * landed, each piece hashed right after it was copied, while it is still in the core's cache.
  *
  * Why: copying a segment and hashing it afterwards reads the segment from DRAM twice (once to copy, once to
- * hash). On a core of its own the hash then costs about half a copy (measured: a 1 GiB copy 0.055-0.061 s,
- * xxh3 of the same bytes from DRAM 0.035-0.047 s); hashed piece by piece from the cache, xxh3 (AVX2) costs
- * 0.014 s/GiB and adds no DRAM traffic. A piece is small enough to stay in a core's L2 (256 KiB): memcpy
- * writes it with ordinary stores there (glibc switches to non-temporal stores only for copies far larger).
+ * hash). From DRAM the hash is memory-bound and costs a large part of a copy again; hashed piece by piece from
+ * the cache, xxh3 (AVX2) runs several times faster than from DRAM and adds no DRAM traffic. A piece is small
+ * enough to stay in a core's L2 (256 KiB): memcpy writes it with ordinary stores there (glibc switches to
+ * non-temporal stores only for copies far larger).
  *
  * The xxh3 implementation is not compiled in: the caller passes the streaming API (create/reset/update/
  * digest/free) of the library it verified (libxxhash's runtime-dispatched AVX2/AVX-512 build, or
  * python-xxhash's extension), so the digests are that library's, equal to the manifest's xxh3 by
- * construction, and this file needs no xxhash header. Loaded through ctypes (kernels/cpu.py), which releases
+ * construction, and this file needs no xxhash header. Loaded through ctypes (kernels/copy_hash.py), which releases
  * the GIL for the length of a call: one call per segment batch, not per piece.
  */
 #include <stddef.h>

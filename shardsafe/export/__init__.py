@@ -26,15 +26,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# The names of the former single module, importable from here as before (loaded on first use: the DeepSpeed
-# writer is framework glue, in adapters/, and imports this package's sources).
-_WHERE = {
-    **{n: "shardsafe.export.sources" for n in ("ExportError", "RankSnapshot", "open_persistent", "open_holders",
-                                               "open_source")},
-    **{n: "shardsafe.export.replay" for n in ("export_deepspeed_replay", "export_megatron", "cmd_export")},
-    **{n: "shardsafe.adapters.deepspeed.export" for n in ("EXPORT_FORMAT", "export_deepspeed", "apply_client_state",
-                                                   "rank_side_file", "save_rank_side_file")},
-}
+# ``shardsafe.export.apply_client_state``, a public path (docs/architecture.md), loaded on first use: it is the
+# DeepSpeed writer's, framework glue in adapters/ that imports this package's sources. Everything else is imported
+# from its module (:mod:`.sources`, :mod:`.replay`, :mod:`shardsafe.adapters.deepspeed.export`).
+_WHERE = {"apply_client_state": "shardsafe.adapters.deepspeed.export"}
 __all__ = sorted(_WHERE)
 
 

@@ -1,12 +1,13 @@
 """Early open: a restarted trainer maps and verifies its newest held snapshot while it starts up.
 
 Why. A restore verifies every byte of the slot it maps, and the mapping is new: the trainer that made the
-snapshot died with its page tables. Filling them costs ~270 ns per 4 KiB page on this project's VM
-(0.070 s/GiB, more than hashing the same bytes; bench/RESULTS.md), 2-3 s for a 13 GB shard, and the
-checksums read every byte once more before the copy reads them again: with one core per rank verify-then-copy
-is ~1.6x a memcpy, on the critical path of every recovery. The restarted trainer reaches its restore only
-after seconds of other work (the process group, the model, the engine, its optimizer), and none of that needs
-the mapping: this module maps and verifies it then, beside that work, so the restore only copies.
+snapshot died with its page tables. Filling them is a page fault per 4 KiB page (262,144 per GiB, which can
+cost more than hashing the same bytes; seconds for a shard of many GB), and the checksums read every byte once
+more before the copy reads them again: with one core per rank verify-then-copy costs at least a hash plus a
+memcpy of every byte (bench/RESULTS.md "Snapshot and restore at real shard sizes"), on the critical path of every
+recovery. The restarted trainer reaches its restore only after seconds of other work (the process group, the
+model, the engine, its optimizer), and none of that needs the mapping: this module maps and verifies it then,
+beside that work, so the restore only copies.
 
 How. :func:`start`, called as the trainer starts (in the fork server's child before it runs the script, and
 by the automatic activation when DeepSpeed or Megatron-LM loads in a trainer torchrun started itself), opens
@@ -18,19 +19,19 @@ the early verification only when, in addition, the manifest is the same and no w
 since (the holder's ``sealing`` count of the restore's open equals the early open's): then the bytes are the
 ones verified, and the restore skips its own pass over them. A restore that asks while the early open still
 works waits for it (what is left costs it the same either way). In every other case (another version, a
-rebuilt or re-written slot, a problem found early) the restore verifies as before. Verification is as
-complete as before, a few seconds earlier: what it no longer sees is memory that changes without any writer
-in those seconds (a hardware fault ECC did not correct); ``SHARDSAFE_EARLY_OPEN=map`` keeps the verification
-in the restore for who wants that window closed too. A mapping nobody claims is closed after
-:data:`CLAIM_WAIT_S` (it must not keep memory alive that the holder frees), and a process forked from the
+rebuilt or re-written slot, a problem found early) the restore verifies the bytes itself. Verification is as
+complete as the restore's own, only earlier: what it cannot see is memory that changes without any writer
+between the early open and the restore (a hardware fault ECC did not correct); ``SHARDSAFE_EARLY_OPEN=map``
+keeps the verification in the restore for who wants that window closed too. A mapping nobody claims is closed
+after :data:`CLAIM_WAIT_S` (it must not keep memory alive that the holder frees), and a process forked from the
 trainer (a data-loader worker) closes its inherited copy at once.
 
 Only the trainer process opens early, not a process it started (a spawn-mode DataLoader worker imports DeepSpeed
-again): :func:`trainer_process`. Only the environment is read: ``SHARDSAFE_JOB_ID`` and ``RANK`` (set by ``shardsafe launch``, the local
-launcher, the sbatch scripts, torchrun), the node and holder directory as the config's defaults derive them
-(:mod:`.paths`). A trainer whose job id or node comes from its config alone opens its slot in the restore, as
-before. ``SHARDSAFE_EARLY_OPEN``: unset or ``1`` maps and verifies, ``map`` only maps (with ``MAP_POPULATE``),
-``0`` (or ``false``/``off``/``no``) turns it off.
+again): :func:`trainer_process`. Only the environment is read: ``SHARDSAFE_JOB_ID`` and ``RANK`` (set by
+``shardsafe launch``, the local launcher, the sbatch scripts, torchrun), the node and holder directory as the
+config's defaults derive them (:mod:`.paths`). A trainer whose job id or node comes from its config alone opens
+its slot in the restore. ``SHARDSAFE_EARLY_OPEN``: unset or ``1`` maps and verifies, ``map`` only maps (with
+``MAP_POPULATE``), ``0`` (or ``false``/``off``/``no``) turns it off.
 """
 from __future__ import annotations
 

@@ -47,8 +47,9 @@ class ForeignHolder(HolderSecurityError):
     """The process serving a holder socket runs as another user (SO_PEERCRED)."""
 
 
-# What the environment names (the default holder directory, the node) is resolved in shardsafe.env; the holder's
-# paths are built from it here.
+# The parts of a holder's path the environment names (the default holder directory, the node) are resolved in
+# shardsafe.env; the modules that build holder paths (the early open, the CLI, the DeepSpeed prewarm) take them from
+# here, beside the checks.
 default_holder_dir = env.holder_dir
 default_node_name = env.node_name
 private_dir = env.private_dir

@@ -1,19 +1,19 @@
 """Shared-memory segments owned by the holder: memfds, mode 0600, pre-faulted once and reused.
 
-memfd instead of /dev/shm names: nothing to leak when a holder dies (the kernel frees the pages
-when the last fd or mapping goes), nothing another job can open by name, and the fd travels to
-trainers over the holder socket (SCM_RIGHTS). Pages are allocated up front with fallocate so a
-trainer's copy never pays first-touch zero-fill (10x slower than a warm copy on these VMs).
+memfd instead of /dev/shm names: nothing to leak when a holder dies (the kernel frees the pages when the last fd or
+mapping goes), nothing another job can open by name, and the fd travels to trainers over the holder socket
+(SCM_RIGHTS). Pages are allocated up front with fallocate so a trainer's copy never pays first-touch zero-fill (a
+page fault and a zeroed page per 4 KiB: several times the cost of a warm copy).
 
-Huge pages where the node allows them. Whether tmpfs memory (memfds included) comes in 2 MiB pages is the
-kernel's ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` (an administrator's setting; most distros
-ship ``never``). On 4 KiB pages a restore's mapping of 1 GiB is 262144 page-table entries to fill (~22 ms)
-and xxh3 over it runs TLB-bound: measured on this VM at 1 GiB, populate 22 ms -> 0.4 ms and xxh3 115 ms ->
-74 ms with 2 MiB pages, the copy out unchanged (bench/RESULTS.md). With ``within_size``/``always``/``force``
-fallocate already allocates huge pages; with ``advise`` only faults through a mapping marked
-``MADV_HUGEPAGE`` do, so the holder marks its mapping and allocates through it (``MADV_POPULATE_WRITE``,
-which fails with an errno where a touch would SIGBUS the holder on a full node), then fallocates the rest as
-before. A trainer mapping the memfd later gets the huge pages mapped whole (PMD) without marking its own.
+Huge pages where the node allows them. Whether tmpfs memory (memfds included) comes in 2 MiB pages is the kernel's
+``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` (an administrator's setting; most distros ship ``never``). On
+4 KiB pages a restore's mapping of 1 GiB is 262,144 page-table entries to fill, and xxh3 over it runs TLB-bound; on
+2 MiB pages it is 512 entries, the hash is no longer held back by TLB misses, and the copy out is unchanged
+(bench/RESULTS.md, the restore on 2 MiB pages). With ``within_size``/``always``/``force`` fallocate already
+allocates huge pages; with ``advise`` only faults through a mapping marked ``MADV_HUGEPAGE`` do, so the holder marks
+its mapping and allocates through it (``MADV_POPULATE_WRITE``, which fails with an errno where a touch would SIGBUS
+the holder on a full node), then fallocates the rest as in the other modes. A trainer mapping the memfd later gets
+the huge pages mapped whole (PMD) without marking its own.
 """
 from __future__ import annotations
 

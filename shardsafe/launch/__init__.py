@@ -17,9 +17,10 @@
 - :mod:`.errors`      :class:`~.errors.LaunchError` and the commands' exit codes
 - :mod:`.cli`         ``shardsafe launch | agent | control`` (``python -m shardsafe.launch`` too)
 
-Every public name of the former single module ``shardsafe.launch`` (now :mod:`.local`, its shared helpers in
-:mod:`.holders` and :mod:`.signals`) is importable from here, so importers need not change. They load on first
-use (PEP 562), as in :mod:`shardsafe.tor`: trainers and holders import :mod:`.faults`, :mod:`.discovery` or
+The local launcher (:class:`LocalLauncher`, :class:`LaunchConfig`, :class:`LaunchResult`) and the fork server's
+presets (``PRELOAD_DEEPSPEED``, ``PRELOAD_MEGATRON``, ``PRELOAD_HF``, :func:`preload_modules`) are importable from
+here, the path docs/operations.md gives; everything else from its module. They load on first use (PEP 562), as
+in :mod:`shardsafe.tor`: trainers and holders import :mod:`.faults`, :mod:`.discovery` or
 :mod:`.markers` at start without the launchers, and ``python -m shardsafe.launch.prewarm`` runs a module the
 package has not imported yet.
 """
@@ -29,11 +30,8 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "local": ("free_port", "LaunchConfig", "LaunchResult", "trainer_env", "LocalLauncher", "example_command"),
-    "presets": ("PRELOAD_DEEPSPEED", "PRELOAD_MEGATRON", "PRELOAD_HF", "PRESETS", "preload_modules"),
-    "holders": ("budget_problem", "holder_failure", "holder_running", "kill_serving_holder", "holder_budget_env",
-                "holder_env"),
-    "signals": ("SignalStop",),
+    "local": ("LaunchConfig", "LaunchResult", "LocalLauncher"),
+    "presets": ("PRELOAD_DEEPSPEED", "PRELOAD_MEGATRON", "PRELOAD_HF", "preload_modules"),
 }
 _WHERE = {name: mod for mod, names in _LAZY.items() for name in names}
 

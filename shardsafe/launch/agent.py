@@ -252,11 +252,11 @@ def tune_rendezvous_poll(poll_s: float) -> bool:
     ``_delay(seconds=1)`` between reads of the round's state while it waits for the other nodes, and its state
     holder (``_BackendRendezvousStateHolder``, ``cache_duration=1``) serves a cached state for a second before it
     reads the store again. After a failure every agent joins the next round; the round's completion is seen
-    only at a read, so each restart pays up to a second or two of these (measured: bench/RESULTS.md "Kill to the
-    next iteration"). Both become ``poll_s``: only the sleep whose argument is exactly 1 and the cache of state
-    holders created from now on. The random skew torch adds before a node's first join (``_delay(seconds=(0,
+    only at a read, so each restart pays up to a second or two of these (bench/RESULTS.md "Kill to the next
+    iteration, per launcher"). Both become ``poll_s``: only the sleep whose argument is exactly 1 and the cache of
+    state holders created from now on. The random skew torch adds before a node's first join (``_delay(seconds=(0,
     0.3))`` while the state holder still shows round 0) spreads the first writes of many nodes; it also hits
-    the first restart (the first completed round is round 0), where it cost up to 0.3 s per node here. It is
+    the first restart (the first completed round is round 0), where it adds up to 0.3 s. It is
     scaled by ``poll_s`` (seconds): 3 ms for 2 nodes at 10 ms, torch's 0.3 s from 1,000 nodes on. In this
     agent process only; workers are not touched. Returns False (and torch keeps its own polling) if this
     torch's rendezvous has neither hook."""
@@ -347,8 +347,8 @@ def _restart_on_peer_failure(handler: Any, hooks: _AgentHooks) -> None:
 
     torch elastic's agent loop restarts healthy workers, without counting a restart, when the rendezvous
     reports nodes waiting (``num_nodes_waiting() > 0``). The failed node's agent waits first: it stops its
-    own workers, then joins the next round, and only then do the healthy agents see it (measured here:
-    the healthy node's workers got SIGTERM 0.27-0.36 s after the kill, the failed node's 0.06 s after). The
+    own workers, then joins the next round, and only then do the healthy agents see it: their workers' stop
+    waits for the failed agent's whole stop and join instead of running beside it. The
     failed agent also sets ``Keys.failed(attempt)``; counting that as a waiting node starts the healthy
     agents' stop at once, in parallel with the failed agent's, along the path torch already takes."""
     orig = handler.num_nodes_waiting

@@ -6,10 +6,11 @@ controller for multi-host launches (:mod:`.controller`) and ``control notify`` l
 (:mod:`.markers`). ``python -m shardsafe.launch`` parses the same commands without importing the rest of
 shardsafe's CLI (fast enough to call from a SLURM script's polling loop).
 
-Options follow torchrun's names (``--nnodes``, ``--nproc-per-node``, ``--max-restarts``, ``--local-addr``) and
-end in ``-s`` when they take seconds; the former spellings (``--nodes``, ``--hang-timeout``, ``--grace``,
-``--timeout``, ``--monitor-interval``) are accepted as hidden aliases. Every value is checked while parsing, so
-a bad one is one line on stderr and exit code 2 before anything starts (:mod:`shardsafe.cliargs`).
+Options follow torchrun's names (``--nnodes``, ``--nproc-per-node``, ``--max-restarts``, ``--local-addr``) and end
+in ``-s`` when they take seconds; the other spellings (``--nodes``, ``--hang-timeout``, ``--grace``, ``--timeout``,
+``--monitor-interval``) are accepted as hidden aliases, so command lines written with them keep working. Every value
+is checked while parsing, so a bad one is one line on stderr and exit code 2 before anything starts
+(:mod:`shardsafe.cliargs`).
 """
 from __future__ import annotations
 

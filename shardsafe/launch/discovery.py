@@ -284,9 +284,9 @@ def wait_before_store_connect() -> bool:
 
     Why: every rank but 0 opens a c10d ``TCPStore`` client to the server rank 0 starts inside its
     ``init_process_group``. When that server is not listening yet, the client's connect retries after a back-off of
-    about half a second (measured here, torch 2.13: 0.52-0.61 s lost whether the server came up 20 ms or 600 ms
-    after the first try), and forked trainers, which all start within milliseconds of each other, hit it on nearly
-    every restart (DeepSpeed's ``init_distributed``: 0.55 s instead of 0.03 s). A plain TCP probe every 5 ms, made
+    about half a second (lost whole, however soon after the first try the server comes up), and forked trainers,
+    which all start within milliseconds of each other, hit it on nearly every restart, where it is most of
+    DeepSpeed's ``init_distributed``. A plain TCP probe every 5 ms, made
     only when the program creates such a client (``torch.distributed.rendezvous._create_c10d_store``, for a rank
     other than 0) and for at most the store's own timeout, lets torch's first connect succeed; a program that
     never initialises torch.distributed is not touched. Only where torch is already imported (the fork server

@@ -17,21 +17,20 @@ PRELOAD_DEEPSPEED = ("torch", "deepspeed", "torch._dynamo", "deepspeed.runtime.z
                      "shardsafe.adapters.deepspeed.prewarm:remember_cpu_info",
                      "shardsafe.adapters.deepspeed.prewarm:probe_compatible_ops", "shardsafe.runtime",
                      "shardsafe.adapters.deepspeed")
-"""The heavy imports of a DeepSpeed ZeRO trainer before its first step (measured with -X importtime, 1.9 s of
-3.3 s): torch._dynamo comes with torch.optim's first step (torch >= 2.1); DeepSpeed >= 0.18's ZeRO and
+"""The heavy imports of a DeepSpeed ZeRO trainer before its first step (``python -X importtime`` shows them as most
+of its start): torch._dynamo comes with torch.optim's first step (torch >= 2.1); DeepSpeed >= 0.18's ZeRO and
 bf16 optimizers import the Muon optimizer, which compiles its kernels with torch.compile at import
 (a submodule an older DeepSpeed lacks is skipped); DeepSpeed 0.19.8's engine imports its AutoEP layer (and
-with it its Triton ops and MoE modules, 0.03 s) in every ``initialize``. Then what loading one of DeepSpeed's
+with it its Triton ops and MoE modules) in every ``initialize``. Then what loading one of DeepSpeed's
 JIT-built CPU ops costs every trainer (FusedAdam's CPU build is DeepSpeed's default optimizer;
-CPUAdam/Lion/Adagrad under offload): torch's cpp_extension module (it imports setuptools, 0.06 s) and
-py-cpuinfo's answer, asked once for every trainer instead of twice per op each trainer loads (2.3 s per trainer:
-adapters/deepspeed/prewarm.py), and DeepSpeed's op-compatibility probe (a C compiler run, 0.04 s, on the CPU
-accelerator only: on a GPU it queries the device). shardsafe's own runtime last: ~35 modules that
-``initialize`` imported on every restart (0.07 s here, 0.11 s where no bytecode cache is written; they start no
-thread and open nothing at import)."""
+CPUAdam/Lion/Adagrad under offload): torch's cpp_extension module (it imports setuptools) and
+py-cpuinfo's answer, asked once for every trainer instead of twice per op each trainer loads (a Python subprocess
+each time: adapters/deepspeed/prewarm.py), and DeepSpeed's op-compatibility probe (a C compiler run, on the CPU
+accelerator only: on a GPU it queries the device). shardsafe's own runtime last: the few dozen modules that
+``initialize`` would otherwise import on every restart (they start no thread and open nothing at import)."""
 
 PRELOAD_MEGATRON = ("torch", "torch._dynamo", "megatron.core", "shardsafe.runtime", "shardsafe.adapters.megatron")
-"""The heavy imports of a megatron-core trainer (megatron.core alone: ~4 s CPU here), then shardsafe's runtime."""
+"""The heavy imports of a megatron-core trainer (megatron.core alone is seconds of CPU), then shardsafe's runtime."""
 
 PRELOAD_HF = (*PRELOAD_DEEPSPEED, "transformers", "transformers.trainer", "accelerate", "shardsafe.adapters.hf")
 """A Hugging Face ``Trainer`` (or Accelerate) program on DeepSpeed: the DeepSpeed preset, then transformers'

@@ -1,14 +1,13 @@
 """Pre-warmed trainer starts: a fork server that imports the heavy modules once, forks every trainer.
 
-Why: after a failure the restore from the holder takes ~0.1 s, and the restarted trainer then spends
-seconds importing torch, DeepSpeed and torch._dynamo (measured here: 3.1 s CPU per process; every rank
-of the node pays it at once, on 2 cores that is 6 s of wall time for 4 ranks; on a cluster that reads
-site-packages from a shared file system it is tens of seconds). That start-up was the largest part of
-the demo's recovery time (docs/tor.md "startup"). The fork server pays the imports once, before any
-failure, and forks the trainers of every attempt from that warm image: the imported code is shared
-copy-on-write (the server imports with the garbage collector off and freezes its heap, so the trainers'
-collections never write to those pages), and a restart skips straight to the training script
-(bench/restart_bench.py: recovery 0.6 s instead of 8.0 s here).
+Why: after a failure the restore from the holder takes a fraction of a second, and the restarted trainer then spends
+seconds of CPU importing torch, DeepSpeed and torch._dynamo (every rank of the node pays it at once, so where ranks
+outnumber cores the wall time grows with them; on a cluster that reads site-packages from a shared file system it is
+tens of seconds). Started cold, that start-up is the largest part of a recovery (docs/tor.md "startup"). The fork
+server pays the imports once, before any failure, and forks the trainers of every attempt from that warm image: the
+imported code is shared copy-on-write (the server imports with the garbage collector off and freezes its heap, so
+the trainers' collections never write to those pages), and a restart skips straight to the training script
+(bench/RESULTS.md "Restart: trainers forked from a fork server vs cold starts").
 
 The server is a child of the launcher that talks JSON over an anonymous AF_UNIX SOCK_SEQPACKET socket
 pair (private to the launcher: no path, no pickle; one message per datagram, the trainer's stdout and
@@ -522,8 +521,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     req = serve([m.strip() for m in a.preload.split(",") if m.strip()], socket.socket(fileno=a.fd))
     if req is None:
         # The server itself owns nothing that needs an orderly interpreter shutdown (no files of its own, no
-        # device, its children reaped), and tearing down torch and DeepSpeed's modules took ~0.3 s that every
-        # job's end waited for (the launchers wait for the server's exit).
+        # device, its children reaped), and tearing down torch's and DeepSpeed's modules is work that every job's
+        # end would wait for (the launchers wait for the server's exit).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

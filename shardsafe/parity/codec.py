@@ -387,7 +387,7 @@ class Codec(ABC):
 # --- backends --------------------------------------------------------------------------------------
 
 class ReferenceCodec(Codec):
-    """numpy lookup-table codec: the oracle (~0.5 GB/s)."""
+    """numpy lookup-table codec: the oracle (an order of magnitude slower than ISA-L)."""
 
     backend = "reference"
 

@@ -95,7 +95,8 @@ def plan_migration(rank_nodes: list[str], inventories: Mapping[str, Inventory]) 
     """The moves that bring every rank's newest snapshots to its current node (pure, deterministic).
 
     Linear in the slots held (one pass over every inventory, then one over the ranks): it runs on every rank at
-    every restart that found a slot off its rank's node, and a rank x node loop is 2 s at 8k ranks.
+    every restart that found a slot off its rank's node, where a rank x node loop would grow as the square of the
+    job (bench/placement_bench.py compares the two).
 
     Args:
         rank_nodes: the node every rank of the job runs on now, by rank.
@@ -136,9 +137,9 @@ def plan_migration(rank_nodes: list[str], inventories: Mapping[str, Inventory]) 
 
 
 def plan_migration_reference(rank_nodes: list[str], inventories: Mapping[str, Inventory]) -> MigrationPlan:
-    """The spec of :func:`plan_migration`, as it was first written: a loop over ranks x nodes, quadratic (2 s at
-    8k ranks). tests/unit/test_launch_pieces.py holds the two equal over random placements; bench/placement_bench.py
-    times both."""
+    """The spec of :func:`plan_migration`, in its plainest form: a loop over ranks x nodes, quadratic in the job's
+    size, too slow for a restart at scale. tests/unit/test_launch_pieces.py holds the two equal over random
+    placements; bench/placement_bench.py times both."""
     world = len(rank_nodes)
     leader: dict[str, int] = {}
     for r, n in enumerate(rank_nodes):

@@ -1,7 +1,8 @@
 """Placement: which ranks protect each other, and which bytes of whom form each codeword.
 
 Pure python (no torch, no process groups), deterministic, so every rank computes the same plan from
-the same inputs, and fast enough to plan 10k ranks in a few milliseconds.
+the same inputs, and cheap enough that every rank plans the whole job at every start
+(bench/collective_bench.py --parity-groups times it at up to 131,072 ranks).
 
 **Parity groups.** Ranks that hold *different* shards of the *same* model partition are the ones
 whose states are independent and equally sized: the members of one data-parallel (DP) group, i.e.
@@ -46,9 +47,9 @@ def chunk_stride(nbytes: int) -> int:
     """The smallest chunk size >= ``nbytes`` that is safe as the stride of packed fragments.
 
     Encode/rebuild streams k + m fragments at once. When they sit at a stride that is a multiple of
-    a large power of two, every stream maps to the same cache sets and DRAM banks: on the dev box
-    RS(12, 4) through ISA-L ran at 8 GB/s with 32 MiB fragments packed back to back and 15 GB/s
-    with the stride below (RS(6, 2), 8 streams, was unaffected). So the stride is always an odd
+    a large power of two, every stream maps to the same cache sets and DRAM banks, and beyond 8 streams
+    (k + m > 8, e.g. RS(12, 4)) they evict each other: ISA-L then runs at about half the speed it reaches
+    with the stride below (bench/RESULTS.md "Parity codec"). So the stride is always an odd
     multiple of :data:`ALIGN` (stream i starts in L1 set i, for up to 64 streams) and, from
     :data:`STAGGER_FROM` on, an odd multiple of :data:`STAGGER` plus ALIGN (streams also start
     64 KiB apart within a 2 MiB huge page, i.e. on different L2 sets and DRAM banks).

@@ -1,16 +1,15 @@
 """xxh3-64 checksums of payload segments, computed off the GIL: beside the copy, fused with it, or on threads.
 
-Every snapshot is checksummed per ``CHUNK_BYTES`` segment (manifest.py) and every restore verifies every
-segment before a byte is applied. python-xxhash holds the GIL while it hashes: measured here (xxhash 3.8.2,
-a 1 GiB buffer), a Python thread spinning beside ``xxh3_64_intdigest`` made 7% of its free-running progress,
-beside a numpy copy of the same bytes 97%. So the C functions are called through ``ctypes.CDLL``, which
-releases the GIL for the length of a foreign call, from the first library that gives python-xxhash's digests:
+Every snapshot is checksummed per ``CHUNK_BYTES`` segment (manifest.py) and every restore verifies every segment
+before a byte is applied. python-xxhash holds the GIL while it hashes: a Python thread beside ``xxh3_64_intdigest``
+on a large buffer all but stops, where beside a numpy copy of the same bytes (which releases the GIL) it runs at
+nearly full speed. So the C functions are called through ``ctypes.CDLL``, which releases the GIL for the length of a
+foreign call, from the first library that gives python-xxhash's digests:
 
 1. the system's libxxhash (Debian/Ubuntu ``libxxhash0``, RHEL ``xxhash-libs``; ``SHARDSAFE_XXH3_LIB`` names
    another file, ``none`` skips it), through its ``*_dispatch`` entry points where it has them: they pick
-   AVX2 / AVX-512 at run time. Measured on this project's EPYC VM, 1 GiB in pieces that sit in the cache:
-   0.014 s/GiB, against 0.031 s/GiB for python-xxhash's build (SSE2, the x86-64 baseline its wheels are
-   compiled for); from DRAM both are memory-bound (0.046-0.049 s/GiB);
+   AVX2 / AVX-512 at run time: wider vectors than python-xxhash's build (SSE2, the x86-64 baseline its wheels
+   are compiled for), which tells on data in the cache; from DRAM both are memory-bound;
 2. python-xxhash's own extension module, which exports the same C symbols;
 3. python-xxhash's API on the calling thread, under the GIL (said once in the log).
 
@@ -20,12 +19,12 @@ hashes lists of landed segments on a small thread pool (``threads`` from the con
 the node's usable cores divided by its local ranks, at most 8) while the copy goes on, as it does for the GPU's
 D2H copies and for every restore's verification.
 
-A restore reads a slot it has just mapped: its page tables are empty. ``populate=True`` has every hash
-thread fill the page tables of its own segments (``madvise(MADV_POPULATE_READ)``, Linux 5.14+) before it
-hashes them, so that the population, single-threaded in the kernel under ``MAP_POPULATE``, is split over the
-threads like the hashing (measured here, 1 GiB of 4 KiB shmem pages: 20 ms to populate in one call, 45 ms
-when the hash faults the pages in one by one as it reads). Where the advice is refused (older kernels)
-the hash faults the pages in as it reads.
+A restore reads a slot it has just mapped: its page tables are empty. ``populate=True`` has every hash thread fill
+the page tables of its own segments (``madvise(MADV_POPULATE_READ)``, Linux 5.14+) before it hashes them, so that
+the population, single-threaded in the kernel under ``MAP_POPULATE``, is split over the threads like the hashing
+(filling the tables in one call is cheaper than a page fault per 4 KiB page, which is what the hash pays when it
+faults the pages in one by one as it reads). Where the advice is refused (older kernels) the hash faults the pages
+in as it reads.
 """
 from __future__ import annotations
 

@@ -43,8 +43,8 @@ class PeerPayloads:
     @staticmethod
     def pays_off(targets) -> bool:
         """Whether reading the peers' shards from the node's memory beats the framework's collective for the
-        tensors it would fill: only when they live in host memory, where that collective is gloo (measured on
-        CPU: the bf16 all-gather 0.13-0.2 s of a 0.27 s restore, the local casts ~15 ms). On a GPU every
+        tensors it would fill: only when they live in host memory, where that collective is gloo (on CPU the
+        all-gather of the bf16 params is most of a restore, the local casts a small part of it). On a GPU every
         peer's fp32 shard (4 bytes per parameter) would cross PCIe from pageable memory, where the framework's
         all-gather moves the bf16 params (2 bytes per parameter) over NVLink or the network with NCCL."""
         return all(t.device.type == "cpu" for t in targets)

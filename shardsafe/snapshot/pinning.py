@@ -14,9 +14,9 @@ restarted one maps the slot anew, so the mapping is registered here:
   thread would otherwise have selected;
 - unregistered before the mapping closes, after the device has finished reading it.
 
-If registration fails (a driver or device without read-only registration, a locked-memory limit),
-the restore copies from pageable memory as before, and says so once in the log and in the restore's
-notes: the bytes are the same, only slower. Nothing here runs when no live tensor is on a GPU.
+If registration fails (a driver or device without read-only registration, a locked-memory limit), the restore copies
+from pageable memory (the driver's bounce buffers, above), and says so once in the log and in the restore's notes:
+the bytes are the same, only slower. Nothing here runs when no live tensor is on a GPU.
 """
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ class PinnedMapping:
 
 def unmap_later(mm: mmap.mmap) -> None:
     """Close a restore's mapping in a short-lived thread. Unmapping tears its page tables down, and on 4 KiB
-    pages that is not free (1 GiB: 0.043 s on the dev VM, three quarters of a memcpy of the same bytes; 2 MiB
+    pages that is not free (262,144 entries per GiB, of the order of a memcpy of the same bytes; 2 MiB
     pages: 512 entries per GiB): nothing after the restore needs the address space back, so training goes
     on meanwhile instead of waiting for it."""
     def run() -> None:

@@ -76,7 +76,8 @@ def _run_a(rank: int, world: int, run_kw: dict, out: str) -> dict:
               "consumed": tr.counters["consumed_train_samples"]}
     replay = [tr.train_step() for _ in range(M_AFTER)]
     save_tensors(f"{out}/rollback{rank}", _final_state(tr))
-    from shardsafe.adapters.megatron import leaf_optimizers, rank_coordinates
+    from shardsafe.adapters.megatron import rank_coordinates
+    from shardsafe.adapters.megatron.state_checks import leaf_optimizers
     return {"ref": ref, "replay": replay, "rolled": rolled, "gbs": tr.gbs, "opt": type(tr.optimizer).__name__,
             "coords": rank_coordinates(), "chunks": len(tr.model_chunks), "schedule": tr.fb.__name__,
             "leaves": [type(leaf).__name__ for leaf in leaf_optimizers(tr.optimizer)]}

@@ -5,7 +5,8 @@ import sys
 import tempfile
 import uuid
 
-from shardsafe.launch import PRELOAD_DEEPSPEED, PRELOAD_MEGATRON, LaunchConfig, LocalLauncher, trainer_env
+from shardsafe.launch import PRELOAD_DEEPSPEED, PRELOAD_MEGATRON, LaunchConfig, LocalLauncher
+from shardsafe.launch.local import trainer_env
 from shardsafe.launch.prewarm import ForkServer
 from shardsafe.runcheck import read_jsonl
 

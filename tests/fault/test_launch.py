@@ -157,7 +157,7 @@ def _wait_for_iteration(run_dir, proc, timeout_s=240):
 
 def _holders_left(holder_dir, job_id):
     from shardsafe.holder.paths import HolderPaths
-    from shardsafe.launch import holder_running
+    from shardsafe.launch.holders import holder_running
     return [n for n in HolderPaths.list_nodes(str(holder_dir), job_id)
             if holder_running(HolderPaths(str(holder_dir), job_id, n))]
 

@@ -17,7 +17,8 @@ import uuid
 
 import pytest
 
-from shardsafe.launch import PRELOAD_DEEPSPEED, LaunchConfig, free_port
+from shardsafe.launch import PRELOAD_DEEPSPEED, LaunchConfig
+from shardsafe.launch.local import free_port
 from shardsafe.runcheck import compare_runs, losses_by_attempt, read_jsonl
 
 from .helpers import ROOT, launch, restores, trainer_logs

@@ -140,7 +140,8 @@ def test_torchrun_arguments_and_worker_env():
 
 def test_launchers_make_gloo_connect_lazily_unless_the_user_said_otherwise(monkeypatch, tmp_path):
     from shardsafe.collectives import LAZY_GLOO
-    from shardsafe.launch import LaunchConfig, trainer_env
+    from shardsafe.launch import LaunchConfig
+    from shardsafe.launch.local import trainer_env
     o = agent.AgentOptions(node="n0", control="127.0.0.1:1", nnodes="1", nproc_per_node=1, job_id="j")
     cfg = LaunchConfig(nodes=1, nproc_per_node=1, run_dir=str(tmp_path), job_id="j")
     monkeypatch.delenv(LAZY_GLOO, raising=False)

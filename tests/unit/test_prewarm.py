@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from shardsafe.launch import LaunchConfig, LocalLauncher, trainer_env
+from shardsafe.launch import LaunchConfig, LocalLauncher
+from shardsafe.launch.local import trainer_env
 from shardsafe.launch.prewarm import ForkServer, PrewarmError
 
 PROBE = textwrap.dedent("""
