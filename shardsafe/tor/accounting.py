@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from ._checks import _is_num
 from .errors import TorError
 from .attempts import _median, _Run, _assign_failures, _collect_failures, _collect_runs
+from .degraded import assign_sizes, collect_resizes, degraded_report
 from .events import EVENT_KINDS, TIERS, _num_field
 from .model import predict_tor, young_interval
 from .records import CATEGORIES, RECOVERY_PARTS, Attempt, Failure, Segment, TorModel, TorOptions, TorReport
@@ -61,6 +62,9 @@ def compute_tor(events: Iterable[Mapping[str, Any]], *, ideal_iteration_s: float
     # Attempts, failures, and which executions of an iteration the job finally kept.
     failures = _collect_failures(evs, warnings)
     runs = _collect_runs(evs, failures)
+    # Sizes before failures: an attempt the launcher stopped to grow back did not fail.
+    resizes = collect_resizes(evs, warnings)
+    full_dp = assign_sizes(runs, resizes)
     failures = _assign_failures(runs, failures, evs, warnings)
     if not runs:
         warnings.append("no trainer events: nothing was trained, so T_opt = 0")
@@ -70,8 +74,14 @@ def compute_tor(events: Iterable[Mapping[str, Any]], *, ideal_iteration_s: float
     # Phases: a sweep over state changes, so each second gets exactly one label.
     trans, train_end = _transitions(runs, failures, t0, warnings)
     segments = _segments(trans, runs, t0, t1)
-    ideal, ideal_source = _ideal_iteration(opts, runs, limits, warnings)
+    ideal, ideal_source, full_median, full_source = _ideal_iteration(opts, runs, limits, full_dp, warnings)
     tally = _tally(segments, runs, limits, ideal, warnings)
+    degraded = degraded_report(runs, resizes, full_dp, segments, failures, tally.kept_by_run, full_median,
+                               full_source, warnings)
+    if ideal is not None and degraded.lost_s:
+        # The iterations' excess over the ideal is slowdown; the part the reduced size explains is degraded.
+        tally.acc.add("degraded", degraded.lost_s)
+        tally.acc.add("slowdown", -degraded.lost_s)
 
     breakdown = tally.breakdown(t_obs, warnings)
     tor = tally.t_opt / t_obs if t_obs > 0 else None
@@ -79,14 +89,14 @@ def compute_tor(events: Iterable[Mapping[str, Any]], *, ideal_iteration_s: float
         warnings.append(f"TOR {tor:.3f} > 1: iterations ran faster than the ideal iteration time; check it")
     attempts = _attempt_summaries(runs, limits, tally.used_iter, train_end)
     model = _build_model(evs=evs, opts=opts, runs=runs, failures=failures, segments=segments, t_obs=t_obs,
-                         ideal=ideal, slowdown=breakdown["slowdown"])
+                         ideal=ideal, slowdown=breakdown["slowdown"], degraded=breakdown["degraded"])
     return TorReport(
         tor=tor, t_obs=t_obs, t_opt=tally.t_opt, t_start=t0, t_end=t1, ok=ok, iterations=tally.n_iter,
         first_iteration=tally.first_it, last_iteration=tally.last_it, ideal_iteration_s=ideal,
         ideal_source=ideal_source, breakdown=breakdown, failures=failures, attempts=attempts, segments=segments,
         lost_spans=tally.lost_spans, snapshots=sum(len(r.snaps) for r in runs),
         snapshots_skipped=sum(len(r.skipped) for r in runs),
-        flushes=sum(1 for e in evs if e["kind"] == "flush"), model=model, warnings=warnings,
+        flushes=sum(1 for e in evs if e["kind"] == "flush"), model=model, warnings=warnings, degraded=degraded,
         by_class=_by_class(runs, failures, segments, tally.lost_at))
 
 
@@ -210,9 +220,10 @@ def _attempt_transitions(i: int, r: _Run, runs: list[_Run], trans: list[_Trans],
         if not r.failed:
             te = max([tr] + [t for t, _ in r.iters.values()] + [v[0] for v in r.snaps.values()])
             train_end[i] = te
-            add(te, 5, "shutdown")
+            # Stopped to re-form at another size: the job restarts (a grow costs a restart and a restore).
+            add(te, 5, "restart" if r.resized_end else "shutdown")
     elif not r.failed:
-        add(max(cursor, r.last_t), 5, "shutdown")
+        add(max(cursor, r.last_t), 5, "restart" if r.resized_end else "shutdown")
 
 
 def _segments(trans: list[_Trans], runs: list[_Run], t0: float, t1: float) -> list[Segment]:
@@ -231,26 +242,39 @@ def _segments(trans: list[_Trans], runs: list[_Run], t0: float, t1: float) -> li
     return segments
 
 
-def _ideal_iteration(opts: TorOptions, runs: list[_Run], limits: list[float],
-                     warnings: list[str]) -> tuple[float | None, str]:
-    """The ideal seconds per iteration and where it came from (docs/tor.md: T_opt)."""
-    if opts.ideal_iteration_s is not None:
-        return opts.ideal_iteration_s, "argument"
-    clean = [s for r in runs if not r.failed for _, s in r.iters.values()]
-    ideal = _median(clean)
+def _ideal_iteration(opts: TorOptions, runs: list[_Run], limits: list[float], full_dp: int | None,
+                     warnings: list[str]) -> tuple[float | None, str, float | None, str]:
+    """The ideal seconds per iteration and where it came from (docs/tor.md: T_opt); the median seconds of a
+    full-size iteration (what a reduced-size one is compared with; the ideal itself unless it was given) and
+    where that came from.
+    Attempts at a reduced data-parallel size take longer per iteration and never count towards it."""
+    full = [(i, r) for i, r in enumerate(runs) if not r.reduced]
+    measured = _median([s for _, r in full if not r.failed for _, s in r.iters.values()])
     source = "median of iteration.seconds over attempts without failures"
-    if ideal is None:
-        ideal = _median([s for i, r in enumerate(runs) for it, (_, s) in r.iters.items() if it < limits[i]])
-        source = "median of iteration.seconds over kept iterations (every attempt failed)"
-        if ideal is not None:
-            warnings.append("every attempt failed: the ideal iteration time is the median of all kept "
+    if measured is None:
+        measured = _median([s for i, r in full for it, (_, s) in r.iters.items() if it < limits[i]])
+        which = "every full-size attempt" if full_dp is not None else "every attempt"
+        source = f"median of iteration.seconds over kept iterations ({which} failed)"
+        if measured is not None and opts.ideal_iteration_s is None:
+            warnings.append(f"{which} failed: the ideal iteration time is the median of their kept "
                             "iterations; pass --ideal-iteration-s for a firmer T_opt")
-    if ideal is None:
-        return None, "none (no iterations)"
-    if ideal <= 0:
-        warnings.append(f"median iteration time is {ideal} s; pass --ideal-iteration-s")
-        return None, "none (non-positive iteration times)"
-    return ideal, source
+    if measured is None and full_dp is not None:
+        # Nothing ran at full size: assume an iteration at D' takes D/D' of one at D (same batch, fewer ranks).
+        measured = _median([s * r.dp / full_dp for r in runs if r.reduced for _, s in r.iters.values()])
+        source = "median of iteration.seconds x D'/D at reduced size (no full-size iteration; scaling assumed)"
+        if measured is not None and opts.ideal_iteration_s is None:
+            warnings.append("no iteration ran at the full data-parallel size: the ideal iteration time assumes a "
+                            "reduced-size iteration takes D/D' of a full-size one; pass --ideal-iteration-s")
+    if opts.ideal_iteration_s is not None:
+        if measured is None:
+            return opts.ideal_iteration_s, "argument", opts.ideal_iteration_s, "argument (none measured)"
+        return opts.ideal_iteration_s, "argument", measured, source
+    if measured is None:
+        return None, "none (no iterations)", None, ""
+    if measured <= 0:
+        warnings.append(f"median iteration time is {measured} s; pass --ideal-iteration-s")
+        return None, "none (non-positive iteration times)", None, ""
+    return measured, source, measured, source
 
 
 @dataclass
@@ -260,6 +284,7 @@ class _Tally:
     acc: _Acc
     lost_spans: list[tuple[float, float]]
     used_iter: set[tuple[int, int]]
+    kept_by_run: dict[int, int] = field(default_factory=dict)
     lost_at: list[tuple[float, float]] = field(default_factory=list)
     """(end of a failed training segment, its lost_progress seconds): a lost span holds the stall of a kept
     snapshot too, which is snapshot_stall, so the per-class breakdown reads the lost seconds from here."""
@@ -293,6 +318,7 @@ def _tally(segments: list[Segment], runs: list[_Run], limits: list[float], ideal
         work, keep = _tally_training(seg, i, runs[i], limits[i], tally)
         productive.append(work)
         n_kept_exec += len(keep)
+        tally.kept_by_run[i] = tally.kept_by_run.get(i, 0) + len(keep)
         kept_numbers.update(keep)
     outside = sum(len(r.iters) for r in runs) - len(tally.used_iter)
     if outside:
@@ -355,7 +381,7 @@ def _attempt_summaries(runs: list[_Run], limits: list[float], used_iter: set[tup
             restore_seconds=r.restore_seconds, resume_iteration=r.resume,
             first_iteration=its[0] if its else None, last_iteration=its[-1] if its else None,
             kept_iterations=len(kept_its), lost_iterations=len(its) - len(kept_its), snapshots=len(r.snaps),
-            snapshots_skipped=len(r.skipped),
+            snapshots_skipped=len(r.skipped), data_parallel=r.dp,
             progress=sorted((r.iters[it][0], it, kept(it) and (i, it) in used_iter) for it in its),
             snapshot_marks=marks))
     return attempts
@@ -366,7 +392,8 @@ def _attempt_summaries(runs: list[_Run], limits: list[float], used_iter: set[tup
 # ---------------------------------------------------------------------------------------------------------------
 
 def _build_model(*, evs: list[dict[str, Any]], opts: TorOptions, runs: list[_Run], failures: list[Failure],
-                 segments: list[Segment], t_obs: float, ideal: float | None, slowdown: float) -> TorModel:
+                 segments: list[Segment], t_obs: float, ideal: float | None, slowdown: float,
+                 degraded: float) -> TorModel:
     notes: list[str] = []
     n = len(failures)
     if opts.mtbf_s is not None:
@@ -381,10 +408,11 @@ def _build_model(*, evs: list[dict[str, Any]], opts: TorOptions, runs: list[_Run
     rec_total = math.fsum(recovery.values())
     fixed_frac = fixed / t_obs if t_obs > 0 else 0.0
     slow_frac = slowdown / t_obs if t_obs > 0 else 0.0
+    degraded_frac = degraded / t_obs if t_obs > 0 else 0.0
 
     def model(tau: float, c: float, rec: float) -> float:
         return predict_tor(interval_s=tau, snapshot_cost_s=c, mtbf_s=mtbf, recovery_s=rec,
-                           fixed_fraction=fixed_frac, slowdown_fraction=slow_frac)
+                           fixed_fraction=fixed_frac, slowdown_fraction=slow_frac, degraded_fraction=degraded_frac)
 
     predicted = model(interval_s, cost, rec_total) if interval_s and cost is not None else None
     opt_s = opt_it = at_opt = None
@@ -412,10 +440,10 @@ def _build_model(*, evs: list[dict[str, Any]], opts: TorOptions, runs: list[_Run
     return TorModel(
         mtbf_s=mtbf, mtbf_source=mtbf_source, n_failures=n, snapshot_interval_iterations=interval_it,
         snapshot_interval_s=interval_s, snapshot_cost_s=cost, snapshot_copy_s=copy, recovery_s=recovery,
-        fixed_s=fixed, slowdown_fraction=slow_frac, predicted_tor=predicted, optimal_interval_s=opt_s,
-        optimal_interval_iterations=opt_it, predicted_tor_at_optimal=at_opt, baseline_save_s=save,
-        baseline_load_s=load, baseline_source=source, baseline_interval_s=b_s, baseline_interval_iterations=b_it,
-        baseline_tor=b_tor, notes=notes)
+        fixed_s=fixed, slowdown_fraction=slow_frac, degraded_fraction=degraded_frac, predicted_tor=predicted,
+        optimal_interval_s=opt_s, optimal_interval_iterations=opt_it, predicted_tor_at_optimal=at_opt,
+        baseline_save_s=save, baseline_load_s=load, baseline_source=source, baseline_interval_s=b_s,
+        baseline_interval_iterations=b_it, baseline_tor=b_tor, notes=notes)
 
 
 def _to_iters(seconds: float, ideal: float | None) -> int | None:

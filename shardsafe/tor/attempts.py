@@ -44,6 +44,13 @@ class _Run:
     failures: list[Failure] = field(default_factory=list)
     end: float = 0.0
     resume: int | None = None
+    dp: int | None = None
+    """Data-parallel size it ran at (shrink/grow events; None when the job never changed size)."""
+    reduced: bool = False
+    """It ran below the job's full data-parallel size."""
+    resized_end: bool = False
+    """The launcher grew the job back while it ran: it stopped on purpose at its next committed version, not a
+    failure, unless a failure_detected says otherwise."""
 
     @property
     def start(self) -> float:
@@ -166,8 +173,8 @@ def _job_iteration_seconds(r: "_Run") -> None:
 
     Ranks that meet in collectives take turns being late: a rank that finished iteration i-1 early starts i
     early and reports the wait for the others as part of i. The largest seconds of every iteration then add
-    up to more than the wall time the iterations took (here: 12 ms per 100 ms iteration with 4 ranks), which
-    showed up as negative ``other`` and extra ``slowdown``. With one reporting rank the bound never binds
+    up to more than the wall time the iterations took (by the ranks' waits for each other), which would show up
+    as negative ``other`` and extra ``slowdown``. With one reporting rank the bound never binds
     (the gap to the previous iteration holds its seconds plus any time between iterations)."""
     prev = r.train_ready            # the job is ready when its last rank is: the first iteration starts there
     for k, it in enumerate(sorted(r.iters)):
@@ -190,7 +197,7 @@ def _assign_failures(runs: list[_Run], failures: list[Failure], evs: list[dict[s
                    if e["kind"] == "attempt_end" and e.get("attempt") is not None}
     inferred = []
     for i, r in enumerate(runs):
-        if r.failed:
+        if r.failed or r.resized_end:  # a grow stops the attempt on purpose (rc may be a signal): not a failure
             continue
         ae = attempt_end.get(r.key)
         nxt = runs[i + 1].start if i + 1 < len(runs) else math.inf

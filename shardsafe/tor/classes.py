@@ -112,6 +112,12 @@ class Cluster:
     spread: bool = True
     """The placement rule: every parity group has at most one member per rack, so a rack event costs each
     group one member. False: groups are consecutive nodes, so a rack holds min(n, rack_nodes) members."""
+    model_parallel_gpus: int | None = None
+    """GPUs one model replica spans (tensor x pipeline x context parallel); None = one node. The data-parallel
+    size is D = nodes x gpus_per_node // model_parallel_gpus; only the shrink policy reads it."""
+    global_batch: int | None = None
+    """The global batch in micro-batches (global batch size / micro-batch size), a multiple of D: a reduced
+    size D' must divide it to keep the batch. None = any D' (the most the shrink policy can keep)."""
 
     def __post_init__(self) -> None:
         _count("Cluster", "nodes", self.nodes, low=1)
@@ -126,10 +132,26 @@ class Cluster:
         if self.parity_m >= self.group_nodes and self.parity_m > 0:
             raise TorError(f"Cluster(parity_m={self.parity_m}): expected m < group size {self.group_nodes} "
                              "(RS(n-m, m) needs at least one data member); pass a smaller --parity-m")
+        if self.model_parallel_gpus is not None:
+            _count("Cluster", "model_parallel_gpus", self.model_parallel_gpus, low=1)
+        if self.dp < 1:
+            raise TorError(f"Cluster(model_parallel_gpus={self.model_parallel_gpus}): one model replica needs more "
+                             f"GPUs than the job's {self.gpus}; pass a smaller --model-parallel-gpus")
+        if self.global_batch is not None:
+            _count("Cluster", "global_batch", self.global_batch, low=1)
+            if self.global_batch % self.dp:
+                raise TorError(f"Cluster(global_batch={self.global_batch}): expected a multiple of the data-parallel "
+                                 f"size D = {self.dp} (each rank runs global_batch / D micro-batches per step); "
+                                 "pass --global-batch in micro-batches, or leave it out (any D' allowed)")
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel size D: whole model replicas on the job's GPUs."""
+        return self.gpus // (self.model_parallel_gpus or self.gpus_per_node)
 
     @property
     def members_per_rack(self) -> int:
@@ -137,7 +159,7 @@ class Cluster:
         return 1 if self.spread else min(self.group_nodes, self.rack_nodes)
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "gpus": self.gpus, "members_per_rack": self.members_per_rack}
+        return {**asdict(self), "gpus": self.gpus, "members_per_rack": self.members_per_rack, "dp": self.dp}
 
 
 @dataclass(kw_only=True)
@@ -176,6 +198,12 @@ class Costs:
     """Fail-slow onset to detection (straggler detection)."""
     slowdown: float = 0.3
     """Fraction of throughput the whole job loses while one node is slow (it paces every collective)."""
+    shrink_after_s: float = 180.0
+    """Shrink policy: how long the launcher waits for a spare to join before it re-forms the job smaller (the
+    launcher's option of that name; 0 = it never shrinks)."""
+    reshard_restore_s: float = 40.0
+    """Shrink policy: a restore at another data-parallel size, the re-partition included (a shrink, which also
+    rebuilds the lost ranks from parity, and a grow back)."""
     source: str = "defaults"
 
     def __post_init__(self) -> None:

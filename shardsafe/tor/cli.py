@@ -13,6 +13,7 @@ from .events import EVENTS_FILE, read_events
 from . import growth
 from .inputs import costs_from_mapping, load_mapping, measured_costs, rates_from_file, resolve_run_dir
 from .plot import plot_timeline
+from .policy import POLICY_CHOICES, strategies_for
 from .project import DEFAULT_SIM_REPLICAS, DEFAULT_SWEEP_GPUS, SIM_FAILURES_PER_REPLICA, STRATEGIES
 from .report import report_dict, report_text
 from .errors import TorError
@@ -66,6 +67,8 @@ _COST_HELP = {
     "replace_wait_s": "wait for a replacement node when no spare is idle",
     "repair_h": "hours a lost node is away before it is a spare again",
     "slow_detect_s": "fail-slow onset to detection", "slowdown": "fraction of throughput lost while a node is slow",
+    "shrink_after_s": "shrink policy: the launcher's wait for a spare before it re-forms the job smaller",
+    "reshard_restore_s": "shrink policy: a restore at another data-parallel size, the re-partition included",
 }
 
 
@@ -101,6 +104,16 @@ def _add_inputs(p: argparse.ArgumentParser) -> None:
     c.add_argument("--spares", type=_count, default=0, metavar="S", help="idle spare nodes")
     c.add_argument("--no-spread", action="store_true",
                    help="parity groups of consecutive nodes instead of one member per rack (the placement rule)")
+    c.add_argument("--model-parallel-gpus", type=_at_least_one, metavar="MP",
+                   help="GPUs one model replica spans, TP x PP x CP (default: one node); the shrink policy's D' "
+                        "counts whole replicas")
+    c.add_argument("--global-batch", type=_at_least_one, metavar="B",
+                   help="global batch in micro-batches, a multiple of the data-parallel size; a smaller size D' "
+                        "must divide it (default: any D')")
+    pol = p.add_argument_group("policy (docs/tor.md, \"Continuing at a smaller data-parallel size\")")
+    pol.add_argument("--policy", choices=POLICY_CHOICES, default="both",
+                     help="a node loss with no idle spare: wait for a replacement (spares), continue at a smaller "
+                          "data-parallel size until it comes (shrink), or show both side by side (default: both)")
     r = p.add_argument_group("failure rates (default: --profile llama3)")
     r.add_argument("--profile", metavar="NAME", help="a published profile (default: llama3 unless --rates or a "
                                                      "--rate-* flag is given): " + ", ".join(_profile_names()))
@@ -174,7 +187,8 @@ def _build_inputs(args: argparse.Namespace) -> tuple[Cluster, Rates, Costs, dict
     nodes = args.nodes if args.nodes is not None else -(-gpus // args.gpus_per_node)
     cluster = Cluster(nodes=nodes, gpus_per_node=args.gpus_per_node, rack_nodes=args.rack_nodes,
                       group_nodes=args.group_nodes, parity_m=args.parity_m, spares=args.spares,
-                      spread=not args.no_spread)
+                      spread=not args.no_spread, model_parallel_gpus=args.model_parallel_gpus,
+                      global_batch=args.global_batch)
 
     vals: dict[str, float] = {}
     sources = []
@@ -259,7 +273,7 @@ def _cmd_project(args: argparse.Namespace) -> int:
                             simulate_flagged=not args.no_simulate,
                             sim_replicas=args.sim_replicas or DEFAULT_SIM_REPLICAS, sim_seed=args.sim_seed or 0,
                             growth=bench.as_dict(cluster.gpus) if bench else None,
-                            costs_at=bench.costs_at if bench else None)
+                            costs_at=bench.costs_at if bench else None, policy=args.policy)
     except (OSError, ValueError) as e:  # TorError is a ValueError
         return _fail("project", e)
     for n in notes:
@@ -283,7 +297,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         if bench is not None and args.sweep:
             notes.append("--from-bench with --sweep: every scale is simulated with the costs at "
                          f"{cluster.gpus} GPUs (tor project --sweep evaluates them per scale)")
-        strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
+        strategies = strategies_for(args.policy)
+        if args.strategy != "all":
+            if args.strategy not in strategies:
+                raise TorError(f"--strategy {args.strategy} is not shown with --policy {args.policy}; pass "
+                               "--policy both, or another strategy")
+            strategies = (args.strategy,)
         d = simulation_dict(cluster, rates, costs, strategies=strategies, gpus=args.sweep,
                             interval_s=args.interval_s, disk_interval_s=args.disk_interval_s,
                             horizon_s=args.horizon_days * 86400.0, replicas=args.replicas, seed=args.seed,

@@ -24,11 +24,11 @@ from ._checks import _is_num
 from .. import env
 from .errors import TorError
 
-# Under "shardsafe.tor", which operators filter on (the package's other modules log there too).
+# A child of "shardsafe.tor", like the package's other modules: a filter on the package's logger covers them all.
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "EVENTS_FILE", "EVENT_KINDS", "SOURCES", "TIERS", "MAX_LINE_BYTES", "ENV_ATTEMPT", "ENV_NODE", "ENV_JOB_START",
+    "EVENTS_FILE", "EVENT_KINDS", "SOURCES", "TIERS", "MAX_LINE_BYTES", "ENV_JOB_START",
     "EventLog", "NullEventLog", "JsonlTail", "read_events", "check_event",
 ]
 
@@ -38,8 +38,9 @@ MAX_LINE_BYTES = 4096
 SOURCES = ("launcher", "trainer", "holder", "bench")
 TIERS = ("memory", "parity", "persistent")
 
-# Environment the launcher exports to its children; EventLog and RunningTor fill unset fields from it.
-ENV_ATTEMPT, ENV_NODE, ENV_JOB_START = env.ATTEMPT, env.NODE, env.JOB_START_T
+# Environment the launcher exports to its children; EventLog (env.NODE, env.ATTEMPT) and RunningTor (this one)
+# fill unset fields from it.
+ENV_JOB_START = env.JOB_START_T
 
 # kind -> (usual source, fields the accounting reads). The format is specified in docs/tor.md.
 EVENT_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -50,6 +51,11 @@ EVENT_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "failure_detected": ("launcher", ("cause",)),
     "restart": ("launcher", ("attempt",)),
     "prewarm_ready": ("launcher", ("seconds",)),
+    # The job continues at another data-parallel size (docs/tor.md, "Continuing at a smaller data-parallel
+    # size"): written by the launcher when it re-forms the job, before the attempt that runs at to_dp starts.
+    # Attempts that start after it run at to_dp; a shrink follows a failure, a grow is a planned restart.
+    "shrink": ("launcher", ("from_dp", "to_dp")),
+    "grow": ("launcher", ("from_dp", "to_dp")),
     # The fault injector's own record, written by the dying process just before the fault: fills in t_fault of
     # the failure_detected that follows it (the launcher cannot know when a fault really happened).
     "fault_injected": ("trainer", ("fault", "t_fault")),
@@ -142,8 +148,8 @@ class EventLog:
         self.path = self.run_dir / EVENTS_FILE
         self.source = source
         self.rank = rank if rank is not None else (_env_int("RANK") if source == "trainer" else None)
-        self.node = node if node is not None else (env.get(ENV_NODE) or None)
-        self.attempt = attempt if attempt is not None else _env_int(ENV_ATTEMPT, "TORCHELASTIC_RESTART_COUNT")
+        self.node = node if node is not None else (env.get(env.NODE) or None)
+        self.attempt = attempt if attempt is not None else _env_int(env.ATTEMPT, "TORCHELASTIC_RESTART_COUNT")
         self._fd: int | None = None
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -319,10 +325,23 @@ def check_event(ev: Mapping[str, Any]) -> list[str]:
             problems.append(f"{kind}: missing field {f!r}")
     if kind == "restore_end" and ev.get("tier") not in (*TIERS, "none"):
         problems.append(f"restore_end tier={ev.get('tier')!r}: expected one of {', '.join((*TIERS, 'none'))}")
+    if kind in ("shrink", "grow"):
+        problems += _check_resize(kind, ev)
     if kind == "failure_detected" and "t_fault" in ev and ev["t_fault"] is not None and not _is_num(ev["t_fault"]):
         problems.append(f"failure_detected t_fault={ev['t_fault']!r}: expected a time.time() float or null")
     return problems
 
+
+def _check_resize(kind: str, ev: Mapping[str, Any]) -> list[str]:
+    """A shrink goes to a smaller data-parallel size, a grow to a larger one; both sizes are whole ranks."""
+    sizes = [ev.get(f) for f in ("from_dp", "to_dp")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes):
+        return [f"{kind} from_dp={sizes[0]!r} to_dp={sizes[1]!r}: expected data-parallel sizes, ints >= 1"]
+    a, b = sizes
+    if (kind == "shrink") != (b < a) or a == b:
+        return [f"{kind} from_dp={a} to_dp={b}: expected to_dp {'<' if kind == 'shrink' else '>'} from_dp "
+                f"(a {'grow' if kind == 'shrink' else 'shrink'} is the other event kind)"]
+    return []
 
 
 class NullEventLog:

@@ -44,7 +44,7 @@ VOTE_SERIES: dict[str, str] = {
     "vote_tree_last_s": "commit vote per snapshot, hierarchical: the last rank in (the collective alone)",
     "vote_tree_s": "commit vote per snapshot, hierarchical: median over ranks (with the wait for the slowest)",
 }
-# Fitted and shown beside them, used for nothing: the design the hierarchy replaced.
+# Fitted and shown beside them, used for nothing: gloo's ring all-reduce, the bench's baseline for the hierarchy.
 RING_SERIES: dict[str, str] = {
     "vote_ring_last_s": "commit vote per snapshot, gloo's ring (the old design): the last rank in",
     "vote_ring_s": "commit vote per snapshot, gloo's ring (the old design): median over ranks",
@@ -195,7 +195,7 @@ class BenchGrowth:
         self.machine = data.get("machine")
 
     def gives(self, key: str) -> str:
-        """The Costs field series ``key`` gives ('' for none: the old design, or a vote series not used)."""
+        """The Costs field series ``key`` gives ('' for none: the ring baseline, or a vote series not used)."""
         if key in BENCH_COSTS:
             return BENCH_COSTS[key][0]
         return "snapshot_stall_s" if key == self.vote_key else ""

@@ -97,16 +97,25 @@ def resolve_run_dir(path: str | os.PathLike) -> Path:
 def costs_from_report(report: TorReport) -> dict[str, float]:
     """The costs a run measured, as :class:`Costs` fields: the per-failure detection, restart and startup
     (failure-weighted means over the recovered classes of ``report.by_class``), each tier's restore, the stall per
-    snapshot, and the disk baseline's save and load when the run has them. Costs the run did not see (a tier
+    snapshot, and the disk baseline's save and load when the run has them; when it shrank, the launcher's wait
+    before shrinking (taken out of the restart) and the restore at a new size. Costs the run did not see (a tier
     no failure used) are absent: the caller keeps its defaults or flags for those."""
     out: dict[str, float] = {}
     rec = {t: d for t, d in report.by_class.items() if t in TIERS}
     n = sum(d["failures"] for d in rec.values())
+    deg = report.degraded
     if n:
         for part, f in PART_FIELD.items():
             out[f] = math.fsum(d[part] * d["failures"] for d in rec.values()) / n
+        # A shrink's restart held the launcher's wait for a spare, which the projection charges on its own.
+        out["restart_s"] = max(0.0, out["restart_s"] - math.fsum(deg.shrink_waits_s) / n)
     for tier, d in rec.items():
         out[f"restore_{tier}_s"] = d["restore"]
+    if deg.shrink_waits_s:
+        # The run did shrink: a wait measured as 0 (events in the same instant) must not read as "never shrinks".
+        out["shrink_after_s"] = max(1e-3, math.fsum(deg.shrink_waits_s) / len(deg.shrink_waits_s))
+    if deg.resize_restore_s:
+        out["reshard_restore_s"] = math.fsum(deg.resize_restore_s) / len(deg.resize_restore_s)
     m = report.model
     if m.snapshot_cost_s is not None:
         out["snapshot_stall_s"] = m.snapshot_cost_s

@@ -20,8 +20,9 @@ def young_interval(snapshot_cost_s: float, mtbf_s: float) -> float:
 
 
 def predict_tor(*, interval_s: float, snapshot_cost_s: float, mtbf_s: float | None, recovery_s: float = 0.0,
-                fixed_fraction: float = 0.0, slowdown_fraction: float = 0.0) -> float:
-    """TOR = (1 - f - s - (R + tau/2) / M) * tau / (tau + C), clamped at 0 (docs/tor.md, equation (M)).
+                fixed_fraction: float = 0.0, slowdown_fraction: float = 0.0,
+                degraded_fraction: float = 0.0) -> float:
+    """TOR = (1 - f - s - g - (R + tau/2) / M) * tau / (tau + C), clamped at 0 (docs/tor.md, equation (M)).
 
     Args:
         interval_s: tau, productive seconds between snapshots (interval iterations x ideal iteration time).
@@ -31,12 +32,14 @@ def predict_tor(*, interval_s: float, snapshot_cost_s: float, mtbf_s: float | No
             + restore); lost progress is the model's tau/2, not part of R.
         fixed_fraction: f, one-time costs (first startup, shutdown) over T_obs.
         slowdown_fraction: s, time lost to slow iterations over T_obs (fail-slow; measured, not modelled).
+        degraded_fraction: g, throughput lost at a reduced data-parallel size over T_obs (measured, like s).
     """
     _pos("interval_s", interval_s)
     _pos("snapshot_cost_s", snapshot_cost_s, zero_ok=True)
     _pos("mtbf_s", mtbf_s)
     _pos("recovery_s", recovery_s, zero_ok=True)
     failure = 0.0 if mtbf_s is None else (recovery_s + interval_s / 2.0) / mtbf_s
-    tor = (1.0 - fixed_fraction - slowdown_fraction - failure) * interval_s / (interval_s + snapshot_cost_s)
+    lost = fixed_fraction + slowdown_fraction + degraded_fraction + failure
+    tor = (1.0 - lost) * interval_s / (interval_s + snapshot_cost_s)
     return max(0.0, tor)
 

@@ -34,13 +34,16 @@ def plot_timeline(events: Iterable[Mapping[str, Any]], report: TorReport, path: 
     ax, axp = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1.3, 2.0], "hspace": 0.08})
 
     lanes = {"attempts": 3.0, "phases": 2.0, "snapshots": 1.0, "holders": 0.0}
+    full = report.degraded.full_data_parallel
     for k, a in enumerate(report.attempts):
-        color = "#ef9a9a" if a.failed else "#a5d6a7"
+        reduced = full is not None and a.data_parallel is not None and a.data_parallel < full
+        color = "#ef9a9a" if a.failed else ("#90caf9" if reduced else "#a5d6a7")
         ax.broken_barh([(rel(a.start), max(a.end - a.start, 1e-9))], (lanes["attempts"] - 0.35, 0.7),
                        facecolors=color, edgecolors="black", linewidth=0.6)
         tier = f"\n{a.restore_tier} v{a.restore_version}" if a.restore_tier not in (None, "none") else ""
-        ax.text(rel((a.start + a.end) / 2), lanes["attempts"], f"attempt {a.key}{tier}", ha="center", va="center",
-                fontsize=7, clip_on=True)
+        size = f" (D'={a.data_parallel})" if reduced else ""
+        ax.text(rel((a.start + a.end) / 2), lanes["attempts"], f"attempt {a.key}{size}{tier}", ha="center",
+                va="center", fontsize=7, clip_on=True)
     for s in report.segments:
         ax.broken_barh([(rel(s.t0), s.t1 - s.t0)], (lanes["phases"] - 0.35, 0.7),
                        facecolors=_COLORS.get(s.label, "#fdd835"), edgecolors="none")
@@ -92,6 +95,8 @@ def plot_timeline(events: Iterable[Mapping[str, Any]], report: TorReport, path: 
     handles += [Patch(facecolor="#e53935", alpha=0.15, hatch="///", label="lost work"),
                 Patch(facecolor="#2e7d32", label="kept iteration"), Patch(facecolor="#c62828", label="lost iteration"),
                 Patch(facecolor="white", edgecolor="#b71c1c", label="fault (--) / detected (|)")]
+    if report.degraded.periods:
+        handles.append(Patch(facecolor="#90caf9", edgecolor="black", label="attempt at reduced data-parallel size"))
     fig.legend(handles=handles, loc="lower center", ncol=7, fontsize=7, frameon=False)
     fig.subplots_adjust(left=0.08, right=0.98, top=0.93, bottom=0.16)
     out = Path(path)
@@ -102,6 +107,7 @@ def plot_timeline(events: Iterable[Mapping[str, Any]], report: TorReport, path: 
 
 
 _STRATEGY_STYLE = {"shardsafe": ("#1e88e5", "o", "shardsafe (memory + parity)"),
+                   "shardsafe_shrink": ("#00897b", "D", "shardsafe, shrink when no spare is idle"),
                    "memory_only": ("#fb8c00", "s", "memory-only snapshots (no parity)"),
                    "disk": ("#6d4c41", "^", "disk checkpoints")}
 

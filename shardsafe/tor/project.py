@@ -11,9 +11,12 @@ which is equation (M) of the single-run model with the failure term split by cla
 with TOR they sum to 1 exactly. (P) neglects failures during a recovery and assumes Lambda_c D_c << 1: where
 the MTBF approaches the recovery time it is too optimistic, and :mod:`.simulate` gives the value to use.
 
-Three strategies: ``shardsafe`` (holder memory + parity m, persistent tier behind), ``memory_only`` (the same
-with m = 0: every node loss goes to the persistent tier) and ``disk`` (synchronous disk checkpoints at their own
-optimal interval; every failure loads one).
+Four strategies: ``shardsafe`` (holder memory + parity m, persistent tier behind; a node loss with no idle spare
+waits for a replacement), ``shardsafe_shrink`` (the same, but a node loss with no idle spare continues at a
+smaller data-parallel size and grows back when the replacement arrives: :mod:`.shrink`), ``memory_only`` (m = 0:
+every node loss goes to the persistent tier) and ``disk`` (synchronous disk checkpoints at their own optimal
+interval; every failure loads one). The last two wait for a spare, as every system without in-memory resharding
+must.
 """
 from __future__ import annotations
 
@@ -25,14 +28,19 @@ from typing import Any, Callable, Sequence
 from .classes import CLASSES, Cluster, Costs, Rates
 from .errors import TorError
 
-__all__ = ["STRATEGIES", "PARTS", "ClassCost", "Projection", "node_loss_rate", "away_distribution", "p_no_spare", "p_beyond_m",
-           "class_costs", "flush_every", "tor_at", "project", "optimal_interval", "at_scale", "sweep", "recommend",
-           "DEFAULT_SWEEP_GPUS", "FIRST_ORDER_LIMIT", "first_order_note", "closed_point",
+__all__ = ["STRATEGIES", "PARITY_STRATEGIES", "PARTS", "policy_of", "ClassCost", "Projection", "node_loss_rate",
+           "away_distribution", "p_no_spare", "p_beyond_m", "class_costs", "flush_every", "tor_at", "project", "optimal_interval", "at_scale", "sweep", "recommend",
+           "DEFAULT_SWEEP_GPUS", "FIRST_ORDER_LIMIT", "first_order_note", "break_note", "closed_point",
            "DEFAULT_SIM_REPLICAS", "SIM_FAILURES_PER_REPLICA"]
 
-STRATEGIES = ("shardsafe", "memory_only", "disk")
-# Parts of one event's cost, in report order; their sum is the event's wall-time cost D_c.
-PARTS = ("detection", "restart", "startup", "restore", "replacement_wait", "lost_work", "slowdown")
+STRATEGIES = ("shardsafe", "shardsafe_shrink", "memory_only", "disk")
+# The strategies with parity m (the others have none).
+PARITY_STRATEGIES = ("shardsafe", "shardsafe_shrink")
+# Parts of one event's cost, in report order; their sum is the event's wall-time cost D_c. `degraded` is the
+# throughput lost at a reduced data-parallel size, `grow` the restart and restore that return to full size
+# (both only under the shrink policy); `replacement_wait` under it is the launcher's wait before it shrinks.
+PARTS = ("detection", "restart", "startup", "restore", "replacement_wait", "lost_work", "slowdown", "degraded",
+         "grow")
 DEFAULT_SWEEP_GPUS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 100000)
 _TAU_MIN_S, _TAU_MAX_S = 1.0, 30 * 86400.0
 # Beyond this share of the wall time taken by failures, (P) is off by more than ~0.01 TOR (measured against the
@@ -40,8 +48,8 @@ _TAU_MIN_S, _TAU_MAX_S = 1.0, 30 * 86400.0
 # (:mod:`.projection_report`) replaces (P) by the simulator's value there.
 FIRST_ORDER_LIMIT = 0.1
 DEFAULT_SIM_REPLICAS = 16
-"""Replicas per simulated point of ``tor project`` (``--sim-replicas``): the default 8-scale sweep simulates
-its 11 points past the limit in ~10-20 s on two cores; the CI shrinks as 1/sqrt(replicas)."""
+"""Replicas per simulated point of ``tor project`` (``--sim-replicas``): the default 8-scale sweep simulates its
+points past the limit in seconds, not minutes; the CI shrinks as 1/sqrt(replicas)."""
 SIM_FAILURES_PER_REPLICA = 400
 """The horizon of a simulated point: whole days holding about this many job failures per replica (so every
 point costs about the same and its CI stays a few 0.001 TOR), and at least 4 x ``repair_h``."""
@@ -60,6 +68,11 @@ class ClassCost:
     """Expected seconds per event by :data:`PARTS` (tier-weighted)."""
     p_no_spare: float = 0.0
     p_beyond_m: float = 0.0
+    p_shrink: float = 0.0
+    """Shrink policy: probability that an event of this class shrinks the job (no idle spare, and it can)."""
+    degraded_wall_s: float = 0.0
+    """Shrink policy: expected wall seconds per event at the reduced size (``parts["degraded"]`` is what they
+    lose: 1 - D'/D of them)."""
 
     @property
     def seconds(self) -> float:
@@ -89,6 +102,8 @@ class Projection:
     stall_fraction: float
     classes: dict[str, ClassCost] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    shrink: dict[str, Any] | None = None
+    """Shrink policy: the sizes it shrinks to and its degraded shares (:func:`shardsafe.tor.shrink.shrink_info`)."""
 
     @property
     def failure_fraction(self) -> float:
@@ -96,9 +111,21 @@ class Projection:
         return math.fsum(cc.fraction for cc in self.classes.values())
 
     @property
+    def second_order(self) -> float:
+        """What (P) neglects, to second order: F^2/2 for failures taking F of the wall time (one failing during
+        another's recovery), plus, under the shrink policy, W x L for W of the wall time at reduced size losing
+        L of it (a loss while degraded is charged the reduced throughput again)."""
+        extra = 0.0
+        if self.shrink:
+            extra = self.shrink["degraded_wall_fraction"] * self.shrink["degraded_fraction"]
+        return self.failure_fraction ** 2 / 2.0 + extra
+
+    @property
     def first_order_ok(self) -> bool:
-        """Whether (P) holds here to ~0.01 TOR: failures take at most :data:`FIRST_ORDER_LIMIT` of the wall time."""
-        return self.failure_fraction <= FIRST_ORDER_LIMIT
+        """Whether (P) holds here to ~0.01 TOR: what it neglects stays within what failures taking
+        :data:`FIRST_ORDER_LIMIT` of the wall time leave out (so, without the shrink policy: failures take at most
+        that share)."""
+        return self.failure_fraction <= FIRST_ORDER_LIMIT and self.second_order <= FIRST_ORDER_LIMIT ** 2 / 2.0
 
     @property
     def tor_upper_bound(self) -> float:
@@ -120,11 +147,12 @@ class Projection:
             "spares": self.spares, "interval_s": self.interval_s, "stall_s": self.stall_s,
             "young_interval_s": self.young_interval_s, "persist_interval_s": self.persist_interval_s,
             "mtbf_s": self.mtbf_s, "tor": self.tor, "failure_fraction": self.failure_fraction,
-            "breakdown": self.breakdown(),
+            "breakdown": self.breakdown(), "policy": "shrink" if self.strategy == "shardsafe_shrink" else "spares",
             "classes": {c: {"per_hour": cc.per_hour, "tiers": cc.tiers, "seconds_per_event": cc.seconds,
                             "parts_s": cc.parts, "fraction": cc.fraction, "p_no_spare": cc.p_no_spare,
-                            "p_beyond_m": cc.p_beyond_m} for c, cc in self.classes.items()},
-            "notes": list(self.notes),
+                            "p_beyond_m": cc.p_beyond_m, "p_shrink": cc.p_shrink,
+                            "degraded_wall_s": cc.degraded_wall_s} for c, cc in self.classes.items()},
+            "notes": list(self.notes), "shrink": self.shrink,
         }
 
 
@@ -212,7 +240,8 @@ def flush_every(costs: Costs, interval_s: float) -> int:
 
 def _recovery_parts(costs: Costs, restore_s: float, wait_s: float, lost_s: float) -> dict[str, float]:
     return {"detection": costs.detect_s, "restart": costs.restart_s, "startup": costs.startup_s,
-            "restore": restore_s, "replacement_wait": wait_s, "lost_work": lost_s, "slowdown": 0.0}
+            "restore": restore_s, "replacement_wait": wait_s, "lost_work": lost_s, "slowdown": 0.0,
+            "degraded": 0.0, "grow": 0.0}
 
 
 def _mix(paths: Sequence[tuple[float, dict[str, float]]]) -> dict[str, float]:
@@ -225,6 +254,9 @@ def class_costs(strategy: str, cluster: Cluster, rates: Rates, costs: Costs, *, 
     ``disk``: the checkpoint interval) with ``stall_s`` per snapshot (docs/tor.md, table of recovery paths)."""
     if strategy not in STRATEGIES:
         raise TorError(f"strategy={strategy!r}: expected one of {', '.join(STRATEGIES)}")
+    if strategy == "shardsafe_shrink":
+        from .shrink import shrink_class_costs   # it builds on this module's pieces
+        return shrink_class_costs(cluster, rates, costs, interval_s=interval_s, stall_s=stall_s)
     tau, c = interval_s, stall_s
     lost_snap = (tau + c) / 2.0                      # wall time since the last committed snapshot, on average
     m = cluster.parity_m if strategy == "shardsafe" else 0
@@ -339,17 +371,23 @@ def project(strategy: str, cluster: Cluster, rates: Rates, costs: Costs, *, inte
     fail = math.fsum(x.fraction for x in cc.values())
     tor = (1.0 - fail) * tau / (tau + c)
     lam = cluster.nodes * rates.total() / 3600.0
-    notes = []
-    if fail > FIRST_ORDER_LIMIT:
-        notes.append(first_order_note(fail))
-    if tor < 0:
-        notes.append("failures cost more than the wall time: the job makes no progress; TOR clamped at 0")
-    return Projection(
+    notes: list[str] = []
+    info = None
+    if strategy == "shardsafe_shrink":
+        from .shrink import shrink_info
+        info = shrink_info(cluster, costs, cc, notes)
+    p = Projection(
         strategy=strategy, gpus=cluster.gpus, nodes=cluster.nodes,
-        parity_m=cluster.parity_m if strategy == "shardsafe" else 0, spares=cluster.spares, interval_s=tau,
+        parity_m=cluster.parity_m if strategy in PARITY_STRATEGIES else 0, spares=cluster.spares, interval_s=tau,
         stall_s=c, young_interval_s=math.sqrt(2.0 * c / lam), mtbf_s=1.0 / lam,
         persist_interval_s=None if strategy == "disk" else flush_every(costs, tau) * tau,
-        tor=max(0.0, tor), stall_fraction=(1.0 - fail) * c / (tau + c), classes=cc, notes=notes)
+        tor=max(0.0, tor), stall_fraction=(1.0 - fail) * c / (tau + c), classes=cc, notes=notes, shrink=info)
+    note = break_note(p)
+    if note:
+        notes.insert(0, note)
+    if tor < 0:
+        notes.append("failures cost more than the wall time: the job makes no progress; TOR clamped at 0")
+    return p
 
 
 def first_order_note(fail: float, simulated: str | None = None) -> str:
@@ -363,11 +401,32 @@ def first_order_note(fail: float, simulated: str | None = None) -> str:
     return head + f"TOR here is the simulator's, {simulated}"
 
 
+def break_note(p: Projection, simulated: str | None = None) -> str | None:
+    """Why (P) does not hold at ``p`` (None where it does): failures take too much of the wall time
+    (:func:`first_order_note`), or the shrink policy's degraded periods overlap too often; with ``simulated``,
+    says that the value shown is the simulator's."""
+    if p.failure_fraction > FIRST_ORDER_LIMIT:
+        return first_order_note(p.failure_fraction, simulated)
+    if p.first_order_ok or not p.shrink:
+        return None
+    wall, lost = p.shrink["degraded_wall_fraction"], p.shrink["degraded_fraction"]
+    head = (f"the job runs at reduced size {100 * wall:.0f}% of the wall time and loses {100 * lost:.1f}% there: "
+            "(P) charges a node loss while degraded the reduced throughput again, off by ~their product; ")
+    if simulated is None:
+        return head + "use `shardsafe tor simulate` for this point"
+    return head + f"TOR here is the simulator's, {simulated}"
+
+
 def at_scale(cluster: Cluster, gpus: int) -> Cluster:
-    """The same cluster at ``gpus`` GPUs: nodes rounded up, spares scaled with the node count (same fraction)."""
+    """The same cluster at ``gpus`` GPUs: nodes rounded up, spares scaled with the node count (same fraction),
+    the global batch with the data-parallel size (the same micro-batches per rank)."""
     nodes = max(cluster.group_nodes, math.ceil(gpus / cluster.gpus_per_node))
     spares = math.ceil(cluster.spares * nodes / cluster.nodes)
-    return dataclasses.replace(cluster, nodes=nodes, spares=spares)
+    batch = cluster.global_batch
+    if batch is not None:
+        dp = nodes * cluster.gpus_per_node // (cluster.model_parallel_gpus or cluster.gpus_per_node)
+        batch = batch // cluster.dp * max(1, dp)
+    return dataclasses.replace(cluster, nodes=nodes, spares=spares, global_batch=batch)
 
 
 def sweep(cluster: Cluster, rates: Rates, costs: Costs, gpus: Sequence[int] = DEFAULT_SWEEP_GPUS,
@@ -400,10 +459,11 @@ def closed_point(p: Projection) -> dict[str, Any]:
 
 
 def recommend(cluster: Cluster, rates: Rates, costs: Costs, target_tor: float, *,
-              max_m: int = 3, refine: Callable[[Cluster, Projection], dict[str, Any]] | None = None
-              ) -> dict[str, Any]:
-    """The cheapest shardsafe setup reaching ``target_tor``: the smallest m, then the fewest spares, each at the
-    optimal interval. Spares are tried from 0 up to the number that makes a wait for a node rare (P < 1e-3);
+              max_m: int = 3, refine: Callable[[Cluster, Projection], dict[str, Any]] | None = None,
+              strategy: str = "shardsafe") -> dict[str, Any]:
+    """The cheapest setup of ``strategy`` (``shardsafe`` or ``shardsafe_shrink``) reaching ``target_tor``: the
+    smallest m, then the fewest spares, each at the optimal interval. Spares are tried from 0 up to the number
+    that makes a wait for a node rare (P < 1e-3);
     more spares than that buy nothing. Returns the setup, or the best reachable one with ``reached: False``.
 
     ``refine(cluster, projection)`` gives the better value where (P) breaks (``{"tor", "tor_source", "ci95",
@@ -424,18 +484,23 @@ def recommend(cluster: Cluster, rates: Rates, costs: Costs, target_tor: float, *
     for m in range(0, min(max_m, cluster.group_nodes - 1) + 1):
         for spares in _spare_steps(cap):
             cl = dataclasses.replace(cluster, parity_m=m, spares=spares)
-            p = project("shardsafe", cl, rates, costs)
+            p = project(strategy, cl, rates, costs)
             cand = {"parity_m": m, "spares": spares, "interval_s": p.interval_s, **value(cl, p),
                     "p_no_spare": p.classes["node"].p_no_spare, "p_beyond_m": p.classes["node"].p_beyond_m}
             if best is None or cand["tor"] > best[0]["tor"] + 1e-12:
                 best = (cand, cl, p)
             if cand["tor"] >= target_tor:
-                return {**cand, "target_tor": target_tor, "reached": True}
+                return {**cand, "target_tor": target_tor, "reached": True, "policy": policy_of(strategy)}
     assert best is not None
     cand, cl, p = best
     if cand["tor_source"] == "closed" and refine is not None and not p.first_order_ok:
         cand = {**cand, **value(cl, p, force=True)}    # report the better value of the best one found
-    return {**cand, "target_tor": target_tor, "reached": cand["tor"] >= target_tor}
+    return {**cand, "target_tor": target_tor, "reached": cand["tor"] >= target_tor, "policy": policy_of(strategy)}
+
+
+def policy_of(strategy: str) -> str:
+    """What a strategy does about a node loss with no idle spare: ``shrink`` or wait (``spares``)."""
+    return "shrink" if strategy == "shardsafe_shrink" else "spares"
 
 
 def _spares_for(cluster: Cluster, rates: Rates, costs: Costs, p: float) -> int:

@@ -12,13 +12,15 @@ from typing import Any
 from ._checks import _pos
 from .errors import TorError
 
-__all__ = ["CATEGORIES", "RECOVERY_PARTS", "TorOptions", "Failure", "Segment", "Attempt", "TorModel", "TorReport"]
+__all__ = ["CATEGORIES", "RECOVERY_PARTS", "TorOptions", "Failure", "Segment", "Attempt", "DegradedPeriod",
+           "Degraded", "TorModel", "TorReport"]
 
-# Breakdown of T_obs - T_opt, in report order. `shutdown` (after the last kept iteration) is not in the
-# issue's list but is real, one-time wall time; without it `other` would not stay small.
+# Breakdown of T_obs - T_opt, in report order. `shutdown` (after the last kept iteration) is real, one-time wall
+# time; without it `other` would not stay small. `degraded` is the
+# throughput lost while the job ran at a reduced data-parallel size (after a shrink, until it grew back).
 CATEGORIES = (
     "startup", "detection", "restart", "restore_memory", "restore_parity", "restore_persistent",
-    "lost_progress", "snapshot_stall", "slowdown", "shutdown", "other",
+    "lost_progress", "snapshot_stall", "slowdown", "degraded", "shutdown", "other",
 )
 _RESTORE_CATS = ("restore_memory", "restore_parity", "restore_persistent")
 # One failure's cost, as the per-class breakdown of the report and the projection count it.
@@ -95,9 +97,62 @@ class Attempt:
     lost_iterations: int = 0
     snapshots: int = 0
     snapshots_skipped: int = 0
+    data_parallel: int | None = None
+    """The data-parallel size it ran at (from the launcher's shrink/grow events); None when the run never
+    changed size."""
     # For the plot only (not in report_dict): (t, iteration, kept) and (t, version, stall_s, kept).
     progress: list[tuple[float, int, bool]] = field(default_factory=list, repr=False)
     snapshot_marks: list[tuple[float, int, float, bool]] = field(default_factory=list, repr=False)
+
+
+@dataclass(kw_only=True)
+class DegradedPeriod:
+    """One attempt that trained at a reduced data-parallel size (docs/tor.md, "Continuing at a smaller
+    data-parallel size"). Times are time.time() seconds."""
+
+    attempt: Any
+    data_parallel: int
+    full_data_parallel: int
+    t0: float
+    t1: float
+    wall_s: float
+    """Seconds of its training phases (the wall time at the reduced size)."""
+    kept_iterations: int
+    iteration_s: float | None
+    """Median seconds of an iteration at this size (every attempt at this size)."""
+    lost_s: float
+    """Its part of the breakdown's ``degraded``: kept iterations x (iteration_s - full-size iteration_s)."""
+
+    @property
+    def throughput_assumed(self) -> float:
+        """D'/D: what the projection assumes (the same global batch spread over fewer ranks)."""
+        return self.data_parallel / self.full_data_parallel
+
+
+@dataclass(kw_only=True)
+class Degraded:
+    """The run's time at reduced data-parallel size; empty (no periods) when it never shrank."""
+
+    full_data_parallel: int | None = None
+    shrinks: int = 0
+    grows: int = 0
+    full_iteration_s: float | None = None
+    """Median seconds of a full-size iteration, what a reduced-size iteration is compared with."""
+    full_iteration_source: str = ""
+    periods: list[DegradedPeriod] = field(default_factory=list)
+    resize_restore_s: list[float] = field(default_factory=list)
+    """Restore seconds of each attempt that started at a new size (the re-partition included)."""
+    shrink_waits_s: list[float] = field(default_factory=list)
+    """Per shrink, seconds from the failure's detection to the shrink: the launcher's wait for a spare (inside
+    the breakdown's ``restart``)."""
+
+    @property
+    def wall_s(self) -> float:
+        return sum(p.wall_s for p in self.periods)
+
+    @property
+    def lost_s(self) -> float:
+        return sum(p.lost_s for p in self.periods)
 
 
 @dataclass(kw_only=True)
@@ -114,6 +169,7 @@ class TorModel:
     recovery_s: dict[str, float]
     fixed_s: float
     slowdown_fraction: float
+    degraded_fraction: float
     predicted_tor: float | None
     optimal_interval_s: float | None
     optimal_interval_iterations: int | None
@@ -152,6 +208,8 @@ class TorReport:
     flushes: int
     model: TorModel
     warnings: list[str] = field(default_factory=list)
+    degraded: Degraded = field(default_factory=Degraded)
+    """Shrinks, grows and the attempts that ran at a reduced data-parallel size."""
     by_class: dict[str, dict[str, float]] = field(default_factory=dict)
     """The run's own failures by the tier that recovered them (memory = a process failure, parity = a node
     loss, persistent = beyond m, none = not recovered): ``failures`` and mean seconds per failure of each

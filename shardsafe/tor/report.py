@@ -36,7 +36,8 @@ def report_dict(report: TorReport) -> dict[str, Any]:
                   "snapshot_interval_s": _r(m.snapshot_interval_s), "snapshot_cost_s": _r(m.snapshot_cost_s),
                   "snapshot_copy_s": _r(m.snapshot_copy_s),
                   "recovery_per_failure_s": {k: _r(v) for k, v in m.recovery_s.items()},
-                  "fixed_s": _r(m.fixed_s), "slowdown_fraction": _r(m.slowdown_fraction), "notes": list(m.notes)},
+                  "fixed_s": _r(m.fixed_s), "slowdown_fraction": _r(m.slowdown_fraction),
+                  "degraded_fraction": _r(m.degraded_fraction), "notes": list(m.notes)},
         "snapshots": report.snapshots, "snapshots_skipped": report.snapshots_skipped, "flushes": report.flushes,
         "failures": [{"t_fault": rel(f.t_fault), "t_detect": rel(f.t_detect), "cause": f.cause, "rank": f.rank,
                       "node": f.node, "attempt": f.attempt, "synthesized": f.synthesized} for f in report.failures],
@@ -45,13 +46,57 @@ def report_dict(report: TorReport) -> dict[str, Any]:
                       "restore_seconds": _r(a.restore_seconds), "resume_iteration": a.resume_iteration,
                       "first_iteration": a.first_iteration, "last_iteration": a.last_iteration,
                       "kept_iterations": a.kept_iterations, "lost_iterations": a.lost_iterations,
-                      "snapshots": a.snapshots, "snapshots_skipped": a.snapshots_skipped} for a in report.attempts],
+                      "snapshots": a.snapshots, "snapshots_skipped": a.snapshots_skipped,
+                      "data_parallel": a.data_parallel} for a in report.attempts],
+        "degraded": _degraded_dict(report, rel),
         "segments": [[rel(s.t0), rel(s.t1), s.label, s.attempt] for s in report.segments],
         "lost_spans": [[rel(a), rel(b)] for a, b in report.lost_spans],
         "by_class": {t: {k: (v if k == "failures" else _r(v)) for k, v in d.items()}
                      for t, d in report.by_class.items()},
         "warnings": list(report.warnings),
     }
+
+
+def _degraded_dict(report: TorReport, rel: Any) -> dict[str, Any]:
+    d = report.degraded
+    full = d.full_iteration_s
+
+    def throughput(p: Any) -> float | None:
+        return _r(full / p.iteration_s) if full and p.iteration_s else None
+
+    return {"full_data_parallel": d.full_data_parallel, "shrinks": d.shrinks, "grows": d.grows,
+            "wall_s": _r(d.wall_s), "lost_s": _r(d.lost_s), "full_iteration_s": _r(full),
+            "full_iteration_source": d.full_iteration_source,
+            "resize_restore_s": [_r(x) for x in d.resize_restore_s],
+            "shrink_waits_s": [_r(x) for x in d.shrink_waits_s],
+            "periods": [{"attempt": p.attempt, "data_parallel": p.data_parallel, "t0": rel(p.t0), "t1": rel(p.t1),
+                         "wall_s": _r(p.wall_s), "kept_iterations": p.kept_iterations,
+                         "iteration_s": _r(p.iteration_s), "throughput": throughput(p),
+                         "throughput_assumed": _r(p.throughput_assumed), "lost_s": _r(p.lost_s)}
+                        for p in d.periods]}
+
+
+def _degraded_lines(report: TorReport) -> list[str]:
+    """The attempts at a reduced data-parallel size, what an iteration took there, and what that lost."""
+    d = report.degraded
+    if d.full_data_parallel is None:
+        return []
+    lines = [f"  data-parallel size: {d.shrinks} shrink(s), {d.grows} grow(s); full size D = {d.full_data_parallel}"
+             f", {_fmt(d.full_iteration_s, ' s', 4)} per iteration ({d.full_iteration_source})"]
+    for p in d.periods:
+        it = _fmt(p.iteration_s, " s", 4)
+        tp = (f"throughput {d.full_iteration_s / p.iteration_s:.3f}" if d.full_iteration_s and p.iteration_s
+              else "throughput n/a")
+        lines.append(f"    attempt {p.attempt} at D' = {p.data_parallel}: {p.wall_s:.3f} s training, "
+                     f"{p.kept_iterations} kept iteration(s) of {it}: {tp} (D'/D {p.throughput_assumed:.3f}), "
+                     f"degraded {p.lost_s:.3f} s")
+    if d.resize_restore_s:
+        lines.append("    restore at a new size (re-partition included): "
+                     + ", ".join(f"{x:.3f} s" for x in d.resize_restore_s))
+    if d.shrink_waits_s:
+        lines.append("    wait for a spare before shrinking (detection to shrink, inside restart): "
+                     + ", ".join(f"{x:.3f} s" for x in d.shrink_waits_s))
+    return lines + [""]
 
 
 def _fmt(x: float | None, unit: str = " s", nd: int = 3) -> str:
@@ -77,8 +122,9 @@ def report_text(report: TorReport) -> str:
         pct = 100.0 * v / report.t_obs if report.t_obs > 0 else 0.0
         lines.append(f"    {c:<24}{v:>12.3f}{pct:>13.2f}%")
     lines.append("")
+    lines.extend(_degraded_lines(report))
     lines.extend(_by_class_lines(report))
-    lines.append("  TOR model (docs/tor.md):  TOR = (1 - f - s - (R + tau/2)/M) * tau/(tau + C)")
+    lines.append("  TOR model (docs/tor.md):  TOR = (1 - f - s - g - (R + tau/2)/M) * tau/(tau + C)")
     mt = "n/a" if m.mtbf_s is None else f"{m.mtbf_s:.3f} s ({m.mtbf_source}, {m.n_failures} failure(s))"
     lines.append(f"    M   MTBF                    {mt}")
     tau = (f"{m.snapshot_interval_iterations} it = {_fmt(m.snapshot_interval_s)}"
@@ -90,7 +136,7 @@ def report_text(report: TorReport) -> str:
     lines.append(f"    R   recovery per failure    {rec} = {math.fsum(m.recovery_s.values()):.3f} s")
     fixed_pct = 100 * m.fixed_s / report.t_obs if report.t_obs else 0.0
     lines.append(f"    f   one-time costs          {m.fixed_s:.3f} s = {fixed_pct:.2f}% of T_obs;  "
-                 f"s slowdown {100 * m.slowdown_fraction:.2f}%")
+                 f"s slowdown {100 * m.slowdown_fraction:.2f}%;  g degraded {100 * m.degraded_fraction:.2f}%")
     obs = _fmt(report.tor, "", 4)
     lines.append(f"    predicted TOR               {_fmt(m.predicted_tor, '', 4)}   (observed {obs})")
     if m.optimal_interval_s is not None:

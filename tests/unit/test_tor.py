@@ -16,8 +16,12 @@ import zlib
 import pytest
 
 from shardsafe import tor
-from shardsafe.tor import (CATEGORIES, EventLog, NullEventLog, RunningTor, TorError, compute_tor, predict_tor,
-                           read_events, report_dict, report_text, young_interval)
+from shardsafe.tor import EventLog, RunningTor, compute_tor, read_events, report_dict, report_text
+from shardsafe.tor import cli as tor_cli, events as tor_events
+from shardsafe.tor.errors import TorError
+from shardsafe.tor.events import NullEventLog
+from shardsafe.tor.model import predict_tor, young_interval
+from shardsafe.tor.records import CATEGORIES
 
 SRC = {"job_start": "launcher", "job_end": "launcher", "attempt_start": "launcher", "attempt_end": "launcher",
        "failure_detected": "launcher", "restart": "launcher", "holder_start": "holder", "holder_stop": "holder",
@@ -373,7 +377,7 @@ def random_trace(seed):
         exp["startup"] += d
         fault = None
         if attempt > 0:
-            tier = rng.choice(tor.TIERS)
+            tier = rng.choice(tor_events.TIERS)
             ev.append(E(t, "restore_start", attempt, tier=tier))
             d = rng.uniform(0.1, 2.0)
             if fails_left and rng.random() < 0.2:  # dies while restoring
@@ -553,7 +557,8 @@ def test_report_text_names_every_category():
 def test_plot_file_written_and_non_trivial(tmp_path):
     ev = one_failure_trace() + [E(12.0, "flush", version=5, seconds=0.4, bytes=10)]
     rep = compute_tor(ev)
-    out = tor.plot_timeline(ev, rep, tmp_path / "timeline.png")
+    from shardsafe.tor.plot import plot_timeline
+    out = plot_timeline(ev, rep, tmp_path / "timeline.png")
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
     import matplotlib.image as mpimg
@@ -604,7 +609,7 @@ def test_emit_sanitises_and_truncates(tmp_path):
     assert log.emit("baseline_checkpoint", save_s=float("nan"), load_s=1.0, t=5)  # t is reserved: dropped
     assert log.emit("snapshot_skipped", version=3, reason="x" * 10_000, detail="y" * 100)
     raw = (tmp_path / "events.jsonl").read_bytes().split(b"\n")
-    assert all(len(x) + 1 <= tor.MAX_LINE_BYTES for x in raw)
+    assert all(len(x) + 1 <= tor_events.MAX_LINE_BYTES for x in raw)
     a, b = (json.loads(x) for x in raw if x)
     assert a["save_s"] is None and a["t"] != 5
     assert b["version"] == 3 and "reason" not in b and b["truncated"] == ["reason"] and b["detail"] == "y" * 100
@@ -631,7 +636,7 @@ def test_short_write_is_terminated_and_the_log_recovers(tmp_path, monkeypatch):
             return real_write(fd, data[: len(data) // 2])
         return real_write(fd, data)
 
-    monkeypatch.setattr(tor.os, "write", half_write)
+    monkeypatch.setattr(tor_events.os, "write", half_write)
     assert log.emit("iteration", iteration=1, seconds=1.0) is False
     assert log.emit("iteration", iteration=2, seconds=1.0) is True
     assert [e["iteration"] for e in read_events(tmp_path)] == [2]  # the torn line ended with its own newline
@@ -714,18 +719,18 @@ def test_running_tor_without_a_run_directory_logs_nothing_and_never_raises():
 def test_cli_json_prints_exactly_one_object(tmp_path, capsys):
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in one_failure_trace()))
     plot = tmp_path / "t.png"
-    rc = tor.main(["report", str(tmp_path), "--json", "--plot", str(plot), "--ckpt-save-s", "2",
+    rc = tor_cli.main(["report", str(tmp_path), "--json", "--plot", str(plot), "--ckpt-save-s", "2",
                    "--ckpt-load-s", "3", "--snapshot-interval", "5"])
     out = capsys.readouterr().out
     assert rc == 0 and plot.stat().st_size > 10_000
     d = json.loads(out)  # one object, nothing else on stdout
     assert d["tor"] == pytest.approx(10 / 20.5, abs=1e-6) and d["baseline_tor"] is not None
-    assert tor.main(["report", str(tmp_path)]) == 0
+    assert tor_cli.main(["report", str(tmp_path)]) == 0
     assert "restore_memory" in capsys.readouterr().out
 
 
 def test_cli_errors_and_registration(tmp_path, capsys):
-    assert tor.main(["report", str(tmp_path / "nope")]) == 2
+    assert tor_cli.main(["report", str(tmp_path / "nope")]) == 2
     assert "events.jsonl" in capsys.readouterr().err
     import argparse
     parser = argparse.ArgumentParser(prog="shardsafe")

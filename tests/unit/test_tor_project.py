@@ -293,13 +293,13 @@ def test_flagged_points_report_the_simulators_value(refined):
             assert pt["tor_closed"] == pytest.approx(p.tor, abs=1e-12)
             assert pt["failure_fraction"] == pytest.approx(p.failure_fraction)
             assert row[s] == pt["tor"]
-            if p.failure_fraction <= FIRST_ORDER_LIMIT:          # (P) holds: it stays the value
-                assert row["gpus"] == 512 or s == "shardsafe"
+            if p.first_order_ok:          # (P) holds: it stays the value
+                assert row["gpus"] == 512 or s in ("shardsafe", "shardsafe_shrink")
                 assert pt["tor_source"] == "closed" and pt["tor"] == pt["tor_closed"]
                 assert pt["ci95"] is None and pt["ci"] is None and pt["simulation"] is None
                 continue
             flagged += 1
-            assert row["gpus"] == 4096 and s != "shardsafe"
+            assert row["gpus"] == 4096 and s not in ("shardsafe", "shardsafe_shrink")
             assert pt["tor_source"] == "simulated" and 0 < pt["ci95"] < 0.02
             assert pt["ci"] == pytest.approx([pt["tor"] - pt["ci95"], pt["tor"] + pt["ci95"]])
             sim = pt["simulation"]
@@ -481,7 +481,7 @@ def test_project_json_schema(capsys):
     assert set(d) >= {"cluster", "rates", "costs", "profile", "strategies", "recommendation", "sweep"}
     assert d["cluster"]["gpus"] == 16384 and d["cluster"]["nodes"] == 2048
     assert d["profile"]["name"] == "llama3" and "arXiv 2407.21783" in d["rates"]["source"]
-    assert set(d["strategies"]) == {"shardsafe", "memory_only", "disk"}
+    assert set(d["strategies"]) == {"shardsafe", "shardsafe_shrink", "memory_only", "disk"}   # --policy both
     for s, p in d["strategies"].items():
         assert 0 <= p["tor"] <= 1
         # --no-simulate: (P) everywhere, even past the limit, where the note says to simulate (the old output).
