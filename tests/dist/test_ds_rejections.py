@@ -22,7 +22,7 @@ def _refusal(what):
     import torch
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")   # the harness's process group, DeepSpeed's comm layer
-    from shardsafe.adapters.deepspeed import check_supported
+    from shardsafe.adapters.deepspeed.checks import check_supported
     from shardsafe.config import ConfigError
     torch.manual_seed(0)
     kw = {}
