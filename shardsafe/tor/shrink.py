@@ -36,7 +36,7 @@ import math
 from typing import Any
 
 from .classes import Cluster, Costs, Rates
-from .project import ClassCost, _recovery_parts, away_distribution, flush_every, p_beyond_m
+from .recovery import ClassCost, _recovery_parts, away_distribution, flush_every, p_beyond_m
 
 __all__ = ["SHRINK", "POLICIES", "dp_after_loss", "throughput_after_loss", "shrinks", "idle_shortfall",
            "shrink_class_costs", "shrink_info"]
@@ -74,8 +74,8 @@ _SHORT_MEMO: dict[tuple, dict[int, float]] = {}
 
 def idle_shortfall(cluster: Cluster, rates: Rates, costs: Costs, need: int) -> dict[int, float]:
     """{k: P(a loss needing ``need`` nodes finds need - k idle spares)} for k = 1..need: the nodes it is short.
-    The values sum to P_nospare (:func:`shardsafe.tor.project.p_no_spare`); idle = spares - away, with the nodes
-    away from :func:`shardsafe.tor.project.away_distribution` (a loss sees its stationary distribution)."""
+    The values sum to P_nospare (:func:`shardsafe.tor.recovery.p_no_spare`); idle = spares - away, with the nodes
+    away from :func:`shardsafe.tor.recovery.away_distribution` (a loss sees its stationary distribution)."""
     s = cluster.spares
     key = (cluster.nodes, cluster.rack_nodes, s, need, rates.node, rates.rack, rates.slow, costs.repair_h)
     out = _SHORT_MEMO.get(key)
