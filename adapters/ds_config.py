@@ -103,3 +103,91 @@ def wants_protection(args: tuple, kwargs: dict) -> bool:
         return False
     block = cfg["shardsafe"]
     return not (isinstance(block, dict) and block.get("enabled", True) is False)
+
+
+# ---- the global batch of a job re-formed at another size ----------------------------------------------------------
+
+_SAID_BATCH: set[tuple[int, int, int]] = set()
+
+
+class _Rescaled(dict):
+    """A config whose gradient accumulation :func:`keep_global_batch` already scaled (never twice)."""
+
+
+def keep_global_batch(args: tuple, kwargs: dict, environ=None) -> tuple[tuple, dict]:
+    """``deepspeed.initialize``'s arguments, with the config's ``gradient_accumulation_steps`` scaled so that a job
+    the launcher re-formed at another world size (``WORLD_SIZE`` ranks of ``SHARDSAFE_FULL_WORLD_SIZE``; the
+    model-parallel size unchanged) trains with the global batch of the full-size job: G becomes
+    G x full / world, in a copy of the config handed to DeepSpeed in place of the program's. Unchanged when the
+    variable is unset or equal to the world size, when the config is unreadable here (DeepSpeed reports it), or
+    when DeepSpeed derives G from ``train_batch_size`` and ``train_micro_batch_size_per_gpu`` itself (then the
+    batch stays by DeepSpeed's own rule). Rank 0 says it once.
+
+    Raises:
+        ConfigError: G x full / world is no integer: the message names the world sizes that keep the batch.
+    """
+    from shardsafe import env
+    full = env.get(env.FULL_WORLD_SIZE, environ)
+    world = _world_size(environ)
+    if not full or not world or int(full) == world:
+        return args, kwargs
+    full = int(full)
+    try:
+        cfg = read_config(config_source(args, kwargs))
+    except (OSError, ValueError):
+        return args, kwargs
+    if not isinstance(cfg, dict) or isinstance(cfg, _Rescaled):
+        return args, kwargs
+    g = cfg.get("gradient_accumulation_steps")
+    if g is None and cfg.get("train_batch_size") is not None and cfg.get("train_micro_batch_size_per_gpu") is not None:
+        return args, kwargs   # DeepSpeed computes G = global batch / (micro-batch x data-parallel size) itself
+    g = 1 if g is None else g   # DeepSpeed's default
+    if isinstance(g, bool) or not isinstance(g, int):
+        return args, kwargs   # "auto" and the like: whoever fills it in (HF) answers for the batch
+    if (g * full) % world:
+        from shardsafe.errors import ConfigError
+        fits = [w for w in range(1, full + 1) if (g * full) % w == 0]
+        raise ConfigError(f"this job runs {world} of its {full} ranks (SHARDSAFE_FULL_WORLD_SIZE): keeping its global "
+                          f"batch needs gradient_accumulation_steps = {g} x {full} / {world}, which is no integer. "
+                          f"World sizes that keep it: {fits}. Continue at one of those (the launcher's shrink rule "
+                          "picks one when the global batch allows), or wait for a node to come back")
+    new = _Rescaled(cfg)
+    new["gradient_accumulation_steps"] = g * full // world
+    if _rank(environ) == 0 and (world, full, g) not in _SAID_BATCH:
+        _SAID_BATCH.add((world, full, g))
+        log.warning("shardsafe: this job runs %d of its %d ranks (SHARDSAFE_FULL_WORLD_SIZE): gradient_accumulation_"
+                    "steps %d -> %d keeps the global batch", world, full, g, new["gradient_accumulation_steps"])
+    return _with_config(args, kwargs, new)
+
+
+def _world_size(environ) -> int:
+    import sys
+    dist = sys.modules.get("torch.distributed")   # the program imported torch before calling DeepSpeed
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return int((os.environ if environ is None else environ).get("WORLD_SIZE") or 0)
+
+
+def _rank(environ) -> int:
+    import sys
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return int((os.environ if environ is None else environ).get("RANK") or 0)
+
+
+def _with_config(args: tuple, kwargs: dict, cfg: dict) -> tuple[tuple, dict]:
+    """``args``/``kwargs`` with ``cfg`` where DeepSpeed takes the config from (the program's namespace is copied,
+    never changed)."""
+    import copy
+    for key in ("config", "config_params"):
+        if kwargs.get(key) is not None:
+            return args, {**kwargs, key: cfg}
+    in_kwargs = "args" in kwargs
+    ns = copy.copy(kwargs["args"] if in_kwargs else args[0])
+    if getattr(ns, "deepspeed_config", None) is None and getattr(ns, "deepscale_config", None) is not None:
+        ns.deepscale_config = None
+    ns.deepspeed_config = cfg   # DeepSpeed takes a dict there as well as a path
+    if in_kwargs:
+        return args, {**kwargs, "args": ns}
+    return (ns, *args[1:]), kwargs

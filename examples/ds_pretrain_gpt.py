@@ -215,7 +215,26 @@ def ds_config(a: argparse.Namespace, world: int) -> dict:
         if a.shardsafe_json:
             block.update(json.loads(a.shardsafe_json))
         cfg["shardsafe"] = block
+    if a.load_universal:   # DeepSpeed's own reshard: a universal checkpoint loaded at this run's size
+        cfg["checkpoint"] = {"load_universal": True}
     return cfg
+
+
+def universal_fixups(engine, load_dir: str, gas: int) -> None:
+    """What DeepSpeed's universal-checkpoint load leaves out, put back the way a same-size load_checkpoint has it:
+    the module buffers (data-parallel rank 0's module state, which ds_to_universal copies beside zero/) and
+    ``micro_steps``, which no checkpoint carries (the data position: global_steps x this run's accumulation)."""
+    import glob
+    with open(os.path.join(load_dir, "latest_universal")) as f:
+        folder = os.path.join(load_dir, f.read().strip())
+    files = sorted(glob.glob(os.path.join(folder, "*model_states.pt")))
+    if files:
+        module = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+        with torch.no_grad():
+            for name, buf in engine.module.named_buffers():
+                if name in module:
+                    buf.copy_(module[name])
+    engine.micro_steps = engine.global_steps * gas
 
 
 def final_state(engine, schedulers: tuple = ()) -> dict[str, torch.Tensor]:
@@ -328,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", default="", help="plain engine.load_checkpoint from here first (e.g. a `shardsafe export`); "
                                               "{rank} is replaced by the rank (node-local checkpoint directories)")
     p.add_argument("--load-from-attempt", type=int, default=0, help="--load only in restart attempts from this one on")
+    p.add_argument("--load-universal", action="store_true",
+                   help="--load is a DeepSpeed universal checkpoint (ds_to_universal), loaded at this run's size with "
+                        "checkpoint.load_universal (the oracle of `shardsafe demo --shrink`)")
     p.add_argument("--running-tor-every", type=int, default=10,
                    help="rank 0 logs a running TOR every N iterations (0 = off)")
     a = p.parse_args(argv)
@@ -397,8 +419,12 @@ def main(argv: list[str] | None = None) -> int:
         path, client = engine.load_checkpoint(a.load.format(rank=rank))
         if path is None:
             raise SystemExit(f"no DeepSpeed checkpoint under {a.load}")
-        print(f"[rank {rank}] loaded {path} at step {engine.global_steps}; shardsafe client state: "
-              f"{apply_client_state(engine, client, path)}", flush=True)
+        if a.load_universal:
+            universal_fixups(engine, a.load.format(rank=rank), a.gas)
+            print(f"[rank {rank}] loaded universal checkpoint {path} at step {engine.global_steps}", flush=True)
+        else:
+            print(f"[rank {rank}] loaded {path} at step {engine.global_steps}; shardsafe client state: "
+                  f"{apply_client_state(engine, client, path)}", flush=True)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.dtype)
     dp_rank = engine.mpu.get_data_parallel_rank() if engine.mpu else rank
     losses = open(os.path.join(a.out, f"losses_rank{rank}.jsonl"), "a") if a.out else None

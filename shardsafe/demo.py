@@ -3,6 +3,12 @@
 Two runs of the same job: an uninterrupted reference (plain deepspeed.initialize) and a protected
 run that takes a real SIGKILL; the demo then checks every loss and every rank's final state bit for
 bit, and reports what the restore cost.
+
+``--shrink``: 4 simulated nodes and no spare; one is lost, the launcher continues on the others at the largest
+data-parallel size that keeps the global batch, the node returns and the job grows back at the next committed
+version. The oracle is DeepSpeed's own reshard: plain runs chained through universal checkpoints of the same
+versions (``ds_to_universal``, loaded with ``load_universal`` at each size), compared loss for loss and state for
+state with what the protected run kept from each of its sizes.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -18,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .cliargs import hidden_alias, whole
-from .errors import ConfigError
+from .cliargs import hidden_alias, seconds, whole
+from .errors import ConfigError, ShardsafeError
 from .launch.local import LaunchConfig, LocalLauncher
 from .launch.cli import fault_spec_arg, preload_arg
 from .launch.presets import PRESETS
@@ -205,10 +212,189 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# ---- --shrink: continue at a smaller data-parallel size, grow back, against DeepSpeed's universal checkpoint ----
+
+class OracleError(RuntimeError, ShardsafeError):
+    """The oracle of ``--shrink`` could not be built (one of its runs or conversions failed); the message says where
+    its logs are."""
+
+
+SHRINK_MICRO, SHRINK_GAS = 2, 3
+"""The protected run's batch: micro-batch 2 x accumulation 3 x D = 4 is 24 samples, which data-parallel size 3 keeps
+with accumulation 4: the job continues on all 3 nodes left."""
+
+
+def _kept_segments(run_dir: str, sizes: list[int], steps: int) -> list[dict[str, Any]]:
+    """The protected run as stretches of one data-parallel size: each stretch's attempts and the steps it kept,
+    (first, last], first = the version the stretch's first attempt restored (the version every rank had when the
+    job was re-formed)."""
+    from .runcheck import read_jsonl
+    restored: dict[int, int] = {}
+    for e in read_jsonl(os.path.join(run_dir, "events.jsonl")):
+        if e.get("kind") == "restore_end" and e.get("attempt") is not None:
+            a = int(e["attempt"])
+            restored[a] = min(restored.get(a, 10 ** 9), int(e.get("version", -1)))
+    segs: list[dict[str, Any]] = []
+    for a, d in enumerate(sizes):
+        if segs and segs[-1]["dp"] == d:
+            segs[-1]["attempts"].append(a)
+            continue
+        if segs:
+            segs[-1]["last"] = max(0, restored.get(a, 0))
+        segs.append({"dp": d, "attempts": [a], "first": segs[-1]["last"] if segs else 0, "last": steps})
+    return segs
+
+
+def _oracle_run(a: argparse.Namespace, plan: "_Plan", seg: dict[str, Any], prev: str, out: str, job: str,
+                full: int) -> str:
+    """One stretch of the oracle: a plain run at the stretch's size with the same global batch (accumulation scaled
+    by full / dp), loading the previous stretch's universal checkpoint, saving its own at the stretch's last step
+    and converting it with ds_to_universal. Returns the converted checkpoint's folder ("" for the last stretch)."""
+    gas = SHRINK_GAS * full // seg["dp"]
+    cmd = [sys.executable, plan.script, "--steps", str(seg["last"]), "--zero-stage", str(a.zero_stage), "--dtype",
+           a.dtype, "--micro-batch", str(SHRINK_MICRO), "--gas", str(gas), "--no-shardsafe", "--out", out]
+    if prev:
+        cmd += ["--load", prev, "--load-universal"]
+    save = seg.get("save", False)
+    ckpt = os.path.join(out, "ckpt")
+    if save:
+        cmd += ["--save-dir", ckpt, "--save-at", str(seg["last"])]
+    run = LocalLauncher(LaunchConfig(nodes=seg["dp"], nproc_per_node=1, job_id=f"{job}-o{seg['dp']}-{seg['first']}",
+                                     run_dir=out, start_holders=False, max_restarts=0))
+    res = run.run(cmd)
+    if not res.ok:
+        raise OracleError(f"the oracle's run at data-parallel size {seg['dp']} (steps {seg['first'] + 1}.."
+                           f"{seg['last']}) failed; see {out}/trainer_rank*.log")
+    if not save:
+        return ""
+    tag = f"global_step{seg['last']}"
+    conv = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           os.path.join(ckpt, tag), "--output_folder", os.path.join(ckpt, f"{tag}_universal"),
+                           "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    if conv.returncode != 0:
+        raise OracleError(f"ds_to_universal of {tag} failed: {conv.stderr.strip()[-800:]}")
+    return ckpt
+
+
+def _compare_segments(run_dir: str, segs: list[dict[str, Any]], steps: int) -> list[str]:
+    """Every loss the protected run kept from each stretch against the oracle's run of that stretch (same size,
+    same ranks), and every rank's final state against the last stretch's: the mismatches (empty = bit-identical)."""
+    import torch
+
+    from .payload.manifest import load_tensors
+    from .runcheck import effective_losses, read_jsonl
+    bad: list[str] = []
+    for seg in segs:
+        for r in range(seg["dp"]):
+            kept: dict[int, str] = {}
+            for rec in read_jsonl(os.path.join(run_dir, f"losses_rank{r}.jsonl")):
+                if int(rec.get("attempt", 0)) in seg["attempts"] and seg["first"] < int(rec["step"]) <= seg["last"]:
+                    kept[int(rec["step"])] = rec["loss"]   # an attempt's last record of a step counts
+            want = effective_losses(seg["dir"], r)
+            for st in range(seg["first"] + 1, seg["last"] + 1):
+                if kept.get(st) != want.get(st):
+                    bad.append(f"data-parallel {seg['dp']} rank {r} step {st}: {kept.get(st)} != {want.get(st)}")
+    last = segs[-1]
+    for r in range(last["dp"]):
+        try:
+            x = load_tensors(os.path.join(run_dir, f"final_rank{r}"))
+            y = load_tensors(os.path.join(last["dir"], f"final_rank{r}"))
+        except FileNotFoundError as e:
+            bad.append(f"rank {r}: {e}")
+            continue
+        bad += [f"rank {r}: final {k}" for k in sorted(x.keys() ^ y.keys())[:5]]
+        bad += [f"rank {r}: final {k}" for k in sorted(x.keys() & y.keys()) if not torch.equal(x[k], y[k])]
+    return bad
+
+
+def run_shrink_demo(a: argparse.Namespace) -> dict[str, Any]:
+    from .runcheck import resume_problems
+    if a.engine != "deepspeed":
+        raise ConfigError(f"--shrink runs --engine deepspeed (ZeRO), whose oracle is DeepSpeed's universal "
+                          f"checkpoint; --engine {a.engine} is not supported with it")
+    a.nodes = 4 if a.nodes is None else a.nodes
+    a.nproc_per_node = 1 if a.nproc_per_node is None else a.nproc_per_node
+    if a.nodes < 2 or a.nproc_per_node != 1:
+        raise ConfigError(f"--shrink loses one of --nnodes >= 2 nodes of one rank each; got --nnodes {a.nodes} "
+                          f"--nproc-per-node {a.nproc_per_node}")
+    a.steps = 30 if a.steps is None else a.steps
+    kill = a.kill_at or (a.steps * 2) // 5
+    join = kill + max(2, a.steps // 5)
+    if join >= a.steps:
+        raise ConfigError(f"--steps {a.steps}: the node is lost at step {kill} and returns at {join}, before the last "
+                          "step; pass more --steps or an earlier --kill-at")
+    plan = _resolve(a)
+    world, lost = a.nodes, f"node{a.nodes - 1}"
+    inject = a.inject or f"kill-node:{lost}@{kill};add-node:{lost}@{join}"
+    keep = bool(a.run_dir)
+    base = a.run_dir or tempfile.mkdtemp(prefix="shardsafe-demo-")
+    run_dir = os.path.join(base, "run")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    job = f"demo{os.getpid()}"
+    say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else (lambda *x: print(*x, flush=True))
+    batch = SHRINK_MICRO * SHRINK_GAS * world
+    say(f"[1/3] protected run: {world} simulated nodes, no spare, {a.engine} {plan.layout}, {a.steps} steps, global "
+        f"batch {batch} samples; {inject}: {lost} is lost, the job continues on the nodes left after "
+        f"{a.shrink_after_s:g} s, {lost} returns and the job grows back at the next committed version")
+    preload = PRESETS["deepspeed"] if a.preload is None else a.preload
+    run = LocalLauncher(LaunchConfig(nodes=world, nproc_per_node=1, job_id=job, run_dir=run_dir, inject=inject,
+                                     max_restarts=3, memory_budget_gb=a.memory_budget_gb, preload=preload, spares=0,
+                                     shrink_after_s=a.shrink_after_s, global_batch=batch, micro_batch=SHRINK_MICRO))
+    t_run = time.time()
+    cmd = [sys.executable, plan.script, *plan.common, "--micro-batch", str(SHRINK_MICRO), "--gas", str(SHRINK_GAS),
+           *plan.protect, "--out", run_dir]
+    r1 = run.run(cmd)
+    measured = time.time() - t_run
+    sizes = r1.data_parallel_sizes
+    say(f"      {'done' if r1.ok else 'FAILED'} in {r1.wall_s:.1f} s after {r1.attempts} attempt(s) at data-parallel "
+        f"sizes {sizes}" + ("" if r1.ok else f"{': ' + r1.fatal if r1.fatal else ''}; see {run_dir}"))
+    segs = _kept_segments(run_dir, r1.attempt_sizes, a.steps) if r1.ok else []
+    oracle: dict[str, Any] = {"kind": "DeepSpeed universal checkpoint (ds_to_universal, load_universal)",
+                              "segments": [{k: s_[k] for k in ("dp", "first", "last")} for s_ in segs],
+                              "ran": False, "error": None}
+    mismatches = ["the protected run failed"] if not r1.ok else []
+    if r1.ok:
+        say(f"[2/3] oracle: plain runs of {len(segs)} stretch(es) at sizes {[s_['dp'] for s_ in segs]}, each loading "
+            "the previous one's universal checkpoint of the version the protected run re-formed at")
+        try:
+            prev = ""
+            for i, seg in enumerate(segs):
+                seg["save"] = i + 1 < len(segs)
+                seg["dir"] = os.path.join(base, f"oracle{i}")
+                shutil.rmtree(seg["dir"], ignore_errors=True)
+                prev = _oracle_run(a, plan, seg, prev, seg["dir"], job, world)
+            oracle["ran"] = True
+            say("[3/3] comparing every kept loss of each stretch and every rank's final state with the oracle")
+            mismatches = _compare_segments(run_dir, segs, a.steps)
+        except (OracleError, OSError, subprocess.SubprocessError) as e:
+            oracle["error"] = str(e)
+            mismatches = [f"oracle: {e}"]
+    ev = [e for e in _read_events(run_dir) if e.get("source") == "launcher"]
+    problems = resume_problems(run_dir, world) if r1.ok else []
+    out = {"engine": a.engine, "zero_stage": plan.stage, "layout": plan.layout, "dtype": a.dtype, "steps": a.steps,
+           "nodes": world, "ranks": world, "failures_injected": len(r1.failures), "attempts": r1.attempts,
+           "data_parallel_sizes": sizes, "shrinks": sum(e["kind"] == "shrink" for e in ev),
+           "grows": sum(e["kind"] == "grow" for e in ev), "oracle": oracle,
+           **summarize(run_dir, world),
+           "bit_identical": bool(r1.ok and oracle["ran"] and not mismatches),
+           "resumed": bool(r1.ok and not problems), "resume_problems": problems[:10], "mismatches": mismatches[:10],
+           "wall_s": round(r1.wall_s, 2), "reference_wall_s": None,
+           "run_dir": run_dir if keep else None, **_tor_summary(run_dir, measured)}
+    if not keep:
+        shutil.rmtree(base, ignore_errors=True)
+    return out
+
+
+def _read_events(run_dir: str) -> list[dict[str, Any]]:
+    from .runcheck import read_jsonl
+    return read_jsonl(os.path.join(run_dir, "events.jsonl"))
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     t0 = time.time()
-    out = run_demo(a)
+    out = run_shrink_demo(a) if a.shrink else run_demo(a)
     report = out.pop("tor_report", "")
     if a.json:
         print(json.dumps(out))
@@ -232,8 +418,15 @@ def cmd_demo(a: argparse.Namespace) -> int:
                                          f"once in {pw['seconds']:.2f} s" if pw else "cold (every trainer imports "
                                          "its modules itself)")
               + f"; startup {starts['startup']:.2f} s + restart {starts['restart']:.2f} s over all attempts")
-        print(f"  wall time         : {time.time() - t0:.1f} s (reference {out['reference_wall_s']} s, "
-              f"protected {out['wall_s']} s)")
+        if a.shrink:
+            o = out["oracle"]
+            print(f"  data-parallel     : sizes {out['data_parallel_sizes']}: {out['shrinks']} shrink(s), "
+                  f"{out['grows']} grow(s)")
+            print(f"  oracle            : {o['kind']}, stretches "
+                  + ", ".join(f"{g['dp']} ranks steps {g['first'] + 1}-{g['last']}" for g in o["segments"])
+                  + ("" if o["ran"] else f"  (not run: {o['error'] or 'the protected run failed'})"))
+        print(f"  wall time         : {time.time() - t0:.1f} s (" + (f"reference {out['reference_wall_s']} s, "
+              if out["reference_wall_s"] is not None else "") + f"protected {out['wall_s']} s)")
         if "tor_t_obs" in out:
             print(f"  TOR accounting    : T_obs {out['tor_t_obs']:.3f} s vs {out['measured_wall_s']:.3f} s measured "
                   f"({100 * out['tor_t_obs_vs_wall']:.2f}% apart, limit 2%); breakdown sums to T_obs - T_opt "
@@ -279,4 +472,10 @@ def register_cli(sub) -> None:
                    help="keep both runs (event logs included) under this directory (default: a temporary one, "
                         "removed at the end)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    p.add_argument("--shrink", action="store_true",
+                   help="continue at a smaller data-parallel size instead: 4 nodes, no spare, the last node is lost at "
+                        "2/5 of the run (--kill-at) and returns a fifth of the run later; compared with DeepSpeed's "
+                        "universal checkpoint of the same versions (deepspeed engine; default 30 steps)")
+    p.add_argument("--shrink-after-s", type=seconds, default=1.0, metavar="S",
+                   help="--shrink: how long the launcher waits for a node before continuing on the nodes left")
     p.set_defaults(func=cmd_demo)

@@ -29,6 +29,8 @@ EXPORT_DIR = "SHARDSAFE_EXPORT_DIR"          # set by `shardsafe export`: restor
 HOLDER_BUDGET_GB = "SHARDSAFE_HOLDER_BUDGET_GB"   # the budget the launcher started the holders with
 ATTEMPT = "SHARDSAFE_ATTEMPT"                # the restart attempt (else torch elastic's TORCHELASTIC_RESTART_COUNT)
 JOB_START_T = "SHARDSAFE_JOB_START_T"        # when the job started (TOR accounting)
+FULL_WORLD_SIZE = "SHARDSAFE_FULL_WORLD_SIZE"   # the job's full world size, set by the launchers for every trainer
+                                             # (a job re-formed at a smaller data-parallel size runs fewer ranks)
 INSTANCE = "SHARDSAFE_INSTANCE"              # one value per launcher run (the job-id claim)
 TRAINER = "SHARDSAFE_TRAINER"                # "pid:RANK:LOCAL_RANK" of the trainer, inherited by its children
 INJECT = "SHARDSAFE_INJECT"                  # the fault spec (shardsafe.faults)

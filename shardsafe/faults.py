@@ -13,6 +13,11 @@ HF's second ``train()``):
   kill-node:N@S   handled by the launcher (kills node N's trainers and holder at step S)
   kill-holder:N@S handled by the launcher: SIGKILLs node N's holder alone once step S is done; its trainers
                   run on (the node's first rank starts a new holder, snapshots resume)
+  add-node:N@S    handled by the launcher: node N (lost earlier: a repaired node, or a spare arriving late) joins
+                  the job, with a fresh empty holder, once step S of the attempt is done; ``@0``: before the
+                  attempt starts (while the launcher waits for a node after the previous attempt lost one). A job
+                  running at a smaller data-parallel size grows back at its next committed version
+                  (shardsafe.launch.resize)
   kill-flush:N@S  handled by node N's holder: it SIGKILLs itself halfway through writing snapshot version S
                   to the persistent tier (a torn flush); in whichever attempt flushes S (holders outlive
                   attempts), once per holder process
@@ -46,6 +51,7 @@ class FaultKind(enum.Enum):
     HANG_RANK = "hang-rank"
     KILL_NODE = "kill-node"
     KILL_HOLDER = "kill-holder"
+    ADD_NODE = "add-node"
     KILL_FLUSH = "kill-flush"
     KILL_PARITY_BEFORE = "kill-parity-before"
     KILL_PARITY_BLOCK = "kill-parity-block"
@@ -67,7 +73,7 @@ PHASES = {PHASE_PARITY_BEFORE: FaultKind.KILL_PARITY_BEFORE, PHASE_PARITY_BLOCK:
           PHASE_RESTORE_VERIFY: FaultKind.KILL_RESTORE_VERIFY, PHASE_RESTORE_APPLY: FaultKind.KILL_RESTORE_APPLY}
 _ANY_VERSION = {FaultKind.KILL_RESTORE_REBUILD, FaultKind.KILL_RESTORE_VERIFY, FaultKind.KILL_RESTORE_APPLY}
 # Faults whose target is a node (done by a launcher or a holder), not a rank.
-NODE_FAULTS = {FaultKind.KILL_NODE, FaultKind.KILL_HOLDER, FaultKind.KILL_FLUSH}
+NODE_FAULTS = {FaultKind.KILL_NODE, FaultKind.KILL_HOLDER, FaultKind.KILL_FLUSH, FaultKind.ADD_NODE}
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,19 @@ The fields, in the order they are compared (each adapter fills them, shardsafe/s
 ``optimizer``
     the optimizer's class and every parameter group's hyperparameters when the engine was built, before any
     step or restore: the learning rate the program asked for, betas, eps, weight decay, ...
+``batch``
+    the global batch and the micro-batch (samples), where the adapter knows them.
 
 What is not compared: the code itself (a change that keeps these fields), the data, the schedule's length
 (``train_iters``, ``total_num_steps``: a longer run resumes), and the logging and checkpointing settings.
+
+**Another data-parallel size is the same run** when the global batch is kept: a job that lost a node continues
+on fewer data-parallel ranks with more gradient accumulation (and grows back later), and its snapshots
+re-partition (shardsafe/snapshot/reshard_restore.py). So the keys that follow the data-parallel size at a fixed
+global batch (:data:`DATA_PARALLEL_KEYS`: the data-parallel size and rank, the gradient accumulation steps) are
+compared apart: ``config`` and ``layout`` that differ only there are the same, provided both fingerprints carry
+``batch`` and it is equal. A different global batch or micro-batch is another run, named under ``batch``; a
+different model, optimizer, tensor/pipeline layout or any other setting is another run as before.
 ``resume: "force"`` applies a snapshot whose fingerprint differs (the differences are logged); ``resume:
 "never"`` starts fresh and drops the old versions.
 """
@@ -36,8 +46,13 @@ import json
 import math
 from typing import Any, Mapping, Optional
 
-FIELDS = ("config", "model", "layout", "optimizer")
+FIELDS = ("config", "model", "layout", "optimizer", "batch")
 """The fingerprint's fields, in the order a difference is named."""
+
+DATA_PARALLEL_KEYS = {"config": frozenset({"gradient_accumulation_steps"}),
+                      "layout": frozenset({"dp_world_size", "dp", "dp_size"})}
+"""Top-level keys of a field that change with the data-parallel size while the global batch stays (DeepSpeed's
+``gradient_accumulation_steps`` and ``dp_world_size``, Megatron's ``dp``/``dp_size`` coordinates)."""
 
 VOLATILE_CONFIG_KEYS = frozenset({
     "shardsafe", "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state", "tensorboard",
@@ -103,13 +118,28 @@ def make(fields: Mapping[str, Any]) -> dict[str, dict]:
         if name not in fields:
             continue
         text = _canonical(fields[name])
-        entry: dict[str, Any] = {"digest": hashlib.sha256(text.encode()).hexdigest()[:32]}
+        entry: dict[str, Any] = {"digest": _digest(text)}
+        scaled = _without_data_parallel(name, fields[name])
+        if scaled is not None:   # what stays when only the data-parallel size changes
+            entry["digest_any_dp"] = _digest(_canonical(scaled))
         if len(text) <= SMALL:
             entry["value"] = json.loads(text)
         elif isinstance(fields[name], (list, tuple)):
             entry["summary"] = f"{len(fields[name])} entries"
         out[name] = entry
     return out
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _without_data_parallel(name: str, value: Any) -> Optional[dict]:
+    """``value`` without the keys :data:`DATA_PARALLEL_KEYS` names for field ``name`` (None: none of them there)."""
+    keys = DATA_PARALLEL_KEYS.get(name)
+    if not keys or not isinstance(value, Mapping) or not keys & set(value):
+        return None
+    return {k: v for k, v in value.items() if k not in keys}
 
 
 def _first_difference(then: Any, now: Any, path: str = "") -> str:
@@ -142,15 +172,27 @@ def differences(then: Optional[Mapping[str, Any]], now: Mapping[str, Any]) -> li
         return []
     if not then:
         return ["the snapshot carries no run fingerprint (taken by a shardsafe that did not record one)"]
+    # Another data-parallel size is this run only where both say which global batch they train with.
+    any_dp = then.get("batch") is not None and now.get("batch") is not None
     out = []
     for name in FIELDS:
         a, b = then.get(name), now.get(name)
         if b is None or (a is not None and a.get("digest") == b.get("digest")):
             continue
+        if name == "batch" and a is None:
+            continue   # a snapshot from before the batch was recorded: compared as before (no size change allowed)
+        if any_dp and a is not None and a.get("digest_any_dp") and a.get("digest_any_dp") == b.get("digest_any_dp"):
+            continue   # only the data-parallel size and the accumulation that keeps the global batch differ
         if a is None:
             out.append(f"{name}: not recorded in the snapshot")
         elif "value" in a and "value" in b:
-            out.append(f"{name}: {_first_difference(a['value'], b['value'])}")
+            keys = DATA_PARALLEL_KEYS.get(name, ()) if any_dp else ()
+            va, vb = a["value"], b["value"]
+            if keys and isinstance(va, dict) and isinstance(vb, dict):   # name what differs besides the size
+                va, vb = ({k: v for k, v in x.items() if k not in keys} for x in (va, vb))
+                if va == vb:
+                    va, vb = a["value"], b["value"]
+            out.append(f"{name}: {_first_difference(va, vb)}")
         else:
             out.append(f"{name}: {a.get('summary', 'digest ' + a['digest'])} in the snapshot, "
                        f"{b.get('summary', 'digest ' + b['digest'])} now")

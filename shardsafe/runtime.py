@@ -28,6 +28,7 @@ from .config import ConfigError, ShardsafeConfig
 from .persist import PersistentStore
 from .parity.exchange import ExchangeError, ParityExchange, gather_places, plan_parity
 from .parity.placement import migrate
+from .parity.recovery import MemberRecovery
 from .parity.topology import TopologyError
 from .fatal import install_excepthook
 from .faults import Injector, current_attempt
@@ -37,6 +38,8 @@ from .holder.paths import HolderPaths
 from .holder.protocol import HolderFailure
 from .jobid import claim
 from .protection import Cause, Protection, budget_problem
+from .snapshot.reshard_restore import Resize, drop_old_layout
+from .snapshot.reshard_survey import other_size_held
 from .snapshot.restore import Collectives, RestoreResult, new_timeline, restore_from_holder
 from .snapshot.pipeline import GlooAgreement, LocalAgreement, PipelineHooks, SnapshotPipeline
 from .snapshot.state import StateAdapter
@@ -159,6 +162,10 @@ class Runtime(BaseRuntime):
         self.coll = Collectives(None, world_size)
         self.exchange = None
         self.nodes: list[str] | None = None
+        # Every rank's (node, dp, tp, pp): a restore at another data-parallel size places the old ranks' state by it.
+        c = {"dp": rank, "tp": 0, "pp": 0, **(coords or {})}
+        self.places: list[tuple[str, int, int, int]] = [(cfg.node, int(c["dp"]), int(c["tp"]), int(c["pp"]))]
+        self._resized_from = -1   # after a restore at another size: its version, until a version at this size commits
         self._vote_hier = None
         if world_size > 1:
             import torch.distributed as dist
@@ -169,9 +176,9 @@ class Runtime(BaseRuntime):
             # hierarchies below (node-local groups, then the node leaders). None of them is the training
             # communicator (NCCL on GPU), and they time out on their own.
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
-            c = {"dp": rank, "tp": 0, "pp": 0, **(coords or {})}
             places, topo = self._places(group, c)
             self.nodes = [p.node for p in places]
+            self.places = [(p.node, p.dp, p.tp, p.pp) for p in places]
             self._vote_hier = Hierarchy(self._store, f"{self._prefix}/vote", topo, rank, cfg.timeout_s)
             try:
                 plan = plan_parity(places, group_size=cfg.parity_group_size, parity_shards=cfg.parity_shards)
@@ -200,7 +207,8 @@ class Runtime(BaseRuntime):
             parity=self.exchange, hasher=checksum.shared(cfg.hash_threads), interval=cfg.interval,
             hooks=PipelineHooks(on_event=self.events.emit, on_phase=self.injector.phase,
                                 on_progress=self.injector.copy_progress, reconnect=self._reconnect,
-                                flush=self._flush_to_disk if cfg.persist_dir else None))
+                                flush=self._on_commit))
+        self.pipeline.coords = {"dp": int(c["dp"]), "tp": int(c["tp"]), "pp": int(c["pp"])}
         if self.exchange is not None:
             self.exchange.on_phase = self.injector.phase
         self.persist = PersistentStore(cfg.persist_dir, self.persist_job_id) if cfg.persist_dir else None
@@ -236,6 +244,16 @@ class Runtime(BaseRuntime):
         self.coll = Collectives(group, world, hier=Hierarchy(self._store, f"{self._prefix}/restore/named", topo, rank,
                                                              self.cfg.timeout_s))
         return places, topo
+
+    def _on_commit(self, version: int) -> None:
+        """Every committed version: the first one after a restore at another data-parallel size lets the old layout's
+        copies go; every persist_every-th goes to disk."""
+        if 0 <= self._resized_from < version:
+            self._resized_from = -1
+            drop_old_layout(self.pipeline.client, rank=self.rank, node=self.cfg.node,
+                            nodes=self.nodes or [self.cfg.node], version=version)
+        if self.cfg.persist_dir:
+            self._flush_to_disk(version)
 
     def _flush_due(self, version: int) -> bool:
         return (version // self.cfg.interval) % self.cfg.persist_every == 0
@@ -307,22 +325,35 @@ class Runtime(BaseRuntime):
             self.protection.started(-1)
             self._check_budget(adapter)
             return self.restored
-        emit = self.events.emit
-        if self.world_size > 1:
+        moved: list = []
+
+        def emit(kind: str, **f: Any) -> None:   # a migration is part of the restore's time
+            if kind == "restore_end" and moved and moved[0].moves:
+                f["seconds"] = f.get("seconds", 0.0) + moved[0].seconds
+                f.update(migrated_slots=len(moved[0].moves), migrated_bytes=moved[0].nbytes)
+            self.events.emit(kind, **f)
+
+        def placement() -> None:
             # Torch elastic may have put this rank on another node than its snapshot: move it first.
-            mig = migrate(self.client, rank=self.rank, world_size=self.world_size, node=self.cfg.node,
-                          rank_nodes=self.nodes, group=self.coll.group, coll=self.coll.hier)
-            if mig.moves:
-                def emit(kind: str, **f: Any) -> None:   # the migration is part of the restore's time
-                    if kind == "restore_end":
-                        f["seconds"] = f.get("seconds", 0.0) + mig.seconds
-                        f.update(migrated_slots=len(mig.moves), migrated_bytes=mig.nbytes)
-                    self.events.emit(kind, **f)
+            if self.world_size > 1:
+                moved.append(migrate(self.client, rank=self.rank, world_size=self.world_size, node=self.cfg.node,
+                                     rank_nodes=self.nodes, group=self.coll.group, coll=self.coll.hier))
+
+        # Held copies of another world size (the job re-formed at another data-parallel size): no migration (it
+        # would move the old ranks' payloads by their old rank numbers); the restore re-partitions them.
+        resize = None
+        if other_size_held(self.client, rank=self.rank, world_size=self.world_size,
+                           nodes=self.nodes or [self.cfg.node], coll=self.coll):
+            resize = Resize(places=self.places, recovery=MemberRecovery, migrate=placement)
+        else:
+            placement()
         self.restored = restore_from_holder(adapter, self.client, rank=self.rank, coll=self.coll,
                                             on_event=emit, exchange=self.exchange, nodes=self.nodes,
                                             persist=self.persist, on_phase=self.injector.phase,
                                             h2d=self.cfg.restore_h2d, early=early, fingerprint=fp,
-                                            force=self.cfg.resume == "force")
+                                            force=self.cfg.resume == "force", resize=resize)
+        if self.restored.reshard:
+            self._resized_from = self.restored.version
         # Every snapshot of this attempt belongs to the new branch; the restored version counts as committed.
         self.pipeline.timeline = self.restored.timeline
         self.protection.started(self.restored.version)

@@ -243,8 +243,11 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     import deepspeed
     # DeepSpeed's own initialize, also when the automatic activation (adapters/autoload.py) has wrapped it
     original = getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)
-    return protect(original, (args, model, optimizer, model_parameters, training_data, lr_scheduler, *pos),
-                   dict(config=config, config_params=config_params, **kwargs))
+    install_excepthook()
+    # A job re-formed at another world size keeps its global batch (SHARDSAFE_FULL_WORLD_SIZE), as the activation does.
+    pos_args, kw = ds_config.keep_global_batch((args, model, optimizer, model_parameters, training_data, lr_scheduler,
+                                                *pos), dict(config=config, config_params=config_params, **kwargs))
+    return protect(original, pos_args, kw)
 
 
 def protect(ds_initialize: Any, args: tuple, kwargs: dict, *, auto: str = ""):

@@ -41,8 +41,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from shardsafe.snapshot.reshard import (FlatLayout, Reshard, ReshardedRank, Resharder, ReshardError, Run, Traffic,
-                                        TransferPlan, assemble, default_colocation, plan)
+from shardsafe.snapshot.reshard import (FlatLayout, Read, Reshard, ReshardedRank, Resharder, ReshardError, Run,
+                                        Traffic, TransferPlan, assemble, default_colocation, plan, reads_by_plan)
 
 ZERO12, BF16, ZERO3 = "DeepSpeedZeroOptimizer", "BF16_Optimizer", "DeepSpeedZeroOptimizer_Stage3"
 NCCL_START_ALIGNMENT = 2   # stage_1_and_2.py and bf16_optimizer.py: nccl_start_alignment_factor
@@ -310,6 +310,23 @@ class DeepSpeedResharder(Resharder):
     def reshard(self, snapshots: Sequence[Any], new_world: int, *, ranks: Optional[Sequence[int]] = None,
                 colocated: Optional[Mapping[int, Sequence[int]]] = None) -> Reshard:
         return reshard_deepspeed(snapshots, new_world, ranks=ranks, colocated=colocated)
+
+    def reads(self, metas: Sequence[Mapping[str, Any]], entries: Sequence[Sequence[Mapping[str, Any]]],
+              new_world: int) -> dict[int, dict[int, list[Read]]]:
+        """The plan's pieces of every master and per-element state (what :func:`reshard_deepspeed` assembles), each
+        source's per-tensor optimizer state (compared across a parameter group's sources), and data-parallel rank
+        0's module buffers and loss scaler (what every target gets)."""
+        shapes = [{e["name"]: list(e["shape"]) for e in es} for es in entries]
+        master0 = shapes[0].get("opt/master/0")
+        kinds = sorted(n[len("opt/state/0/"):] for n, sh in shapes[0].items()
+                       if n.startswith("opt/state/0/") and sh == master0 and len(sh) == 1)
+        p = deepspeed_plan(metas, new_world)
+
+        def whole(d: int) -> list[str]:
+            scalars = [n for n, sh in shapes[d].items() if n.startswith("opt/state/") and not sh]
+            return scalars + ([n for n in shapes[0] if n.startswith(("module/buffer/", "loss_scaler/"))] if d == 0
+                              else [])
+        return reads_by_plan(p, lambda d, t: [f"opt/master/{t}"] + [f"opt/state/{t}/{k}" for k in kinds], whole)
 
 
 def deepspeed_plan(metas: Sequence[Mapping[str, Any]], new_world: int) -> TransferPlan:

@@ -135,7 +135,8 @@ class DeepSpeedStateAdapter(StateAdapter):
 
     def fingerprint(self) -> dict[str, Any]:
         """shardsafe/fingerprint.py: the DeepSpeed config (without the volatile keys), this rank's parameters
-        (ZeRO-3: their full shapes), the parallel layout and the optimizer's hyperparameters at initialize."""
+        (ZeRO-3: their full shapes), the parallel layout, the optimizer's hyperparameters at initialize and the
+        global batch."""
         from shardsafe.fingerprint import plain, strip_volatile
         e = self.engine
         params = [[n, list(getattr(p, "ds_shape", p.shape)), str(p.dtype).removeprefix("torch."), bool(p.requires_grad)]
@@ -144,7 +145,10 @@ class DeepSpeedStateAdapter(StateAdapter):
         return {"config": strip_volatile(plain(raw)), "model": params,
                 "layout": {**self.parallel, "zero_stage": int(e.zero_optimization_stage()),
                            "dp_world_size": int(e.dp_world_size), "optimizer_wrapper": self.kind},
-                "optimizer": {"class": type(self.engine.optimizer.optimizer).__name__, "param_groups": self._hyper0}}
+                "optimizer": {"class": type(self.engine.optimizer.optimizer).__name__, "param_groups": self._hyper0},
+                # the global batch a restore at another data-parallel size must keep (shardsafe/fingerprint.py)
+                "batch": {"global_batch_size": int(e.train_batch_size()),
+                          "micro_batch_size": int(e.train_micro_batch_size_per_gpu())}}
 
     # fp32 tensors per master an optimizer keeps once it stepped (its moments): for the start-time budget check
     _MOMENTS = {"AdamW": 2, "Adam": 2, "FusedAdam": 2, "DeepSpeedCPUAdam": 2, "FusedLamb": 2, "Lion": 1,
@@ -323,14 +327,33 @@ class DeepSpeedStateAdapter(StateAdapter):
         from .reshard import DeepSpeedResharder
         return DeepSpeedResharder()
 
+    def resharded_problems(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> list[str]:
+        """Why a re-partitioned state does not fit this engine: not re-partitioned, cut elsewhere than this engine
+        cuts its ZeRO state, another setup (:meth:`validate`), or tensors that differ from the live ones (every
+        live tensor but the RNG's is written; the RNG stays as the program seeded it)."""
+        from shardsafe.payload import manifest as mf
+
+        from .reshard import layout_problems
+        if "resharded" not in meta:
+            return ["the state given to apply_resharded was not re-partitioned (no 'resharded' in its meta): use apply"]
+        out = layout_problems(meta, self.checkpoint_layout())
+        if out:
+            return out
+        out = self.validate(tensors, meta)
+        live = {n: t for n, t in self.capture().tensors.items() if not n.startswith("rng/")}
+        try:
+            mf.check_matches({"version": "re-partitioned", "entries": mf.layout(tensors)[0]}, live,
+                             tuple(self.optional_prefixes))
+        except mf.ManifestError as e:
+            out.append(str(e))
+        return out
+
     def apply_resharded(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
         """A state re-partitioned to this engine's data-parallel size from snapshots taken at another one
         (shardsafe.snapshot.reshard): refused unless this engine cuts its ZeRO state exactly where the re-partition
         put it, then applied as a snapshot is, except the RNG, which stays as the program seeded it (as after
         DeepSpeed's own universal-checkpoint resume; adapters/deepspeed/reshard.py)."""
-        from .reshard import layout_problems
-        problems = layout_problems(meta, self.checkpoint_layout()) if "resharded" in meta else \
-            ["the state given to apply_resharded was not re-partitioned (no 'resharded' in its meta): use apply"]
+        problems = self.resharded_problems(tensors, meta)
         if problems:
             raise ConfigError("; ".join(problems))
         self.apply(tensors, meta)

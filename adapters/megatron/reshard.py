@@ -35,8 +35,8 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from shardsafe.errors import ConfigError
-from shardsafe.snapshot.reshard import (FlatLayout, Reshard, ReshardedRank, Resharder, ReshardError, Run, Traffic,
-                                        TransferPlan, assemble, default_colocation, plan)
+from shardsafe.snapshot.reshard import (FlatLayout, Read, Reshard, ReshardedRank, Resharder, ReshardError, Run,
+                                        Traffic, TransferPlan, assemble, default_colocation, plan, reads_by_plan)
 
 from . import distopt_layout as dl
 from .state_checks import FORMAT
@@ -107,6 +107,30 @@ class MegatronResharder(Resharder):
     def reshard(self, snapshots: Sequence[Any], new_world: int, *, ranks: Optional[Sequence[int]] = None,
                 colocated: Optional[Mapping[int, Sequence[int]]] = None) -> Reshard:
         return _reshard(self, snapshots, new_world, ranks, colocated)
+
+    def reads(self, metas: Sequence[Mapping[str, Any]], entries: Sequence[Sequence[Mapping[str, Any]]],
+              new_world: int) -> dict[int, dict[int, list[Read]]]:
+        """The plan's pieces of every shard's main parameters and per-element optimizer state (what :func:`_reshard`
+        assembles), and every other tensor of every source whole: the per-shard scalars and group hyperparameters
+        are compared across the sources (their donors vary by group), the buffers, RNG and scaler are rank 0's (or
+        each source's RNG with data_parallel_random_init). Those are small; the shards are the state."""
+        part = _Partitioning(metas)
+        self.batch(metas[0], len(metas), new_world)
+        src, orders = part.layout(len(metas))
+        p = plan(src, part.layout(new_world)[0])
+        shapes = [{e["name"]: list(e["shape"]) for e in es} for es in entries]
+
+        def name(d: int, t: int, kind: str) -> str:
+            return "opt{}/g{}/p{}/{}".format(*orders[d][t][:3], kind)
+
+        per_elem = ["param"]
+        if orders[0]:
+            li, gi, pi, *_ = orders[0][0]
+            pm0 = metas[0]["optimizers"][li]["groups"][gi]["params"][pi]
+            per_elem += [k for k in pm0["state"] if k not in pm0["state_meta"] and len(shapes[0][name(0, 0, k)]) == 1]
+        flat = [{name(d, t, k) for t in range(len(orders[d])) for k in per_elem} for d in range(len(metas))]
+        return reads_by_plan(p, lambda d, t: [name(d, t, k) for k in per_elem],
+                             lambda d: [n for n in shapes[d] if n not in flat[d]])
 
 
 class _Partitioning:

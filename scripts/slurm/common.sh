@@ -15,7 +15,10 @@
 #   5. watch: every rank's completion marker (srun's exit code proves nothing for a rank whose node
 #      crashed); the live node list from `scontrol show job` (the SLURM_* node variables are stale
 #      after a node loss); a lost node is reported to the controller and replaced by a spare, whose
-#      agent joins torch elastic's next round;
+#      agent joins torch elastic's next round; with no spare left, after SS_SHRINK_AFTER_S the job is
+#      re-formed on the nodes left at the largest data-parallel size that keeps the global batch
+#      (`shardsafe control shrink-plan`): its agents are stopped and new ones start in a rendezvous of
+#      fewer nodes (docs/operations.md "Continuing on fewer nodes");
 #   6. end: job_end to the controller, stop holders; optionally requeue a failed job.
 #
 # Every knob is an environment variable SS_*, documented with its default in the sbatch headers.
@@ -37,6 +40,10 @@ ss_defaults() {
   : "${SS_MEMORY_BUDGET_GB:=0}"
   : "${SS_MAX_RESTARTS:=3}"
   : "${SS_HANG_TIMEOUT:=600}"
+  : "${SS_SHRINK_AFTER_S:=180}"
+  : "${SS_MODEL_PARALLEL:=1}"
+  : "${SS_GLOBAL_BATCH:=0}"
+  : "${SS_MICRO_BATCH:=0}"
   : "${SS_INJECT:=}"
   : "${SS_RDZV_PORT:=$(( 29400 + ${SLURM_JOB_ID:-0} % 1000 ))}"
   : "${SS_KEEP_ALIVE_S:=5}"
@@ -56,6 +63,9 @@ ss_defaults() {
   : "${SS_DRY_RUN:=0}"
   [ "$SS_NODES" -ge 1 ] 2>/dev/null || ss_die "SS_NODES=$SS_NODES: need >= 1 active node (allocated ${SLURM_JOB_NUM_NODES:-?}, SS_SPARES=$SS_SPARES)"
   [ -n "$SS_PYTHON" ] || ss_die "no python found: set SS_PYTHON to the interpreter that has shardsafe installed"
+  [[ $SS_SHRINK_AFTER_S =~ ^[0-9]+(\.[0-9]*)?$ ]] || ss_die "SS_SHRINK_AFTER_S=$SS_SHRINK_AFTER_S: expected seconds >= 0 (0 = never shrink)"
+  [ "${SS_SHRINK_AFTER_S%.*}" = 0 ] || [ "${SS_SHRINK_AFTER_S%.*}" -lt "$SS_JOIN_TIMEOUT" ] ||
+    ss_die "SS_SHRINK_AFTER_S=$SS_SHRINK_AFTER_S must be below SS_JOIN_TIMEOUT=$SS_JOIN_TIMEOUT: the agents waiting for a lost node's place give up after it, before the job could shrink"
 }
 
 # The run's name keys the persistent tier (PERSIST_DIR/RUN_NAME, shardsafe.run_name), which must outlive the
@@ -117,7 +127,8 @@ ss_setup() {
     [ "$n" = "$batch" ] && continue
     if [ "${#SS_ACTIVE[@]}" -lt "$SS_NODES" ]; then SS_ACTIVE+=("$n"); else SS_SPARE_NODES+=("$n"); fi
   done
-  SS_WORLD=$(( SS_NODES * SS_NPROC_PER_NODE ))
+  SS_WORLD=$(( SS_NODES * SS_NPROC_PER_NODE )); SS_FULL_WORLD=$SS_WORLD
+  SS_RUN_NODES=$SS_NODES; SS_DP=$(( SS_WORLD / SS_MODEL_PARALLEL )); SS_GEN=0; SS_SHRINK_AT=""
   SS_CONTROL="$(ss_node_addr "$batch"):$SS_RDZV_PORT"
   export SHARDSAFE_RUN_DIR="$SS_RUN_DIR" SHARDSAFE_JOB_ID="$SS_JOB_ID" SHARDSAFE_RUN_NAME="$SS_RUN_NAME" \
     SHARDSAFE_JOB_START_T="$SS_T0"
@@ -176,7 +187,8 @@ ss_start_agent() {
   ss_run srun --overlap --no-kill -N1 -n1 -w "$node" --kill-on-bad-exit=0 --job-name="ss-agent-$node" \
     --output="$SS_RUN_DIR/logs/agent_$node.log" $SS_SRUN_ARGS \
     "$SS_PYTHON" -m shardsafe.launch agent --node "$node" --control "$SS_CONTROL" \
-    --nnodes "$SS_NODES:$SS_NODES" --nproc-per-node "$SS_NPROC_PER_NODE" --job-id "$SS_JOB_ID" \
+    --nnodes "$SS_RUN_NODES:$SS_RUN_NODES" --nproc-per-node "$SS_NPROC_PER_NODE" --job-id "$SS_JOB_ID" \
+    --rdzv-id "$SS_JOB_ID$([ "$SS_GEN" -gt 0 ] && echo ".g$SS_GEN")" --full-world-size "$SS_FULL_WORLD" \
     --run-dir "$SS_RUN_DIR" ${SS_HOLDER_DIR:+--holder-dir "$SS_HOLDER_DIR"} --max-restarts "$SS_MAX_RESTARTS" \
     --local-addr "$(ss_node_addr "$node")" --keep-alive-s "$SS_KEEP_ALIVE_S" --keep-alive-misses "$SS_KEEP_ALIVE_MISSES" \
     --join-timeout-s "$SS_JOIN_TIMEOUT" --job-start-t "$SS_T0" --inject "$SS_INJECT" \
@@ -207,8 +219,55 @@ ss_node_lost() {  # NODE: report it, take a spare
       return 0
     fi
   done
-  ss_log "no spare node left: torch elastic cannot form a round of $SS_NODES nodes"
+  if [ "$SS_SHRINK_AFTER_S" = 0 ]; then
+    ss_log "no spare node left and shrinking is off (SS_SHRINK_AFTER_S=0): torch elastic cannot form a round of $SS_RUN_NODES nodes"
+    return 1
+  fi
+  # A node that left a SLURM allocation does not come back to it, so a layout that cannot shrink fails now
+  # rather than after the wait; the wait itself is the policy's, as in `shardsafe launch`.
+  ss_shrink_plan "$@" >/dev/null || return 1
+  [ -n "$SS_SHRINK_AT" ] || SS_SHRINK_AT=$(( $(date +%s) + ${SS_SHRINK_AFTER_S%.*} ))
+  ss_log "no spare node left: continuing on the nodes left after SS_SHRINK_AFTER_S=${SS_SHRINK_AFTER_S}s"
+  return 0
+}
+
+# `DP NODES` of the size the job continues at on the active nodes left (shardsafe control shrink-plan); its
+# reason goes to logs/shrink.log, and is said when there is no such size (return 1).
+ss_shrink_plan() {
+  # shellcheck disable=SC2086
+  "$SS_PYTHON" -m shardsafe.launch control shrink-plan --nnodes "$SS_NODES" --nproc-per-node "$SS_NPROC_PER_NODE" \
+    --nodes-left "${#SS_ACTIVE[@]}" --from-dp "$SS_DP" --model-parallel "$SS_MODEL_PARALLEL" \
+    --global-batch "$SS_GLOBAL_BATCH" --micro-batch "$SS_MICRO_BATCH" -- "$@" 2>>"$SS_RUN_DIR/logs/shrink.log" && return 0
+  ss_log "cannot continue on ${#SS_ACTIVE[@]} node(s): $(tail -1 "$SS_RUN_DIR/logs/shrink.log")"
   return 1
+}
+
+# No spare, SS_SHRINK_AFTER_S passed: re-form the job on the active nodes left at the largest data-parallel
+# size that keeps the global batch. Its agents stop (their workers with them); new agents start on the first
+# nodes of the size, in a rendezvous of that many nodes (a new rendezvous id: the old one still lists the agents
+# that stopped); the nodes it does not use stay, with their holders, as spares. 1 when no smaller size works.
+ss_shrink() {
+  local plan dp k n node pid
+  SS_SHRINK_AT=""
+  plan=$(ss_shrink_plan "$@") || return 1
+  read -r dp k <<< "$plan"
+  ss_log "$(tail -1 "$SS_RUN_DIR/logs/shrink.log"); stopping the agents of ${SS_ACTIVE[*]}"
+  for node in "${SS_ACTIVE[@]}"; do
+    pid=${SS_AGENT_PID[$node]:-}
+    [ -n "$pid" ] && ss_alive "$pid" && kill -TERM "$pid" 2>/dev/null
+  done
+  for node in "${SS_ACTIVE[@]}"; do
+    pid=${SS_AGENT_PID[$node]:-}
+    [ -n "$pid" ] && wait "$pid" 2>/dev/null
+    unset "SS_AGENT_PID[$node]"
+  done
+  SS_SPARE_NODES+=("${SS_ACTIVE[@]:k}")
+  SS_ACTIVE=("${SS_ACTIVE[@]:0:k}")
+  SS_GEN=$(( SS_GEN + 1 )); SS_RUN_NODES=$k; SS_WORLD=$(( k * SS_NPROC_PER_NODE ))
+  "$SS_PYTHON" -m shardsafe.launch control notify resize --run-dir "$SS_RUN_DIR" --from-dp "$SS_DP" --to-dp "$dp" \
+    --world-size "$SS_WORLD" --node "$(IFS=,; echo "${SS_ACTIVE[*]}")" --reason "$(tail -1 "$SS_RUN_DIR/logs/shrink.log")" >/dev/null
+  SS_DP=$dp
+  for n in "${SS_ACTIVE[@]}"; do ss_start_agent "$n" "$@"; done
 }
 
 # Returns 0 when every rank finished, 1 on failure.
@@ -227,6 +286,11 @@ ss_watch() {
         ss_node_lost "$node" "$@" || return 1
       fi
     done
+    if [ -n "$SS_SHRINK_AT" ] && [ "$(date +%s)" -ge "$SS_SHRINK_AT" ]; then
+      ss_shrink "$@" || return 1
+      exited_at=()
+      continue
+    fi
     local running=0
     for node in "${SS_ACTIVE[@]}"; do
       if ss_alive "${SS_AGENT_PID[$node]}"; then running=$((running + 1)); continue; fi

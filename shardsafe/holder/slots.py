@@ -30,8 +30,13 @@ class Slot:
                                # opens that report the same one read bytes nobody was handed to write in between
 
     def info(self) -> dict[str, Any]:
-        return {"slot": self.slot_id, "version": self.version, "state": self.state, "committed": self.committed,
-                "nbytes": self.nbytes, "capacity": self.seg.size, "scrubbed_at": self.scrubbed_at}
+        out = {"slot": self.slot_id, "version": self.version, "state": self.state, "committed": self.committed,
+               "nbytes": self.nbytes, "capacity": self.seg.size, "scrubbed_at": self.scrubbed_at}
+        # The world size a data payload was taken at: a restart can tell from one listing whether the node holds
+        # snapshots of another size (a restore that re-partitions), without opening every slot.
+        if self.state == "sealed" and isinstance(self.manifest, dict) and "world_size" in self.manifest:
+            out["world_size"] = self.manifest["world_size"]
+        return out
 
 
 @dataclass

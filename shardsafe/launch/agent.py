@@ -32,6 +32,7 @@ from ..collectives import lazy_gloo_env
 from ..fatal import describe as describe_fatal, read_fatal
 from .controller import Keys, _store_client, publish
 from .markers import done_ranks, mark_rank_done
+from .shrink import RENDEZVOUS_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +63,19 @@ class AgentOptions:
     torchrun_args: list[str] = field(default_factory=list)
     preload: list[str] = field(default_factory=list)
     """Modules this node's fork server imports once; workers are forked from it (shardsafe.launch.prewarm)."""
+    rdzv_id: str = ""
+    """torchrun --rdzv-id (default: the job id). A launcher that re-forms the job at another size starts its agents
+    on a new one: the old rendezvous still lists the agents it stopped."""
+    full_world_size: int = 0
+    """The job's full world size, exported to the workers as SHARDSAFE_FULL_WORLD_SIZE (0: not exported); below
+    the world of the rounds, the job runs at a smaller data-parallel size (shardsafe.launch.resize)."""
 
     def torchrun_argv(self, script: list[str]) -> list[str]:
         conf = (f"is_host=false,join_timeout={int(self.join_timeout_s)},keep_alive_interval={int(self.keep_alive_s)},"
-                f"keep_alive_max_attempt={int(self.keep_alive_misses)},read_timeout=60")
+                f"keep_alive_max_attempt={int(self.keep_alive_misses)},read_timeout={int(RENDEZVOUS_TIMEOUT_S)}")
         argv = ["--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc_per_node),
                 "--max-restarts", str(self.max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", self.control,
-                "--rdzv-id", self.job_id, "--rdzv-conf", conf, "--monitor-interval", str(self.monitor_interval_s)]
+                "--rdzv-id", self.rdzv_id or self.job_id, "--rdzv-conf", conf, "--monitor-interval", str(self.monitor_interval_s)]
         if self.local_addr:
             argv += ["--local-addr", self.local_addr]
         return argv + list(self.torchrun_args) + list(script)
@@ -88,6 +95,8 @@ class AgentOptions:
             env[names.INJECT] = self.inject
         if self.job_start_t is not None:
             env[names.JOB_START_T] = repr(self.job_start_t)
+        if self.full_world_size:
+            env[names.FULL_WORLD_SIZE] = str(self.full_world_size)
         return env
 
 

@@ -15,6 +15,7 @@ is checked while parsing, so a bad one is one line on stderr and exit code 2 bef
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from .elastic import ElasticConfig, ElasticLauncher
 from .errors import EXIT_FATAL, LaunchError
 from .markers import CONTROL_DIR, _atomic_write, notify
 from .presets import PRESETS, preload_modules
+from .shrink import shrink_after_s
 
 HOLDER_DIR_DEFAULT = "$SHARDSAFE_HOLDER_DIR, else shardsafe-<uid> under $XDG_RUNTIME_DIR or /tmp"
 
@@ -114,10 +116,13 @@ def cmd_launch(a: argparse.Namespace) -> int:
                         holder_dir=a.holder_dir, memory_budget_gb=a.memory_budget_gb, max_restarts=a.max_restarts,
                         inject=a.inject, hang_timeout_s=a.hang_timeout_s, grace_s=a.grace_s,
                         keep_alive_s=a.keep_alive_s, keep_alive_misses=a.keep_alive_misses, timeout_s=a.timeout_s,
-                        preload=a.preload, rendezvous_poll_s=a.rendezvous_poll_s)
+                        preload=a.preload, rendezvous_poll_s=a.rendezvous_poll_s, spares=a.spares,
+                        shrink_after_s=a.shrink_after_s, model_parallel=a.model_parallel,
+                        global_batch=a.global_batch, micro_batch=a.micro_batch)
     res = ElasticLauncher(cfg).run(script)
     out = {"ok": res.ok, "attempts": res.attempts, "failures": res.failures, "wall_s": round(res.wall_s, 3),
-           "nodes": res.nodes, "run_dir": res.run_dir, "job_id": cfg.job_id, "signal": res.signal, "fatal": res.fatal}
+           "nodes": res.nodes, "run_dir": res.run_dir, "job_id": cfg.job_id, "signal": res.signal, "fatal": res.fatal,
+           "data_parallel_sizes": res.data_parallel_sizes}
     if res.fatal:
         print(f"shardsafe launch: stopped without restarting: {res.fatal}", file=sys.stderr)
     if a.json:
@@ -126,7 +131,8 @@ def cmd_launch(a: argparse.Namespace) -> int:
         how = "ok" if res.ok else (f"stopped by {signal.Signals(res.signal).name}" if res.signal else "FAILED")
         print(f"shardsafe launch: job {cfg.job_id} {how} after {res.attempts} attempt(s) in {res.wall_s:.1f} s; "
               f"failures: {[(f['cause'], f.get('rank'), f.get('node')) for f in res.failures]}; "
-              f"TOR: shardsafe tor report {res.run_dir}")
+              + (f"data-parallel sizes {res.data_parallel_sizes}; " if len(res.data_parallel_sizes) > 1 else "")
+              + f"TOR: shardsafe tor report {res.run_dir}")
     if res.signal:
         return 128 + res.signal   # the shell's convention for a process ended by that signal
     return 0 if res.ok else (EXIT_FATAL if res.fatal else 1)
@@ -140,7 +146,7 @@ def _agent_options(a: argparse.Namespace) -> AgentOptions:
                         rendezvous_poll_s=a.rendezvous_poll_s, keep_alive_s=a.keep_alive_s,
                         keep_alive_misses=a.keep_alive_misses, join_timeout_s=a.join_timeout_s,
                         job_start_t=a.job_start_t, torchrun_args=shlex.split(a.torchrun_args or ""),
-                        preload=list(a.preload))
+                        preload=list(a.preload), rdzv_id=a.rdzv_id, full_world_size=a.full_world_size)
 
 
 def cmd_agent(a: argparse.Namespace) -> int:
@@ -176,6 +182,12 @@ def cmd_notify(a: argparse.Namespace) -> int:
         if not a.node:
             raise LaunchError("notify node-lost needs --node NODE (the node that left the job)")
         fields["node"] = a.node
+    elif what == "resize":
+        if not (a.from_dp and a.to_dp and a.world_size) or a.from_dp == a.to_dp:
+            raise LaunchError("notify resize needs --from-dp, --to-dp (another size) and --world-size: the "
+                              "data-parallel sizes before and after, and the ranks of an attempt at the new size")
+        fields.update(from_dp=a.from_dp, to_dp=a.to_dp, world_size=a.world_size, nodes=a.node.split(",") if a.node
+                      else None, reason=a.reason or None)
     else:
         fields["ok"] = bool(a.ok)
     print(notify(a.run_dir, what, **fields))
@@ -220,9 +232,26 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_shrink_plan(a: argparse.Namespace) -> int:
+    """``control shrink-plan``: the size a job continues at on the nodes left (shardsafe.launch.shrink), for the
+    sbatch scripts: ``DP NODES`` on stdout, or the reason on stderr and exit code 3 (waiting for a spare)."""
+    from .shrink import job_shape, shrink_target
+    shape = job_shape(nodes=a.nnodes, ranks_per_node=a.nproc_per_node, model_parallel=a.model_parallel,
+                      global_batch=a.global_batch, micro_batch=a.micro_batch, command=_script(a) if a.script else ())
+    shape = dataclasses.replace(shape, dp=a.from_dp or shape.dp)
+    try:
+        d = shrink_target(shape, a.nodes_left)
+    except ConfigError as e:
+        print(f"shardsafe control shrink-plan: {e}", file=sys.stderr)
+        return EXIT_FATAL
+    print(d.dp, d.nodes)
+    print(d.reason, file=sys.stderr)
+    return 0
+
+
 def cmd_control(a: argparse.Namespace) -> int:
-    """``control serve`` or ``control notify``, by ``a.action``."""
-    return cmd_notify(a) if a.action == "notify" else cmd_serve(a)
+    """``control serve``, ``control notify`` or ``control shrink-plan``, by ``a.action``."""
+    return {"notify": cmd_notify, "shrink-plan": cmd_shrink_plan}.get(a.action, cmd_serve)(a)
 
 
 def _guarded(fn: Callable[[argparse.Namespace], int], prog: str) -> Callable[[argparse.Namespace], int]:
@@ -267,6 +296,31 @@ def _add_agent_timing(p: argparse.ArgumentParser) -> None:
                         "$SHARDSAFE_PRELOAD, else none (workers start cold)")
 
 
+def _add_resize(p: argparse.ArgumentParser) -> None:
+    """What a lost node's empty place does to the job (docs/operations.md, "Continuing on fewer nodes")."""
+    g = p.add_argument_group("lost nodes and spares", "a lost node is replaced by a spare while there is one; with "
+                             "none left the job waits --shrink-after-s for a node, then continues at a smaller "
+                             "data-parallel size that keeps the global batch, and grows back when a node joins")
+    g.add_argument("--spares", type=whole(0, "nodes"), default=None, metavar="N",
+                   help="spare nodes, each takes a lost node's place at once (default: every lost node is replaced; "
+                        "0: none)")
+    g.add_argument("--shrink-after-s", type=seconds, default=None, metavar="S",
+                   help="with no spare left, seconds to wait for a node before continuing at a smaller data-parallel "
+                        f"size (0 = never, wait for a node; default: {shrink_after_s(None):g}, 3 x the rendezvous "
+                        "timeout)")
+    _add_batch(g)
+
+
+def _add_batch(g) -> None:
+    g.add_argument("--model-parallel", type=whole(1, "ranks"), default=1, metavar="N",
+                   help="ranks of one model replica (TP x PP x CP): a smaller size keeps replicas whole")
+    g.add_argument("--global-batch", type=whole(0, "samples"), default=0, metavar="N",
+                   help="the global batch in samples, kept at every size by more gradient accumulation (default: 0, "
+                        "from the script's --deepspeed_config if it names one, else not known: no shrinking)")
+    g.add_argument("--micro-batch", type=whole(0, "samples"), default=0, metavar="N",
+                   help="samples per rank and micro-batch, with --global-batch (default: 0, from the DeepSpeed config)")
+
+
 def _add_script(p: argparse.ArgumentParser) -> None:
     p.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]",
                    help="the training script and its arguments (everything from here on is the script's; "
@@ -300,6 +354,7 @@ def register_cli(sub) -> None:
     hidden_alias(p, "--timeout", p.add_argument(
         "--timeout-s", type=seconds, default=0.0, metavar="S", help="kill the whole job after this long (0 = never)"))
     p.add_argument("--json", action="store_true", help="print one JSON object with the outcome on stdout")
+    _add_resize(p)
     _add_agent_timing(p)
     _add_script(p)
     p.set_defaults(func=_guarded(cmd_launch, "shardsafe launch"))
@@ -333,6 +388,12 @@ def register_cli(sub) -> None:
     g.add_argument("--job-start-t", type=float, default=None, metavar="UNIX_TIME",
                    help="time.time() at the job's start, for the running TOR (default: the workers' first event)")
     g.add_argument("--torchrun-args", default="", help="more torchrun arguments, one shell-quoted string (default: none)")
+    g.add_argument("--rdzv-id", default="",
+                   help="torchrun --rdzv-id (default: the job id); a job re-formed at another size uses a new one")
+    g.add_argument("--full-world-size", type=whole(0, "ranks"), default=0, metavar="N",
+                   help="the job's full world size, exported to the workers as SHARDSAFE_FULL_WORLD_SIZE (default: 0, "
+                        "not exported); the rounds run fewer ranks while the job continues at a smaller "
+                        "data-parallel size")
     _add_agent_timing(g)
     _add_script(g)
     g.set_defaults(func=_guarded(cmd_agent, "shardsafe agent"))
@@ -341,7 +402,7 @@ def register_cli(sub) -> None:
                        description="`control serve` runs the job's controller (the agents' rendezvous store, the "
                                    "progress watchdog, the launcher's TOR events); `control notify` leaves it a "
                                    "notification in the run directory. The sbatch scripts call both.")
-    csub = c.add_subparsers(dest="action", metavar="serve|notify", required=True)
+    csub = c.add_subparsers(dest="action", metavar="serve|notify|shrink-plan", required=True)
     s = csub.add_parser("serve", help="run the job's controller until job-end is notified or a signal stops it")
     s.add_argument("--run-dir", required=True, help="the job's run directory (events.jsonl, control/)")
     s.add_argument("--listen", required=True, type=_endpoint, metavar="HOST:PORT",
@@ -356,13 +417,35 @@ def register_cli(sub) -> None:
     s.add_argument("--requeue-count", type=whole(0), default=int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0),
                    metavar="N", help="SLURM requeues so far (default: $SLURM_RESTART_COUNT, else 0)")
     s.set_defaults(func=_guarded(cmd_serve, "shardsafe control serve"))
-    n = csub.add_parser("notify", help="leave the controller a notification: node-lost NODE or job-end")
-    n.add_argument("what", choices=["node-lost", "job-end"], help="node-lost (with --node) or job-end (with --ok "
-                                                                  "when the job succeeded)")
+    n = csub.add_parser("notify", help="leave the controller a notification: node-lost NODE, job-end or resize")
+    n.add_argument("what", choices=["node-lost", "job-end", "resize"],
+                   help="node-lost (with --node), job-end (with --ok when the job succeeded) or resize (with "
+                        "--from-dp, --to-dp and --world-size: the script re-formed the job at another size)")
     n.add_argument("--run-dir", required=True, help="the run directory `control serve` was started with")
-    n.add_argument("--node", default="", help="node-lost: the node that left the job (required there; default: none)")
+    n.add_argument("--node", default="", help="node-lost: the node that left the job (required there); resize: the "
+                                              "nodes of the new size, separated by commas (default: none)")
     n.add_argument("--ok", action="store_true", help="job-end: the job succeeded")
+    n.add_argument("--from-dp", type=whole(1, "replicas"), default=0, metavar="D",
+                   help="resize: the data-parallel size before (default: none, required there)")
+    n.add_argument("--to-dp", type=whole(1, "replicas"), default=0, metavar="D",
+                   help="resize: the data-parallel size after (default: none, required there)")
+    n.add_argument("--world-size", type=whole(1, "ranks"), default=0, metavar="N",
+                   help="resize: the ranks of an attempt at the new size (default: none, required there)")
+    n.add_argument("--reason", default="", help="resize: why, for the event (default: none)")
     n.set_defaults(func=_guarded(cmd_notify, "shardsafe control notify"))
+    sp = csub.add_parser("shrink-plan", help="the data-parallel size a job continues at on the nodes left",
+                         description="Print `DP NODES`: the largest data-parallel size below the job's that the nodes "
+                                     "left run and that keeps the global batch, and the nodes it uses (the sbatch "
+                                     "scripts call it when no spare is left). Exit code 3 with the reason on stderr "
+                                     "when there is none.")
+    sp.add_argument("--nnodes", required=True, type=whole(1, "nodes"), metavar="N", help="the full-size job's nodes")
+    sp.add_argument("--nproc-per-node", type=whole(1, "ranks"), default=1, metavar="N", help="ranks per node")
+    sp.add_argument("--nodes-left", required=True, type=whole(0, "nodes"), metavar="K", help="nodes still up")
+    sp.add_argument("--from-dp", type=whole(0, "replicas"), default=0, metavar="D",
+                    help="the size the job runs at now (default: 0, the full size)")
+    _add_batch(sp)
+    _add_script(sp)
+    sp.set_defaults(func=_guarded(cmd_shrink_plan, "shardsafe control shrink-plan"))
 
 
 def main(argv: list[str] | None = None) -> int:

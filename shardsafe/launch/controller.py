@@ -175,6 +175,22 @@ class Controller:
         """Evidence from the launcher itself (an injected node loss, a script's notification)."""
         self._emit(self.book.evidence(ev, attempt, now=time.time()))
 
+    def stopped(self, attempt: int, *, cause: str, **fields) -> None:
+        """The launcher stops ``attempt`` on purpose (a grow): its ``attempt_end``, and no failure for it."""
+        self._emit(self.book.stopped(attempt, t=time.time(), cause=cause, **fields))
+
+    def resized(self, note: dict, now: float) -> None:
+        """A script re-formed the job at another data-parallel size (its agents stopped, new ones start): the
+        ``shrink`` / ``grow`` event, dated when the script decided, and the world size a finished attempt needs."""
+        a, b, world = note.get("from_dp"), note.get("to_dp"), note.get("world_size")
+        if not all(isinstance(v, int) and v >= 1 for v in (a, b, world)) or a == b:
+            log.warning("resize notification %s: expected from_dp != to_dp and world_size, whole numbers >= 1; ignored",
+                        note)
+            return
+        self.events.emit("shrink" if b < a else "grow", at=float(note.get("t") or now), from_dp=a, to_dp=b,
+                         nodes=note.get("nodes"), reason=note.get("reason"))
+        self.book.world_size = world
+
     def kill_attempt(self, attempt: int) -> None:
         """Ask every agent to SIGKILL its workers of ``attempt`` (torch elastic then restarts them)."""
         if attempt not in self._killed:
@@ -228,6 +244,8 @@ class Controller:
                                      t_fault=note.get("t_fault")))
             elif note.get("what") == "job_end":
                 self.job_end_request = note
+            elif note.get("what") == "resize":
+                self.resized(note, now)
 
     def _finishing(self, attempt: int) -> bool:
         """Some rank of ``attempt`` wrote its completion marker: training is over, ranks are exiting."""

@@ -13,8 +13,11 @@ Local mode (:class:`ElasticLauncher`, ``shardsafe launch --nnodes N --nproc-per-
 nodes on this host: one holder and one torchrun agent per node (``SHARDSAFE_NODE=nodeI``), c10d
 rendezvous on 127.0.0.1 served by the launcher itself (so losing any simulated node never takes the
 rendezvous down). ``--inject kill-node:NODE@STEP`` SIGKILLs that node's agent, workers and holder and
-a fresh node (agent + empty holder) joins; ``kill-rank`` and ``hang-rank`` happen inside trainers
-(:mod:`.faults`). Under SLURM the scripts in scripts/slurm start holders and agents with srun and
+a fresh node (agent + empty holder) joins while spares last (``--spares``, default: always); with none left the
+launcher waits ``--shrink-after-s`` for a node (``add-node:NODE@STEP``), then stops the agents and starts new ones
+on the nodes left at a smaller data-parallel size (a new rendezvous of fewer nodes), and back at the full size
+once a node joined and the attempt committed a version (:mod:`.resize`). ``kill-rank`` and ``hang-rank`` happen
+inside trainers (:mod:`.faults`). Under SLURM the scripts in scripts/slurm start holders and agents with srun and
 run ``shardsafe control serve`` on the batch host (docs/slurm.md).
 
 Rank placement: torch elastic's rendezvous numbers nodes afresh every round, so after a node is
@@ -35,12 +38,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import env as names
+from ..errors import ConfigError
 from ..fatal import describe as describe_fatal, read_fatal
 from .controller import Controller
 from .errors import LaunchError
 from ..faults import NODE_FAULTS, FaultKind, for_attempt, parse as parse_faults
 from .incidents import Evidence
 from .markers import LOG_DIR
+from .resize import WAIT, CommitWatch, Membership, Plan
+from .shrink import job_shape, shrink_after_s
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +90,17 @@ class ElasticConfig:
     preload: tuple[str, ...] = ()
     """Modules each node's fork server imports once; its workers are forked from it instead of importing them
     again at every start and restart (shardsafe.launch.prewarm). Empty: torch elastic starts workers cold."""
+    spares: int | None = None
+    """Spare nodes that replace lost ones at once (None: always; 0: a lost node's place stays empty)."""
+    shrink_after_s: float | None = None
+    """With no spare left: the wait for a node before continuing at a smaller data-parallel size (0 = never;
+    None = 3 x the agents' rendezvous timeout). Below join_timeout_s, which the waiting agents give up after."""
+    model_parallel: int = 1
+    """Ranks of one model replica (TP x PP)."""
+    global_batch: int = 0
+    """Global batch in samples (0: from the script's DeepSpeed config, else not known: no shrinking)."""
+    micro_batch: int = 0
+    """Samples per rank and micro-batch (with global_batch)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.nproc_per_node < 1:
@@ -102,6 +119,18 @@ class ElasticConfig:
                 raise LaunchError(f"{flag} must be >= 0 seconds (0 = off), got {v!r}")
         if not self.join_timeout_s > 0:
             raise LaunchError(f"join_timeout_s must be > 0 seconds, got {self.join_timeout_s!r}")
+        try:
+            self.shrink_after_s = shrink_after_s(self.shrink_after_s)
+            job_shape(nodes=self.nodes, ranks_per_node=self.nproc_per_node, model_parallel=self.model_parallel,
+                      global_batch=self.global_batch, micro_batch=self.micro_batch)
+        except ConfigError as e:
+            raise LaunchError(str(e)) from None
+        if self.spares is not None and self.spares < 0:
+            raise LaunchError(f"--spares must be >= 0 (default: a lost node is always replaced), got {self.spares}")
+        if self.spares is not None and 0 < self.join_timeout_s <= self.shrink_after_s:
+            raise LaunchError(f"--shrink-after-s {self.shrink_after_s:g} must be below the rendezvous join timeout "
+                              f"{self.join_timeout_s:g} s: the agents waiting for the lost node's place give up after "
+                              "it, before the job could shrink")
         faults = parse_faults(self.inject)   # fail fast on a malformed spec
         for f in faults:
             if f.kind in NODE_FAULTS:
@@ -127,6 +156,8 @@ class LaunchResult:
     """The signal (SIGTERM, SIGINT, SIGHUP) that stopped the launcher, if one did."""
     fatal: str = ""
     """The error no restart can fix that ended the job (shardsafe.fatal), if any."""
+    data_parallel_sizes: list[int] = field(default_factory=list)
+    """The data-parallel sizes the job ran at, in order (one entry unless it shrank or grew)."""
 
 
 def _kill_tree(pid: int) -> None:
@@ -159,6 +190,12 @@ class ElasticLauncher:
         self._next_node = cfg.nodes
         self.controller: Controller | None = None
         self.t_start = time.time()
+        self.members: Membership | None = None   # the job's nodes and size (run() makes it: it knows the script)
+        self.generation = 0                      # rendezvous generations: one more per re-forming
+        self.sizes: list[int] = []
+        self._wait: tuple[int, float] | None = None       # (next attempt, since): a lost node's place is empty
+        self._grow: tuple[int, CommitWatch] | None = None  # (attempt, its commits) once a node joined at a smaller size
+        self._said = ""
         self.instance = f"{cfg.job_id}.{os.getpid()}.{uuid.uuid4().hex[:8]}"   # this run of the job (shardsafe.jobid)
 
     # ---- holders ---------------------------------------------------------------------------------------
@@ -209,11 +246,15 @@ class ElasticLauncher:
         return f"127.0.{100 + i}.1" if i < 155 else ""
 
     def start_agent(self, node: str) -> None:
-        c, ctl = self.cfg, self.controller
+        c, ctl, m = self.cfg, self.controller, self.members
+        k = len(m.active)
+        restarts = max(0, c.max_restarts - len(ctl.book.failures))   # the job's budget, not each new agent's own
         cmd = [sys.executable, "-m", "shardsafe.launch", "agent", "--node", node, "--control", ctl.endpoint,
-               "--nnodes", f"{c.nodes}:{c.nodes}", "--nproc-per-node", str(c.nproc_per_node),
+               "--nnodes", f"{k}:{k}", "--nproc-per-node", str(c.nproc_per_node),
                "--job-id", c.job_id, "--run-dir", c.run_dir, "--holder-dir", c.holder_dir,
-               "--max-restarts", str(c.max_restarts), "--monitor-interval-s", str(c.monitor_interval_s),
+               "--rdzv-id", f"{c.job_id}.g{self.generation}" if self.generation else c.job_id,
+               "--full-world-size", str(m.world(m.full_dp)),
+               "--max-restarts", str(restarts), "--monitor-interval-s", str(c.monitor_interval_s),
                "--keep-alive-s", str(c.keep_alive_s), "--keep-alive-misses", str(c.keep_alive_misses),
                "--join-timeout-s", str(c.join_timeout_s), "--job-start-t", repr(self.t_start),
                "--rendezvous-poll-s", repr(c.rendezvous_poll_s)]
@@ -233,7 +274,8 @@ class ElasticLauncher:
         self.agents[node] = subprocess.Popen(cmd + ["--", *self._script], stdin=subprocess.DEVNULL, stdout=logf,
                                              stderr=subprocess.STDOUT, env=env, start_new_session=True)
         logf.close()
-        self.all_nodes.append(node)
+        if node not in self.all_nodes:
+            self.all_nodes.append(node)
 
     def kill_node(self, node: str) -> None:
         """Node loss: SIGKILL the node's agent, its workers and its holder (its memory dies with it)."""
@@ -252,14 +294,94 @@ class ElasticLauncher:
         if holder is not None:
             holder.wait()
 
-    def replace_node(self) -> str:
-        """A fresh node joins: an empty holder and a new agent."""
+    def new_node_name(self, lost: str = "") -> str:
+        """A spare's name: the next unused nodeK (a real spare is another machine, under its own name)."""
         node = f"node{self._next_node}"
         self._next_node += 1
+        return node
+
+    def _join(self, node: str, why: str) -> None:
+        """add-node: the node joins with an empty holder; its agent starts when an attempt runs on it."""
+        m = self.members
+        if node in m.live or not m.join(node):
+            log.warning("injected node join (%s): %s is in the job already or every slot is taken; it stays out",
+                        why, node)
+            return
+        self.lost.discard(node)
         if self.cfg.start_holders:
             self.start_holders([node])
-        self.start_agent(node)
-        return node
+        log.warning("node %s joined the job (%s) with an empty holder; nodes up: %s", node, why, ", ".join(m.live))
+
+    def _reform(self, plan: Plan, *, stop: int | None = None, version: int | None = None) -> None:
+        """Run the next attempt as ``plan`` says. The same size: agents for the plan's nodes that have none (a spare
+        joins the round the others wait in). Another size: a ``shrink`` / ``grow`` event, the end of attempt ``stop``
+        (a grow stops a running one at committed ``version``), then every agent is stopped and new ones start on the
+        plan's nodes in a new rendezvous of that many nodes."""
+        m = self.members
+        if plan.dp == m.dp:
+            m.apply(plan)
+            for node in plan.nodes:
+                if node not in self.agents or self.agents[node].poll() is not None:
+                    self.start_agent(node)
+            return
+        self.events.emit(plan.action, from_dp=m.dp, to_dp=plan.dp, nodes=list(plan.nodes), reason=plan.reason)
+        log.warning("%s: %s; agents on %s", plan.action, plan.reason, ", ".join(plan.nodes))
+        if stop is not None:
+            self.controller.stopped(stop, cause=plan.action, version=version)
+        for p in self.agents.values():
+            if p.poll() is None:
+                _kill_tree(p.pid)
+                p.wait()
+        self.agents = {}
+        self.generation += 1
+        m.apply(plan)
+        self.sizes.append(plan.dp)
+        self.controller.book.world_size = m.world()
+        for node in plan.nodes:
+            self.start_agent(node)
+
+    def _resize_step(self) -> None:
+        """While a lost node's place is empty: wait, shrink or run (:meth:`Membership.plan`); while the job runs
+        smaller and a node joined: grow at the attempt's next committed version."""
+        m, ctl = self.members, self.controller
+        if self._wait is not None:
+            nxt, since = self._wait
+            self._joins(nxt, None)
+            plan = m.plan(time.monotonic() - since)
+            if plan.action == WAIT:
+                if plan.reason != self._said:
+                    (log.error if plan.refused else log.warning)("%s", plan.reason)
+                    self._said = plan.reason
+                return
+            self._wait = None
+            self._reform(plan)
+            return
+        a = ctl.attempt
+        grow = m.grow_plan()
+        if grow is None or a is None or not ctl.book.is_open(a):
+            return
+        if self._grow is None or self._grow[0] != a:   # the node joined before this attempt: all its commits count
+            self._grow = (a, CommitWatch(self.cfg.run_dir, a, m.world()))
+        version = self._grow[1].committed()
+        if version is not None:
+            log.warning("version %d committed on every rank since a node joined: stopping attempt %d to grow back",
+                        version, a)
+            self._grow = None
+            self._reform(grow, stop=a, version=version)
+            self.events.emit("restart", attempt=a + 1)
+
+    def _joins(self, a: int | None, reached: int | None) -> None:
+        """add-node faults of attempt ``a`` due at step ``reached`` (None: step 0 only, before it starts)."""
+        for f in [] if a is None else for_attempt(parse_faults(self.cfg.inject), a, {FaultKind.ADD_NODE}):
+            key = ("join", a, str(f))
+            if key not in self._injected and (f.step == 0 if reached is None else f.step <= reached):
+                self._injected.add(key)
+                if self.members.dp < self.members.full_dp and reached is not None:
+                    # the next commit is one after the node is back, not after its holder started
+                    if self._grow is None or self._grow[0] != a:
+                        self._grow = (a, CommitWatch(self.cfg.run_dir, a, self.members.world()))
+                    self._grow[1].arm()
+                self._join(f.target, f"{f}, attempt {a}")
 
     # ---- the run ---------------------------------------------------------------------------------------
     def _node_fault(self, attempt: int | None):
@@ -312,12 +434,21 @@ class ElasticLauncher:
             injected.add(a)
             nodes = fault.target.split("+")
             t_fault = time.time()
-            ctl.report(Evidence(t=t_fault, cause="node_loss", node="+".join(nodes), t_fault=t_fault), a)
+            m = self.members
+            ran = m.lose([n for n in nodes if n in m.live])
+            if ran:
+                ctl.report(Evidence(t=t_fault, cause="node_loss", node="+".join(nodes), t_fault=t_fault), a)
             for n in nodes:
                 self.kill_node(n)
-            log.warning("injected node loss: %s at step %d of attempt %d", "+".join(nodes), fault.step, a)
-            for _ in nodes:
-                self.replace_node()
+            log.warning("injected node loss: %s at step %d of attempt %d%s", "+".join(nodes), fault.step, a,
+                        "" if ran else " (it ran no rank of the attempt, which goes on)")
+            for node in m.take_spares():   # a spare: a fresh node, empty holder; its agent joins the round
+                if self.cfg.start_holders:
+                    self.start_holders([node])
+            if ran:
+                self._wait = (a + 1, time.monotonic())
+        if a is not None and ctl.book.is_open(a):
+            self._joins(a, ctl.tail.max_iter.get(a, 0))
 
     def _agents_done(self, t0: float) -> bool | None:
         """True when every live agent finished, False when one gave up or the job timed out, None while running."""
@@ -344,7 +475,13 @@ class ElasticLauncher:
         t0 = self.t_start = time.time()
         self.events.emit("job_start", at=t0, nodes=c.nodes, nproc_per_node=c.nproc_per_node, launcher="torchrun",
                          job_id=c.job_id, cmd=shlex.join(script)[:500])
-        ok, injected, fatal = False, set(), ""
+        ok, fatal = False, ""
+        injected = self._injected = set()
+        shape = job_shape(nodes=c.nodes, ranks_per_node=c.nproc_per_node, model_parallel=c.model_parallel,
+                          global_batch=c.global_batch, micro_batch=c.micro_batch, command=script)
+        self.members = Membership([f"node{i}" for i in range(c.nodes)], shape, spares=c.spares,
+                                  shrink_after_s=c.shrink_after_s, spare_name=self.new_node_name)
+        self.sizes = [shape.dp]
         with SignalStop() as stop:
             try:
                 self.controller = Controller(run_dir=c.run_dir, job_id=c.job_id, world_size=c.nodes * c.nproc_per_node,
@@ -363,6 +500,7 @@ class ElasticLauncher:
                     if fatal:
                         break
                     self._inject(a, injected)
+                    self._resize_step()
                     done = self._agents_done(t0)
                     if done is not None:
                         ok = done
@@ -388,4 +526,4 @@ class ElasticLauncher:
         book = self.controller.book if self.controller is not None else None
         return LaunchResult(ok=ok, attempts=book.n_attempts if book else 0, failures=list(book.failures) if book else [],
                             wall_s=time.time() - t0, nodes=list(self.all_nodes), run_dir=c.run_dir,
-                            signal=stop.received, fatal=fatal)
+                            signal=stop.received, fatal=fatal, data_parallel_sizes=list(self.sizes))

@@ -106,6 +106,15 @@ class IncidentBook:
             return [("attempt_end", t, {"attempt": attempt, "rc": 0, "cause": "finished"})]
         return []
 
+    def stopped(self, attempt: int, *, t: float, cause: str, **fields: Any) -> list[Emit]:
+        """The launcher stopped ``attempt`` on purpose (to re-form the job at another size, docs/tor.md): it ends
+        without a failure, and nothing its workers' deaths report afterwards counts against it."""
+        st = self.attempts.get(attempt)
+        if st is None or st.decided or st.ended:
+            return []
+        st.ended = True
+        return [("attempt_end", t, {"attempt": attempt, "rc": None, "cause": cause, **fields})]
+
     def tick(self, now: float) -> list[Emit]:
         out: list[Emit] = []
         for a in sorted(self.attempts):

@@ -4,7 +4,14 @@ This is the local mode behind ``shardsafe demo`` and the tests: every simulated 
 node name (SHARDSAFE_NODE) and its own holder process, started outside the restarted worker group
 so it survives trainer failures. When any trainer fails, the whole worker group is killed and
 restarted (torch elastic's semantics), up to ``max_restarts`` times; holders keep their memory.
-Rank-to-node placement is stable across restarts (rank r always runs on node r // nproc_per_node).
+
+A lost node (``kill-node``) is replaced at once by a fresh node of the same name with an empty holder, unless
+``spares`` limits the spares: then the launcher waits ``shrink_after_s`` for a node to join (``add-node``) and
+otherwise continues on the nodes left at a smaller data-parallel size, and grows back at the next committed
+version once a node joins (:mod:`.resize`, docs/operations.md "Continuing on fewer nodes"). Rank-to-node
+placement is stable: rank r runs on the (r // nproc_per_node)-th node in use, in slot order (node i holds slot i
+until it is lost; a node that joins takes the lowest empty slot), so with every node up rank r runs on node
+r // nproc_per_node, as before.
 
 The helpers both launchers share are in :mod:`.holders` and :mod:`.signals`; the elastic launcher (torchrun,
 ``shardsafe launch``) is :mod:`.elastic`.
@@ -34,6 +41,8 @@ from ..faults import FaultKind, for_attempt, parse
 from .errors import LaunchError
 from .holders import budget_problem, holder_budget_env, holder_env, holder_failure, holder_running, kill_serving_holder
 from .prewarm import ForkServer, PrewarmError
+from .resize import GROW, WAIT, CommitWatch, Membership, Plan
+from .shrink import job_shape, shrink_after_s
 from .signals import SignalStop
 
 log = logging.getLogger(__name__)
@@ -60,7 +69,8 @@ class LaunchConfig:
     memory_budget_gb: float = 0.0
     """Per-holder budget (0 = half the node's RAM)."""
     max_restarts: int = 3
-    """Restarts of the worker group before giving up."""
+    """Failures the worker group is restarted after before the job gives up (a planned restart to grow back to a
+    larger size is none)."""
     inject: str = ""
     """Fault spec (see shardsafe.faults); fault j applies to attempt j."""
     start_holders: bool = True
@@ -72,13 +82,39 @@ class LaunchConfig:
     preload: tuple[str, ...] = ()
     """Modules a fork server imports once before the first attempt; the trainers of every attempt are then
     forked from it instead of importing them again (shardsafe.launch.prewarm). Empty: every trainer starts cold."""
+    spares: int | None = None
+    """Spare nodes: each takes a lost node's place at once (fresh, empty holder, the lost node's name). None: every
+    lost node is replaced (no shrinking); 0: a lost node's place stays empty until a node joins (``add-node``)."""
+    shrink_after_s: float | None = None
+    """With no spare left: seconds to wait for a node to join before continuing at a smaller data-parallel size
+    (0 = never: wait for a node; None = 3 x the agents' rendezvous timeout, shardsafe.launch.shrink)."""
+    model_parallel: int = 1
+    """Ranks of one model replica (TP x PP): a smaller size keeps them whole."""
+    global_batch: int = 0
+    """The job's global batch in samples (0 = from the command's DeepSpeed config, else not known: no shrinking)."""
+    micro_batch: int = 0
+    """Samples per rank and micro-batch (with global_batch)."""
+    join_timeout_s: float = 600.0
+    """How long to wait for a node when the job can neither replace a lost one nor shrink; then it fails."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.nproc_per_node < 1:
             raise ConfigError(f"need nodes >= 1 and nproc_per_node >= 1, got {self.nodes} and {self.nproc_per_node}")
         if self.max_restarts < 0:
             raise ConfigError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        parse(self.inject)  # fail fast on a malformed spec
+        if not self.join_timeout_s > 0:
+            raise ConfigError(f"join_timeout_s must be > 0 seconds, got {self.join_timeout_s!r}")
+        self.shrink_after_s = shrink_after_s(self.shrink_after_s)
+        if self.spares is not None and self.spares < 0:
+            raise ConfigError(f"spares must be >= 0 (None: every lost node is replaced at once), got {self.spares}")
+        job_shape(nodes=self.nodes, ranks_per_node=self.nproc_per_node, model_parallel=self.model_parallel,
+                  global_batch=self.global_batch, micro_batch=self.micro_batch)   # fail fast on a bad layout
+        for f in parse(self.inject):  # fail fast on a malformed spec
+            if f.kind in (FaultKind.KILL_NODE, FaultKind.ADD_NODE):
+                for n in f.target.split("+"):
+                    if n not in {self.node_name(i) for i in range(self.nodes)}:
+                        raise ConfigError(f"{f.kind.value} target {n!r}: local nodes are named node0..node"
+                                          f"{self.nodes - 1}")
         problem = budget_problem(self.memory_budget_gb)
         if problem:
             raise ConfigError(problem.replace("--memory-budget-gb", "LaunchConfig.memory_budget_gb"))
@@ -99,6 +135,8 @@ class LaunchResult:
     cold_starts: int = 0      # trainers started as fresh processes
     signal: int | None = None  # the signal that stopped the launcher (SIGTERM, SIGINT, SIGHUP)
     fatal: str = ""           # the error no restart can fix that ended the job (shardsafe.fatal), if any
+    data_parallel_sizes: list[int] = field(default_factory=list)   # the sizes the job went through, in order
+    attempt_sizes: list[int] = field(default_factory=list)         # each attempt's data-parallel size
 
 
 def trainer_env(cfg: LaunchConfig) -> dict[str, str]:
@@ -130,6 +168,9 @@ class LocalLauncher:
         self._shared_forks = fork_server is not None
         self.starts = {"forked": 0, "cold": 0}
         self.instance = f"{cfg.job_id}.{os.getpid()}.{uuid.uuid4().hex[:8]}"   # this run of the job (shardsafe.jobid)
+        self.members: Membership | None = None   # the job's nodes and size (run() makes it: it knows the command)
+        self.sizes: list[int] = []               # each attempt's data-parallel size
+        self._joined: set[tuple[int, str]] = set()   # add-node faults done: (attempt, fault)
 
     # ---- holders ----------------------------------------------------------------------------------
     def paths(self, node: str) -> HolderPaths:
@@ -187,17 +228,17 @@ class LocalLauncher:
             self.forks = None
 
     def _spawn(self, cmd: list[str], attempt: int) -> list[Any]:
-        c = self.cfg
-        port, world = free_port(), c.nodes * c.nproc_per_node
+        c, m = self.cfg, self.members
+        port, world, nodes = free_port(), m.world(), m.active
         procs = []
-        for rank in range(world):
-            node_idx, local = divmod(rank, c.nproc_per_node)
+        for rank, node in enumerate(m.rank_nodes()):
+            local = rank % c.nproc_per_node
             env = {**trainer_env(c),
                    "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
-                   "LOCAL_WORLD_SIZE": str(c.nproc_per_node), "GROUP_RANK": str(node_idx),
-                   "GROUP_WORLD_SIZE": str(c.nodes),
+                   "LOCAL_WORLD_SIZE": str(c.nproc_per_node), "GROUP_RANK": str(nodes.index(node)),
+                   "GROUP_WORLD_SIZE": str(len(nodes)),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   names.NODE: c.node_name(node_idx), names.JOB_ID: c.job_id,
+                   names.NODE: node, names.JOB_ID: c.job_id, names.FULL_WORLD_SIZE: str(m.world(m.full_dp)),
                    names.HOLDER_DIR: c.holder_dir, names.RUN_DIR: c.run_dir,
                    names.ATTEMPT: str(attempt), names.INJECT: c.inject,
                    names.JOB_START_T: repr(self.t_start), names.INSTANCE: self.instance,
@@ -228,25 +269,87 @@ class LocalLauncher:
         self.events.emit("holder_killed", node=fault.target, fault=str(fault), attempt=attempt)
         log.warning("injected holder kill: %s at step %d (its trainers run on)", fault.target, fault.step)
 
-    def _kill_nodes(self, procs: list[subprocess.Popen], fault, attempt: int) -> dict[str, Any]:
-        """Node loss: SIGKILL the node's trainers and its holder (its shared memory dies with it),
-        then bring up a fresh, empty holder in its place (the replacement node)."""
-        c = self.cfg
-        nodes = fault.target.split("+")
+    def _kill_nodes(self, procs: list[subprocess.Popen], fault, attempt: int) -> dict[str, Any] | None:
+        """Node loss: SIGKILL the node's trainers and its holder (its shared memory dies with it). Which node
+        takes its place, if any, is the membership's decision after the attempt (:meth:`_next_plan`). None when
+        no node of the loss ran a rank of this attempt (an idle node): the attempt goes on."""
+        m = self.members
+        nodes = [n for n in fault.target.split("+") if n in m.live]
         t_fault = time.time()
+        placed = m.rank_nodes()
         for rank, p in enumerate(procs):
-            if c.node_name(rank // c.nproc_per_node) in nodes and p.poll() is None:
+            if placed[rank] in nodes and p.poll() is None:
                 try:
                     os.killpg(p.pid, signal.SIGKILL)
                 except ProcessLookupError:   # a forked trainer the fork server reaped, its exit not read yet
                     pass
         for node in nodes:
             self.kill_node_holder(node)
-        log.warning("injected node loss: %s at step %d (trainers and holder SIGKILLed)", "+".join(nodes), fault.step)
-        for node in nodes:
-            self.start_holder(node)
+        ran = m.lose(nodes)
+        log.warning("injected node loss: %s at step %d (trainers and holder SIGKILLed)%s", "+".join(nodes) or
+                    fault.target, fault.step, "" if ran else "; it ran no rank of this attempt, which goes on")
+        if not ran:
+            return None
         return {"cause": "node_loss", "node": "+".join(nodes), "attempt": attempt, "rc": -9, "t_fault": t_fault,
                 "rank": None}
+
+    def _join(self, fault, why: str) -> None:
+        """add-node: the node (back from a repair, or a spare arriving late) joins with a fresh, empty holder."""
+        node, m = fault.target, self.members
+        if node in m.live:
+            log.warning("injected node join %s: %s is in the job already; nothing joins", fault, node)
+            return
+        if not m.join(node):
+            log.warning("injected node join %s: the job has all the nodes it needs; %s stays out", fault, node)
+            return
+        if self.cfg.start_holders:
+            self.start_holder(node)
+        log.warning("node %s joined the job (%s) with an empty holder; nodes up: %s", node, why, ", ".join(m.live))
+
+    def _joins_due(self, attempt: int, reached: int | None) -> None:
+        """The add-node faults of ``attempt`` due at step ``reached`` (None: before it starts: step 0 only)."""
+        for f in for_attempt(parse(self.cfg.inject), attempt, {FaultKind.ADD_NODE}):
+            key = (attempt, str(f))
+            if key not in self._joined and (f.step == 0 if reached is None else f.step <= reached):
+                self._joined.add(key)
+                self._join(f, f"{f}, attempt {attempt}")
+
+    def _resize(self, plan: Plan, attempt: int) -> None:
+        """Re-form the job as ``plan`` says; a new size is a ``shrink`` or ``grow`` event (docs/tor.md), written
+        before the attempt at that size starts."""
+        m = self.members
+        if plan.dp != m.dp:
+            self.events.emit(plan.action, from_dp=m.dp, to_dp=plan.dp, attempt=attempt, nodes=list(plan.nodes),
+                             reason=plan.reason)
+            log.warning("%s: %s; ranks on %s", plan.action, plan.reason, ", ".join(plan.nodes))
+        m.apply(plan)
+
+    def _next_plan(self, attempt: int, stop: SignalStop) -> Plan | None:
+        """After a node loss in the attempt before ``attempt``: spares take the lost nodes' places, else wait for a
+        node to join, shrink after ``shrink_after_s``, or wait for a node when no smaller size keeps the batch.
+        None: the job cannot go on (no node joined within join_timeout_s) or a signal stopped it."""
+        c, m = self.cfg, self.members
+        for node in m.take_spares():
+            if c.start_holders:
+                self.start_holder(node)   # the spare: a fresh node with an empty holder in the lost one's place
+            log.warning("spare node %s takes the lost node's place%s", node,
+                        "" if m.spares is None else f" ({m.spares} spare(s) left)")
+        t0, said = time.monotonic(), ""
+        while stop.received is None:
+            self._joins_due(attempt, None)
+            plan = m.plan(time.monotonic() - t0)
+            if plan.action != WAIT:
+                self._resize(plan, attempt)
+                return plan
+            if plan.reason != said:
+                (log.error if plan.refused else log.warning)("%s", plan.reason)
+                said = plan.reason
+            if time.monotonic() - t0 > c.join_timeout_s:
+                log.error("no node joined within join_timeout_s=%g s and the job cannot continue on the %d node(s) "
+                          "up: giving up (%s)", c.join_timeout_s, len(m.live), plan.reason)
+                return None
+            time.sleep(0.05)
+        return None
 
     @staticmethod
     def _kill_all(procs: list[subprocess.Popen]) -> None:
@@ -262,9 +365,14 @@ class LocalLauncher:
     def run(self, cmd: list[str]) -> LaunchResult:
         """Run the job to the end: success, ``max_restarts`` exhausted, an error no restart can fix
         (shardsafe.fatal: stops at once, ``LaunchResult.fatal``), or SIGTERM/SIGINT/SIGHUP
-        (``LaunchResult.signal``). Trainers and holders are stopped in every case."""
+        (``LaunchResult.signal``). Trainers and holders are stopped in every case. A planned restart (growing
+        back to a larger size) is no failure and does not count against ``max_restarts``."""
         c = self.cfg
         t0 = self.t_start = time.time()
+        shape = job_shape(nodes=c.nodes, ranks_per_node=c.nproc_per_node, model_parallel=c.model_parallel,
+                          global_batch=c.global_batch, micro_batch=c.micro_batch, command=cmd)
+        self.members = Membership([c.node_name(i) for i in range(c.nodes)], shape, spares=c.spares,
+                                  shrink_after_s=c.shrink_after_s)
         self.events.emit("job_start", nodes=c.nodes, nproc_per_node=c.nproc_per_node, cmd=" ".join(cmd)[:500])
         failures: list[dict[str, Any]] = []
         ok, fatal = False, ""
@@ -273,11 +381,22 @@ class LocalLauncher:
             try:
                 self._start_node_services(stop)
                 while stop.received is None:
+                    self._joins_due(attempt, None)
                     self.events.emit("attempt_start", attempt=attempt)
+                    self.sizes.append(self.members.dp)
                     procs = self._spawn(cmd, attempt)
                     failed = self._watch(procs, attempt, stop)
                     if stop.received is not None:
                         break
+                    if failed and failed["cause"] == GROW:   # planned: stop at the commit, restart larger
+                        plan = failed.pop("plan")
+                        self._resize(plan, attempt + 1)
+                        self._kill_all(procs)
+                        self.events.emit("attempt_end", attempt=attempt, rc=failed.get("rc"), cause=GROW,
+                                         version=failed.get("version"))
+                        attempt += 1
+                        self.events.emit("restart", attempt=attempt)
+                        continue
                     if failed:
                         self._kill_all(procs)
                         records = read_fatal(c.run_dir, attempt)
@@ -292,8 +411,8 @@ class LocalLauncher:
                             log.error("attempt %d failed with %s", attempt, fatal)
                             break
                         log.warning("attempt %d failed (%s); %s", attempt, failed,
-                                    "restarting" if attempt < c.max_restarts else "giving up")
-                        if attempt >= c.max_restarts:
+                                    "restarting" if len(failures) <= c.max_restarts else "giving up")
+                        if len(failures) > c.max_restarts or self._next_plan(attempt + 1, stop) is None:
                             break
                         attempt += 1
                         self.events.emit("restart", attempt=attempt)
@@ -309,7 +428,9 @@ class LocalLauncher:
                 self.events.emit("job_end", ok=ok, **extra)
         return LaunchResult(ok=ok, attempts=attempt + 1, failures=failures, wall_s=time.time() - t0,
                             forked_starts=self.starts["forked"], cold_starts=self.starts["cold"],
-                            signal=stop.received, fatal=fatal)
+                            signal=stop.received, fatal=fatal, attempt_sizes=list(self.sizes),
+                            data_parallel_sizes=[d for i, d in enumerate(self.sizes)
+                                                 if i == 0 or d != self.sizes[i - 1]])
 
     def _start_node_services(self, stop: SignalStop) -> None:
         """The fork server (its preload overlaps the holders' start) and one holder per simulated node."""
@@ -325,13 +446,18 @@ class LocalLauncher:
 
     def _watch(self, procs: list, attempt: int, stop: SignalStop) -> dict[str, Any] | None:
         """Poll one attempt's trainers until they all finish (None), one fails, hangs past the attempt timeout
-        or is killed by an injected node fault (the failure record), or a signal stops the job (None, after
-        killing them). Injected holder kills happen here too, at their step."""
-        c = self.cfg
+        or is killed by an injected node fault (the failure record), a node joined and the attempt committed a
+        version since (cause GROW, with the plan: not a failure), or a signal stops the job (None, after killing
+        them). Injected holder kills and node joins happen here too, at their step."""
+        c, m = self.cfg, self.members
         started = time.monotonic()
         node_fault = self._node_fault(attempt)
         holder_faults = for_attempt(parse(c.inject), attempt, {FaultKind.KILL_HOLDER})
-        watch = _EventTail(os.path.join(c.run_dir, "events.jsonl"), attempt) if node_fault or holder_faults else None
+        joins = for_attempt(parse(c.inject), attempt, {FaultKind.ADD_NODE})
+        watch = _EventTail(os.path.join(c.run_dir, "events.jsonl"), attempt) \
+            if node_fault or holder_faults or joins else None
+        commits = CommitWatch(c.run_dir, attempt, m.world())
+        placed = m.rank_nodes()
         while True:
             if stop.received is not None:
                 self._kill_all(procs)
@@ -339,14 +465,27 @@ class LocalLauncher:
                 return None
             while holder_faults and watch.reached(holder_faults[0].step):
                 self._kill_holder(holder_faults.pop(0), attempt)
+            if joins and watch.reached(min(f.step for f in joins)):
+                commits.arm()   # the next commit is one after the node is back, not after its holder started
+                self._joins_due(attempt, watch.best)
+                joins = [f for f in joins if (attempt, str(f)) not in self._joined]
             if node_fault and watch.reached(node_fault.step):
-                return self._kill_nodes(procs, node_fault, attempt)
+                lost = self._kill_nodes(procs, node_fault, attempt)
+                node_fault = None
+                if lost is not None:
+                    return lost
+            grow = m.grow_plan()   # a node joined while the job runs smaller: back to a larger size at the next commit
+            if grow is not None:
+                version = commits.committed()
+                if version is not None:
+                    log.warning("version %d committed on every rank since a node joined: stopping attempt %d to "
+                                "grow back", version, attempt)
+                    return {"cause": GROW, "plan": grow, "attempt": attempt, "version": version, "rc": None}
             codes = [p.poll() for p in procs]
             bad = [(r, rc) for r, rc in enumerate(codes) if rc not in (None, 0)]
             if bad:
                 r, rc = bad[0]
-                return {"cause": "rank_exit", "rank": r, "rc": rc, "attempt": attempt,
-                        "node": c.node_name(r // c.nproc_per_node)}
+                return {"cause": "rank_exit", "rank": r, "rc": rc, "attempt": attempt, "node": placed[r]}
             if all(rc == 0 for rc in codes):
                 return None
             if time.monotonic() - started > c.attempt_timeout_s:

@@ -52,10 +52,14 @@ def done_ranks(run_dir: str) -> set[int]:
     return {int(n[4:-5]) for n in names if n.startswith("rank") and n.endswith(".done") and n[4:-5].isdigit()}
 
 
+NOTIFICATIONS = ("node_lost", "job_end", "resize")
+
+
 def notify(run_dir: str, what: str, **fields: Any) -> str:
-    """Leave a notification for the job's controller (``node_lost`` with ``node``; ``job_end`` with ``ok``)."""
-    if what not in ("node_lost", "job_end"):
-        raise ConfigError(f"unknown notification {what!r}: expected node_lost or job_end")
+    """Leave a notification for the job's controller (``node_lost`` with ``node``; ``job_end`` with ``ok``;
+    ``resize`` with ``from_dp``, ``to_dp`` and ``world_size``: the script re-formed the job at another size)."""
+    if what not in NOTIFICATIONS:
+        raise ConfigError(f"unknown notification {what!r}: expected one of {', '.join(NOTIFICATIONS)}")
     name = f"{what}.{time.time_ns()}.{os.getpid()}.json"
     path = os.path.join(run_dir, CONTROL_DIR, name)
     _atomic_write(path, {"what": what, "t": time.time(), **fields})

@@ -14,10 +14,15 @@ a layout with no such D' is refused with the sizes that would work, and the laun
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from ..errors import ConfigError
+
+RENDEZVOUS_TIMEOUT_S = 60.0
+"""The rendezvous timeout of shardsafe's torch elastic agents (the c10d ``read_timeout`` of :mod:`.agent`); the
+local launcher, which has no rendezvous, takes the same figure for its default wait."""
 
 DEFAULT_SHRINK_AFTER_RENDEZVOUS = 3
 """``shrink_after_s`` defaults to this many rendezvous timeouts: long enough for a spare that is booting, short
@@ -35,9 +40,24 @@ class Shape:
     global_batch: int = 0
     micro_batch: int = 1
 
+    def __post_init__(self) -> None:
+        if self.dp < 1 or self.model_parallel < 1 or self.ranks_per_node < 1 or self.micro_batch < 1 \
+                or self.global_batch < 0:
+            raise ConfigError(f"job shape {self}: expected dp, model_parallel, ranks_per_node and micro_batch >= 1 and "
+                              "global_batch >= 0 (0 = not known)")
+
     @property
     def world(self) -> int:
         return self.dp * self.model_parallel
+
+    def nodes_at(self, dp: int) -> int:
+        """Nodes ``dp`` replicas occupy (the last one partly filled when they do not fill whole nodes)."""
+        return -(-dp * self.model_parallel // self.ranks_per_node)
+
+    def fits(self, dp: int, nodes: int) -> bool:
+        """Whether ``dp`` replicas run on ``nodes`` whole nodes: enough ranks, and every node it uses full."""
+        ranks = dp * self.model_parallel
+        return ranks <= nodes * self.ranks_per_node and ranks % self.ranks_per_node == 0
 
     def accumulation(self, dp: int) -> Optional[int]:
         """Gradient accumulation steps at data-parallel size ``dp`` for this global batch (None: does not divide)."""
@@ -69,23 +89,110 @@ def shrink_target(shape: Shape, nodes_left: int) -> ShrinkDecision:
     if shape.global_batch <= 0 or shape.micro_batch <= 0:
         raise ConfigError("shrinking keeps the global batch, and the job's global batch and micro-batch are not known "
                           f"(global_batch={shape.global_batch}, micro_batch={shape.micro_batch}); waiting for a spare")
-    capacity = nodes_left * shape.ranks_per_node // shape.model_parallel   # replicas the remaining ranks hold
     keeps_batch = [d for d in range(shape.dp - 1, 0, -1) if shape.accumulation(d) is not None]
     for d in keeps_batch:
-        if d <= capacity and (d * shape.model_parallel) % shape.ranks_per_node == 0:
-            nodes = d * shape.model_parallel // shape.ranks_per_node
-            g0, g = shape.accumulation(shape.dp), shape.accumulation(d)
-            return ShrinkDecision(d, g, nodes, f"continuing at data-parallel size {d} instead of {shape.dp} on {nodes} "
-                                               f"node(s): gradient accumulation {g0} -> {g} keeps the global batch of "
-                                               f"{shape.global_batch} samples")
-    need = ", ".join(f"{d} (on {-(-d * shape.model_parallel // shape.ranks_per_node)} node(s))" for d in keeps_batch)
+        if shape.fits(d, nodes_left):
+            return _decision(shape, shape.dp, d, "continuing")
+    need = ", ".join(f"{d} (on {shape.nodes_at(d)} node(s))" for d in keeps_batch)
     raise ConfigError(
         f"cannot continue on {nodes_left} node(s): the global batch of {shape.global_batch} samples in micro-batches of "
         f"{shape.micro_batch} divides only at data-parallel sizes {need or 'none below ' + str(shape.dp)}; waiting for "
         "a spare node (or set a global batch that a smaller size divides)")
 
 
-def shrink_after_s(configured: Optional[float], rendezvous_timeout_s: float) -> float:
+def grow_target(shape: Shape, dp_now: int, nodes_live: int) -> Optional[ShrinkDecision]:
+    """The largest data-parallel size above ``dp_now``, up to the full ``shape.dp``, that ``nodes_live`` whole nodes run
+    and that keeps the global batch; None while there is none (not enough nodes back yet)."""
+    for d in range(shape.dp, dp_now, -1):
+        if shape.fits(d, nodes_live) and (d == shape.dp or shape.accumulation(d) is not None):
+            return _decision(shape, dp_now, d, "growing back")
+    return None
+
+
+def _decision(shape: Shape, dp_from: int, d: int, what: str) -> ShrinkDecision:
+    g0, g = shape.accumulation(dp_from), shape.accumulation(d)
+    nodes = shape.nodes_at(d)
+    if g0 is None or g is None:   # back to the full size of a job whose batch is not known: nothing to keep
+        return ShrinkDecision(d, g or 0, nodes, f"{what} to data-parallel size {d} from {dp_from} on {nodes} node(s)")
+    return ShrinkDecision(d, g, nodes, f"{what} at data-parallel size {d} instead of {dp_from} on {nodes} node(s): "
+                                       f"gradient accumulation {g0} -> {g} keeps the global batch of "
+                                       f"{shape.global_batch} samples")
+
+
+def batch_from_ds_config(cfg: Mapping[str, Any], dp: int) -> Optional[tuple[int, int]]:
+    """(global batch, micro-batch per rank) in samples from a DeepSpeed config at data-parallel size ``dp``, by
+    DeepSpeed's own relation train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp
+    (any two of the three give the third); None when the config does not say (a value such as HF's "auto")."""
+    def whole(key: str) -> Optional[int]:
+        v = cfg.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+    tb, mb, gas = whole("train_batch_size"), whole("train_micro_batch_size_per_gpu"), whole("gradient_accumulation_steps")
+    if mb is None and tb is not None:
+        mb = tb // ((gas or 1) * dp) if tb % ((gas or 1) * dp) == 0 else None
+    if mb is None:
+        return None
+    return (tb if tb is not None else mb * (gas or 1) * dp), mb
+
+
+DS_CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed-config", "--ds_config", "--ds-config")
+"""How training scripts name their DeepSpeed config (DeepSpeed's own ``add_config_arguments`` and common
+variants); the launchers read the batch from it when they are not told."""
+
+
+def ds_config_in(argv: Sequence[str]) -> Optional[str]:
+    """The DeepSpeed config file a training command names (``--deepspeed_config PATH`` or ``=PATH``), if any."""
+    for i, a in enumerate(argv):
+        flag, eq, value = a.partition("=")
+        if flag in DS_CONFIG_FLAGS:
+            if eq:
+                return value
+            return argv[i + 1] if i + 1 < len(argv) else None
+    return None
+
+
+def read_ds_batch(path: str, dp: int) -> Optional[tuple[int, int]]:
+    """:func:`batch_from_ds_config` of a JSON file; None when it cannot be read as one (the launcher then says the
+    batch is not known, and shrinking waits for a spare)."""
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return batch_from_ds_config(cfg, dp) if isinstance(cfg, dict) else None
+
+
+def job_shape(*, nodes: int, ranks_per_node: int, model_parallel: int = 1, global_batch: int = 0,
+              micro_batch: int = 0, command: Sequence[str] = ()) -> Shape:
+    """The full-size job's :class:`Shape`. The batch comes from the arguments, else from the DeepSpeed config the
+    training ``command`` names (:func:`ds_config_in`), else it stays unknown (0: shrinking then waits for a spare).
+
+    Raises:
+        ConfigError: the ranks do not split into whole model-parallel replicas, or only one of the batch sizes is
+            given, or they do not divide.
+    """
+    world = nodes * ranks_per_node
+    if model_parallel < 1 or world % model_parallel:
+        raise ConfigError(f"model_parallel {model_parallel} does not divide the job's {world} ranks ({nodes} node(s) x "
+                          f"{ranks_per_node}): pass the ranks of one model replica (TP x PP), a divisor of {world}")
+    dp = world // model_parallel
+    if bool(global_batch) != bool(micro_batch):
+        raise ConfigError(f"the global batch ({global_batch}) and the micro-batch ({micro_batch}) go together: give "
+                          "both, in samples, or neither (then they come from the program's DeepSpeed config, if it "
+                          "names one)")
+    if not global_batch:
+        path = ds_config_in(command)
+        found = read_ds_batch(path, dp) if path else None
+        if found is None:
+            return Shape(dp=dp, model_parallel=model_parallel, ranks_per_node=ranks_per_node)
+        global_batch, micro_batch = found
+    if global_batch % (micro_batch * dp):
+        raise ConfigError(f"global batch {global_batch} is not a multiple of micro-batch {micro_batch} x data-parallel "
+                          f"size {dp}: expected the job's own sizes, in samples")
+    return Shape(dp=dp, model_parallel=model_parallel, ranks_per_node=ranks_per_node, global_batch=global_batch,
+                 micro_batch=micro_batch)
+
+
+def shrink_after_s(configured: Optional[float], rendezvous_timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> float:
     """How long the launcher waits for a spare before it shrinks: ``configured`` (0 disables shrinking), else a few
     rendezvous timeouts."""
     if configured is None:

@@ -202,7 +202,7 @@ class ParityExchange:
         pmm = None
         try:
             # Deterministic padding: parity covers payload + zeros up to k * cs. Where the slot is shorter
-            # than that (a smaller member's first snapshot), _data_chunks supplies the zeros.
+            # than that (a smaller member's first snapshot), data_chunks supplies the zeros.
             end = min(g.k * cs, len(data_mm))
             if end > nbytes:
                 torch.frombuffer(data_mm, dtype=torch.uint8, count=end - nbytes, offset=nbytes).zero_()
@@ -216,7 +216,7 @@ class ParityExchange:
         if not ready:
             self.last_error = self.last_error or "a member of the parity group could not store parity"
             return False
-        data = _data_chunks(data_mm, g.k, cs)
+        data = data_chunks(data_mm, g.k, cs)
         pview = np.frombuffer(pmm, dtype=np.uint8, count=g.m * cs)
         t_sent = time.perf_counter()
         sums, t_wait = self.transport.move_and_encode(g, me, data, pview, cs,
@@ -337,7 +337,7 @@ class ParityExchange:
         me = self.rank
         reqs, recv_bufs = [], {}
         if handles is not None:
-            dv = _data_chunks(handles[1], self.group.k, cs)
+            dv = data_chunks(handles[1], self.group.k, cs)
             pv_t = torch.frombuffer(handles[0], dtype=torch.uint8, count=self.group.m * cs)
         for cw in plan:
             takers = sorted({t.rank for t in cw.targets})   # lost members: their data chunks and parity shares
@@ -433,7 +433,7 @@ class ParityExchange:
                 log.warning("[rank %d] %s of rebuilt version %d: %s", self.rank, "commit" if restored else "drop", version, e)
 
 
-def _data_chunks(mm: Any, k: int, cs: int) -> list[torch.Tensor]:
+def data_chunks(mm: Any, k: int, cs: int) -> list[torch.Tensor]:
     """The k data chunks of a member's padded payload in its data slot ``mm``.
 
     Chunks inside the slot are views. The group pads every payload to ``k * cs`` of its *largest*

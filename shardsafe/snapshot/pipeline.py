@@ -164,6 +164,9 @@ class SnapshotPipeline:
         # The run's fingerprint (shardsafe/fingerprint.py), set by the runtime before its restore, and the command
         # that took the snapshots: both in every manifest (a restore names when and by what a version was taken).
         self.fingerprint: Optional[dict] = None
+        # This rank's parallel coordinates ({"dp", "tp", "pp"}), set by the runtime: a restore at another
+        # data-parallel size finds which model-parallel slice, and which place in it, each held snapshot is.
+        self.coords: Optional[dict] = None
         self._command = " ".join(sys.argv)[:300]
         self._q: "queue.Queue[_Job | None]" = queue.Queue()
         self._inflight: Optional[_Job] = None
@@ -448,7 +451,8 @@ class SnapshotPipeline:
         man = mf.build(version=job.version, rank=self.rank, world_size=self.world_size, node=self.node,
                        entries=job.entries, payload_nbytes=job.nbytes, meta=mf.to_jsonable(job.state.meta),
                        extra={"timeline": self.timeline, "command": self._command,
-                              **({"fingerprint": self.fingerprint} if self.fingerprint else {})})
+                              **({"fingerprint": self.fingerprint} if self.fingerprint else {}),
+                              **({"coords": self.coords} if self.coords else {})})
         client.seal(rank=self.rank, version=job.version, manifest=man)
         return man, mm
 

@@ -237,6 +237,73 @@ def default_colocation(src_world: int, dst_world: int) -> dict[int, list[int]]:
     return {r: [r] if r < src_world else [] for r in range(dst_world)}
 
 
+Read = tuple[str, int, int]
+"""What a target reads from one source: (tensor name, first element, elements), elements -1 for the whole tensor."""
+
+
+class Pieces:
+    """A source's flat tensor of which a target holds only the pieces it reads (:meth:`Resharder.reads`), received
+    from the node that holds the source: the tensor's shape and dtype, and its pieces. :meth:`Resharder.reshard` reads
+    a flat source tensor only through :func:`assemble` (``reshape(-1)[a:b]`` for each segment of the plan) and its
+    shape, dtype and sizes, so it runs on these as on complete tensors; a slice that was not received raises (the
+    resharder's ``reads`` missed it: a bug, never a silent zero)."""
+
+    def __init__(self, name: str, shape: Sequence[int], dtype: torch.dtype):
+        self.name, self.shape, self.dtype = name, torch.Size(shape), dtype
+        self._pieces: list[tuple[int, torch.Tensor]] = []   # (first element, 1-D tensor), sorted
+
+    def add(self, start: int, piece: torch.Tensor) -> None:
+        bisect.insort(self._pieces, (start, piece.reshape(-1)), key=lambda p: p[0])
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        n = 1
+        for x in self.shape:
+            n *= int(x)
+        return n
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def reshape(self, *shape: Any) -> "Pieces":
+        want = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        if want not in ((-1,), (self.numel(),)):
+            raise ReshardError(f"{self.name}: only the flat view of a partly received tensor exists, not {want}")
+        flat = Pieces(self.name, [self.numel()], self.dtype)
+        flat._pieces = self._pieces
+        return flat
+
+    def __getitem__(self, sl: Any) -> torch.Tensor:
+        if self.dim() != 1 or not isinstance(sl, slice) or sl.step not in (None, 1):
+            raise ReshardError(f"{self.name}: a partly received tensor is read only by element ranges of its flat view")
+        a, b = sl.start or 0, self.numel() if sl.stop is None else sl.stop
+        i = bisect.bisect_right([p[0] for p in self._pieces], a) - 1
+        if i >= 0:
+            start, piece = self._pieces[i]
+            if b <= start + piece.numel():
+                return piece[a - start: b - start]
+        raise ReshardError(f"{self.name}: elements {a}..{b} were not received (the resharder's reads do not name "
+                           "them): an internal error, nothing was applied")
+
+
+def reads_by_plan(p: TransferPlan, flat_names: Callable[[int, int], Sequence[str]],
+                  whole: Callable[[int], Sequence[str]]) -> dict[int, dict[int, list[Read]]]:
+    """Target rank -> source rank -> what it reads: the plan's segments of every flat tensor ``flat_names(source,
+    source tensor)`` names (the master and each per-element state cut alike), then the tensors ``whole(source)``."""
+    out: dict[int, dict[int, list[Read]]] = {t: {} for t in range(p.dst.world)}
+    for s in p.segments:
+        lst = out[s.dst_rank].setdefault(s.src_rank, [])
+        lst += [(n, s.src_offset, s.length) for n in flat_names(s.src_rank, s.src_tensor)]
+    for d in range(p.src.world):
+        names = list(whole(d))
+        for t in out:
+            if names:
+                out[t].setdefault(d, []).extend((n, 0, -1) for n in names)
+    return out
+
+
 class Resharder(ABC):
     """One framework's re-partitioning: its partitioning rules and what else a target rank gets (counters, steps,
     buffers). Adapters implement it (DeepSpeed: ``shardsafe.adapters.deepspeed.reshard.DeepSpeedResharder``, also
@@ -254,6 +321,17 @@ class Resharder(ABC):
     def reshard(self, snapshots: Sequence[Any], new_world: int, *, ranks: Optional[Sequence[int]],
                 colocated: Optional[Mapping[int, Sequence[int]]]) -> Reshard:
         """The target ranks' states (see :func:`reshard`)."""
+
+    def reads(self, metas: Sequence[Mapping[str, Any]], entries: Sequence[Sequence[Mapping[str, Any]]],
+              new_world: int) -> dict[int, dict[int, list[Read]]]:
+        """What each target rank reads from each source (target -> source -> :data:`Read` list), from the D
+        snapshots' metadata and manifest entries (name, dtype, shape) alone: the pieces of the flat tensors the plan
+        names, and the small tensors it takes whole. :meth:`reshard` given snapshots that hold only these (the
+        pieces as :class:`Pieces`, every other tensor as an empty :class:`Pieces` of its shape) returns for that
+        target exactly what it returns from complete snapshots: a restore where no rank holds every source moves
+        just these bytes (shardsafe/snapshot/reshard_restore.py). Default: not supported."""
+        raise ReshardError(f"{type(self).__name__} does not say what each target reads from each source: a restore "
+                           "at another data-parallel size cannot move its state; restart at the original size")
 
 
 def _check_engine(engine: Any, resharder: Resharder) -> None:

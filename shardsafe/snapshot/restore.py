@@ -6,6 +6,10 @@ each rank opens and verifies its payload (checksums, layout against the live ten
 been verified while the trainer started, by the early open of that same sealed slot); only if
 *every* rank verified does any rank apply it, so ranks never end up at different versions.
 A torn write is never sealed, so it is never a candidate.
+
+Snapshots taken at another world size (the job re-formed at another data-parallel size) are not this path's:
+:mod:`.reshard_restore` re-partitions them, and hands back here only when the newest restorable version is at
+this size.
 """
 from __future__ import annotations
 
@@ -17,7 +21,6 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 
 from .. import collectives
-from .. import fingerprint as fpr
 from ..errors import ShardsafeError
 from ..faults import PHASE_RESTORE_APPLY, PHASE_RESTORE_VERIFY
 from ..holder.client import HolderClient
@@ -26,7 +29,9 @@ from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
 from .peers import PeerPayloads, manifest_digest
 from .pinning import PinnedMapping
+from .reshard_restore import SAME_SIZE, Resize, Resized, restore_resized
 from .state import StateAdapter
+from .verify import open_verified
 
 if TYPE_CHECKING:   # the exchange imports the holder client and the codec; the restore needs it only typed
     from ..parity.exchange import ParityExchange
@@ -49,6 +54,7 @@ class RestoreResult:
     notes: dict = None         # type: ignore[assignment]  # the adapter's account of how it applied (restore_notes)
     timeline: int = 0          # the id every snapshot of this attempt carries (a new branch starts at `version`)
     repaired_ranks: list = None  # type: ignore[assignment]  # ranks whose copy failed its checksums, rebuilt from parity
+    reshard: dict = None       # type: ignore[assignment]  # restored at another data-parallel size: sizes, traffic
 
 
 class RestoreError(RuntimeError, ShardsafeError):
@@ -151,7 +157,7 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
                         nodes: list[str] | None = None, persist=None,
                         on_phase: Callable[[str, int], None] | None = None, h2d: str = "pinned",
                         early: Optional[EarlyOpen] = None, fingerprint: Optional[dict] = None,
-                        force: bool = False) -> RestoreResult:
+                        force: bool = False, resize: Optional[Resize] = None) -> RestoreResult:
     """Run on every rank at start. Returns what was restored (version -1: nothing, fresh start).
 
     ``h2d`` (config ``restore_h2d``): how a restore into GPU tensors reads the holder's memory, "pinned"
@@ -163,6 +169,10 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     in the same shared memory, its verification only if the holder has not handed the slot to a writer since
     and the manifest is the same (else this verifies it like any other); closed here in any case.
 
+    ``resize``: the holders hold snapshots taken at another world size (the runtime's vote said so): they are
+    re-partitioned to this job's data-parallel size (shardsafe/snapshot/reshard_restore.py) unless the newest
+    restorable version is at this size.
+
     Raises RestoreError whenever any tier holds something for this job and nothing is restorable (more lost
     nodes than parity covers, every copy corrupt, snapshots of another layout): silently starting from
     scratch would throw the whole run away. Nothing refused is deleted.
@@ -170,6 +180,28 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     emit = on_event or (lambda kind, **f: None)
     t0 = time.perf_counter()
     emit("restore_start")
+    res = None
+    if resize is not None:
+        res = _resized(adapter, client, rank=rank, coll=coll, resize=resize, persist=persist, emit=emit, t0=t0,
+                       early=early, fingerprint=fingerprint, force=force)
+    if res is None:
+        res = _same_size(adapter, client, rank=rank, coll=coll, emit=emit, t0=t0, exchange=exchange, nodes=nodes,
+                         persist=persist, on_phase=on_phase, h2d=h2d, early=early, fingerprint=fingerprint,
+                         force=force, size_checked=resize is not None)
+    res.seconds = time.perf_counter() - t0
+    emit("restore_end", tier=res.tier, version=res.version, seconds=res.seconds, bytes=res.nbytes,
+         rebuilt_bytes=res.rebuilt_bytes, rebuild_seconds=res.rebuild_seconds, phases=res.phases,
+         timeline=res.timeline, **({"repaired_ranks": res.repaired_ranks} if res.repaired_ranks else {}),
+         **({"from_dp": res.reshard["from_dp"], "to_dp": res.reshard["to_dp"], "reshard": res.reshard}
+            if res.reshard else {}),
+         **({"notes": res.notes} if res.notes else {}))
+    return res
+
+
+def _same_size(adapter: StateAdapter, client, *, rank: int, coll: Collectives, emit, t0: float, exchange, nodes,
+               persist, on_phase, h2d: str, early, fingerprint, force: bool, size_checked: bool) -> RestoreResult:
+    """The restore of snapshots taken at this job's size (``size_checked``: the copies held at other sizes were
+    looked at already, and the newest restorable version is at this size)."""
     mine_d, mine_p = _held_versions(client, rank, exchange)
     # One all-gather says what every rank holds, at which world size its newest copy was taken, and the new
     # timeline's id (rank 0's draw): each collective of a restore is paid by every restart, in the ring's
@@ -179,7 +211,8 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     data, parity = [e[0] for e in everyone], [e[1] for e in everyone]
     timeline = int(extra[0][1])
     candidates = sorted({v for vs in data for v in vs}, reverse=True)
-    _check_world_size([x[0] for x in extra], coll.world_size)
+    if not size_checked:
+        _check_world_size([x[0] for x in extra], coll.world_size)
     st = _Attempt(rank, {"agree": time.perf_counter() - t0, "rebuild": 0.0, "verify": 0.0, "apply": 0.0}, [], [],
                   on_phase=on_phase or (lambda name, version: None), h2d=h2d, early=early, fingerprint=fingerprint,
                   force=force)
@@ -207,13 +240,29 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
             res = RestoreResult(message="no snapshot in memory for this job: starting fresh"
                                 + (" (nor in the persistent tier)" if persist is not None else ""))
     res.timeline = timeline
-    res.seconds = time.perf_counter() - t0
     res.phases = res.phases or {k: round(v, 6) for k, v in st.phases.items()}
-    emit("restore_end", tier=res.tier, version=res.version, seconds=res.seconds, bytes=res.nbytes,
-         rebuilt_bytes=res.rebuilt_bytes, rebuild_seconds=res.rebuild_seconds, phases=res.phases,
-         timeline=res.timeline, **({"repaired_ranks": res.repaired_ranks} if res.repaired_ranks else {}),
-         **({"notes": res.notes} if res.notes else {}))
     return res
+
+
+def _resized(adapter: StateAdapter, client, *, rank: int, coll: Collectives, resize: Resize, persist, emit,
+             t0: float, early: Optional[EarlyOpen], fingerprint, force: bool) -> Optional[RestoreResult]:
+    """The restore at another data-parallel size (shardsafe/snapshot/reshard_restore.py); None when the newest
+    restorable version is at this size (then placement runs, and the same-size restore goes on)."""
+    out = restore_resized(adapter, client, rank=rank, coll=coll, resize=resize, persist=persist,
+                          fingerprint=fingerprint, force=force)
+    if out == SAME_SIZE:
+        if resize.migrate is not None:
+            resize.migrate()
+        return None
+    if early is not None:
+        early.discard()   # its slot is this rank's old one: a re-partition reads the sources another way
+    if not isinstance(out, Resized):
+        emit("restore_end", tier="none", version=-1, seconds=time.perf_counter() - t0, bytes=0)
+        raise RestoreError(out.message)
+    return RestoreResult(version=out.version, tier=out.tier, nbytes=out.nbytes, message=out.message,
+                         rebuilt_bytes=out.rebuilt_bytes, rebuild_seconds=out.phases.get("rebuild", 0.0),
+                         lost_ranks=out.lost, phases=out.phases, notes=out.notes, timeline=new_timeline(coll),
+                         reshard=out.reshard)
 
 
 def _held_versions(client: Optional[HolderClient], rank: int, exchange) -> tuple[list[int], list[int]]:
@@ -270,7 +319,7 @@ def _try_version(version: int, adapter: StateAdapter, client, coll: Collectives,
         if tier == "parity" and not _rebuild(version, client, coll, st, exchange, lost):
             return None
         t1 = time.perf_counter()
-        manifest, pin, bad, is_corrupt = _open_verified(lambda: _open_held(client, st, version), adapter, live,
+        manifest, pin, bad, is_corrupt = open_verified(lambda: _open_held(client, st, version), adapter, live,
                                                         populate=True, h2d=st.h2d, st=st)
         status = _OK if not bad else (_CORRUPT if is_corrupt else _REFUSED)
         st.on_phase(PHASE_RESTORE_VERIFY, version)
@@ -436,75 +485,6 @@ def _refusal_message(st: _Attempt, data, nodes, exchange, persist, disk_refusals
     return msg + f" The persistent tier {persist.dir} holds no version of this job complete on every rank."
 
 
-def _open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live, *, populate: bool = False,
-                   h2d: str = "pinned", st: Optional[_Attempt] = None) -> tuple:
-    """Open a payload (holder slot or file) and check it: layout against the live tensors, every xxh3
-    segment, then the adapter's own checks. ``opener`` returns (manifest, mapping, whether the mapping's page
-    tables are filled already, whether its segments verified already: the early open's, same sealing, same
-    manifest); ``populate``: fill them beside the hash otherwise. Returns (manifest, mapping,
-    problems, corrupt): the mapping is a
-    PinnedMapping (closed by the caller; its ``mm`` is None when nothing opened), being page-locked for the
-    H2D copies while the segments verify when a live tensor is on a GPU; corrupt says the problems are bytes
-    that fail their checksums (repairable from parity)."""
-    manifest, pin, corrupt = None, PinnedMapping(None, {}), False
-    try:
-        manifest, mm, populated, verified = opener()
-        pin = PinnedMapping(mm, {})
-        try:
-            mf.check_matches(manifest, live, tuple(adapter.optional_prefixes))
-        except ValueError as e:
-            # Another layout: the adapter can usually say which setting changed (ZeRO stage, DP size, ...).
-            said = _adapter_problems(adapter, manifest, mm)
-            return manifest, pin, said or [str(e)], False
-        other_run = _other_run(manifest, st)
-        if other_run:   # the adapter's own words first where it has any (a changed stage, schedule, ...)
-            return manifest, pin, _adapter_problems(adapter, manifest, mm) or other_run, False
-        pin = PinnedMapping(mm, live, h2d)   # the layout matches: pin beside the verification
-        bad = []
-        if not verified:
-            buf = memoryview(mm)
-            try:
-                bad = mf.verify(manifest, buf, populate=populate and not populated)
-            finally:
-                buf.release()
-        corrupt = bool(bad)
-        if not bad:
-            bad = _adapter_problems(adapter, manifest, mm)
-    except (HolderFailure, OSError, ValueError, KeyError, AttributeError) as e:
-        bad = [str(e) or type(e).__name__]
-    return manifest, pin, bad, corrupt
-
-
-def _other_run(manifest: dict, st: Optional[_Attempt]) -> list[str]:
-    """Why ``manifest`` is another run's snapshot (empty: this run's, or not compared, or ``force``)."""
-    if st is None or st.fingerprint is None:
-        return []
-    diff = fpr.differences(manifest.get("fingerprint"), st.fingerprint)
-    if not diff:
-        return []
-    if st.force:
-        log.warning("[rank %d] resume \"force\": applying version %s of another run: %s", st.rank,
-                    manifest.get("version"), "; ".join(diff[:3]))
-        return []
-    return [f"another run's snapshot (its fingerprint differs: {diff[0]}"
-            + (f"; {len(diff) - 1} more field(s)" if len(diff) > 1 else "")
-            + "). Nothing of it is applied: start this run with resume \"never\" (drops the old versions) or a new "
-              "job_id, or resume \"force\" if it is the same run (shardsafe.fingerprint)"]
-
-
-def _adapter_problems(adapter: StateAdapter, manifest: dict, mm) -> list[str]:
-    """The adapter's own checks of a verified payload (layout, optimizer config, LR schedule...), without
-    touching live state. They join the vote because ``apply`` may be collective (Megatron's param
-    all-gather): a snapshot that one rank would refuse must be refused by every rank before any applies."""
-    views = mf.views(manifest, mm)
-    try:
-        return [str(p) for p in adapter.validate(views, mf.from_jsonable(manifest["meta"]))]
-    except Exception as e:  # a validator bug must not leave the other ranks waiting in the vote
-        return [f"{type(adapter).__name__}.validate failed: {type(e).__name__}: {e}"]
-    finally:
-        del views
-
-
 def _restore_persistent(adapter: StateAdapter, persist, *, rank: int, coll: Collectives, live,
                         h2d: str = "pinned", st: Optional[_Attempt] = None) -> tuple[Optional[RestoreResult], list[str]]:
     """Newest version every rank has complete on disk, verified everywhere and of one timeline, applied in place.
@@ -515,7 +495,7 @@ def _restore_persistent(adapter: StateAdapter, persist, *, rank: int, coll: Coll
     common = sorted(set.intersection(*[set(e[0]) for e in held]), reverse=True)
     refusals: list[str] = []
     for version in common:
-        manifest, pin, bad, _ = _open_verified(lambda: (*persist.open(version, rank), False, False), adapter, live,
+        manifest, pin, bad, _ = open_verified(lambda: (*persist.open(version, rank), False, False), adapter, live,
                                                h2d=h2d, st=st)
         if bad:
             log.error("[rank %d] persistent version %d in %s failed verification, not loaded: %s", rank, version,

@@ -99,6 +99,22 @@ class StateAdapter(ABC):
         Default 0."""
         return 0
 
+    def resharder(self) -> Any:
+        """The framework's re-partitioning rules (a ``shardsafe.snapshot.reshard.Resharder``) when a snapshot taken
+        at another data-parallel size can be restored into this state; None (the default): it cannot, and such a
+        restore is refused before anything is read."""
+        return None
+
+    def resharded_problems(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> list[str]:
+        """Like :meth:`validate`, for a state re-partitioned to this job's data-parallel size: why
+        :meth:`apply_resharded` would refuse it (empty: it fits). Voted on by every rank before any applies."""
+        return self.validate(tensors, meta)
+
+    def apply_resharded(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """Write a state re-partitioned from snapshots of another data-parallel size (what the resharder built for
+        this rank) into the live state, as :meth:`apply` writes a snapshot."""
+        raise NotImplementedError(f"{type(self).__name__} cannot apply a re-partitioned state")
+
     def fingerprint(self) -> Mapping[str, Any]:
         """What makes the run this run (shardsafe/fingerprint.py): JSON-able ``config``, ``model``, ``layout`` and
         ``optimizer`` fields, taken when the engine is built, before any step or restore. Called once, before the

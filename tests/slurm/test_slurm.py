@@ -14,6 +14,9 @@ A second job loses every node's memory at once (beyond what parity covers) twice
 `scontrol requeue`, then, after the requeued allocation is lost as well, submitted again with `sbatch`.
 Each new allocation has empty holders and a new job id, and resumes from the persistent tier, which is
 keyed by the run name (SS_RUN_NAME) that a requeue and a resubmission keep.
+
+A third job has no spare: it loses a node and continues on the two left at a smaller data-parallel size
+(SS_SHRINK_AFTER_S), with a stand-in trainer that records where each rank ran.
 """
 import json
 import math
@@ -387,3 +390,62 @@ def test_megatron_sbatch_dry_run_shows_the_steps(cluster, tmp_path):
     assert sorted(holders) == ["node1", "node2", "node3"] and sorted(agents) == ["node1", "node2"], out
     ctl = (tmp_path / "run" / "logs" / "controller.log").read_text()
     assert "DRY-RUN:" in ctl and "shardsafe.launch control serve" in ctl and "--world-size 4" in ctl, ctl
+
+
+def test_sbatch_continues_on_the_nodes_left_when_no_spare_is_left(cluster, tmp_path, holder_dir):
+    """3 active nodes, no spare: the last is set DOWN during attempt 0; after SS_SHRINK_AFTER_S the script stops the
+    agents and starts new ones on the first two in a rendezvous of 2 nodes at data-parallel size 2 (the global
+    batch of 6 samples keeps with accumulation 3). The stand-in trainer (tests/fault/_size_trainer.py) records
+    each rank's placement; the DeepSpeed restore at the new size is the trainer side's test."""
+    run_dir = tmp_path / "run"
+    trainer = os.path.join(ROOT, "tests", "fault", "_size_trainer.py")
+    env = {**cluster, "SS_PYTHON": sys.executable, "SS_RUN_DIR": str(run_dir), "SS_HOLDER_DIR": str(holder_dir),
+           "SS_MEMORY_BUDGET_GB": "0.05", "SS_KEEP_ALIVE_S": "2", "SS_GRACE": "1", "SS_SPARES": "0",
+           "SS_SHRINK_AFTER_S": "2", "SS_GLOBAL_BATCH": "6", "SS_MICRO_BATCH": "1", "SS_SCRIPT": trainer,
+           "SS_SCRIPT_ARGS": "--steps 12 --step-s 0.5 --interval 2 --barrier", "OMP_NUM_THREADS": "1"}
+    out_file = tmp_path / "job.out"
+    sub = subprocess.run(["sbatch", "--parsable", "-N3", f"--output={out_file}", SBATCH], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    jid = sub.stdout.strip().split(";")[0]
+
+    def diag() -> str:
+        logs = ""
+        for f in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").exists() else []:
+            logs += f"\n==== {f.name}\n" + f.read_text(errors="replace")[-1500:]
+        return (out_file.read_text(errors="replace") if out_file.exists() else "(no job output)") + logs
+
+    downed, deadline, info, nodes = "", time.time() + 300, {}, []
+    while time.time() < deadline:
+        info = scontrol_job(env, jid)
+        if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            break
+        if not downed and any(e.get("kind") == "iteration" and e.get("attempt") == 0 and e.get("iteration", 0) >= 3
+                              for e in read_jsonl(str(run_dir / "events.jsonl"))):
+            # the allocation's last node (the first is the batch host, which runs the controller)
+            nodes = subprocess.run(["scontrol", "show", "hostnames", info["NodeList"]], env=env, capture_output=True,
+                                   text=True, timeout=30).stdout.split()
+            downed = nodes[-1]
+            r = subprocess.run(["scontrol", "update", f"nodename={downed}", "state=down", "reason=shardsafe-test"],
+                               env=env, capture_output=True, text=True, timeout=30)
+            assert r.returncode == 0, r.stderr
+        time.sleep(0.3)
+    else:
+        subprocess.run(["scancel", jid], env=env, timeout=30)
+        pytest.fail(f"job {jid} did not finish in 300 s:\n{diag()}")
+    if downed:
+        subprocess.run(["scontrol", "update", f"nodename={downed}", "state=resume"], env=env, capture_output=True,
+                       timeout=30)
+    assert downed and info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", f"{info}\n{diag()}"
+    evs = read_jsonl(str(run_dir / "events.jsonl"))
+    (shrink,) = [e for e in evs if e["kind"] in ("shrink", "grow")]
+    assert (shrink["kind"], shrink["from_dp"], shrink["to_dp"], shrink["nodes"]) == ("shrink", 3, 2, nodes[:2])
+    assert [e["cause"] for e in evs if e["kind"] == "failure_detected"] == ["node_loss"], diag()
+    placed = {}
+    for line in open(run_dir / "placement.jsonl"):
+        r = json.loads(line)
+        placed.setdefault(r["attempt"], []).append((r["rank"], r["node"], r["world"], r["full_world"]))
+    last = placed[max(placed)]
+    assert sorted(n for _, n, _, _ in last) == nodes[:2], placed
+    assert all((w, f) == (2, "3") for _, _, w, f in last), placed
+    assert sorted(os.listdir(run_dir / "markers")) == ["rank0.done", "rank1.done"]

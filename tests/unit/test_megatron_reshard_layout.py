@@ -336,3 +336,31 @@ def test_a_group_step_only_ranks_holding_the_group_advance_is_taken_from_them():
     assert [r.meta["optimizers"][0]["groups"][1]["hparams"]["step"] for r in res.ranks] == [5, 5]
     snaps[holding.index(True)].meta["optimizers"][0]["groups"][1]["hparams"]["step"] = 4
     _refused(snaps, 2, "group 1's hyperparameters differ")
+
+
+@pytest.mark.parametrize("layout", ["small_buckets", "two_buffers"])
+def test_a_target_given_only_what_reads_names_builds_what_it_builds_from_everything(layout):
+    """MegatronResharder.reads, from metadata and manifest entries alone, names every byte reshard reads for a
+    target (the restore at another size moves just these: shardsafe/snapshot/reshard_restore.py): given only those
+    pieces and the whole small tensors, each target's state is the same, tensor for tensor."""
+    from shardsafe.payload import manifest as mf
+    from shardsafe.snapshot.reshard import Pieces
+    batch = {"global_batch_size": 48, "micro_batch_size": 2, "num_microbatches": 6}
+    for world, new_world in ((4, 3), (2, 4), (3, 1)):
+        snaps = _snapshots(layout, world, dict(batch, num_microbatches=24 // world))
+        reads = MegatronResharder().reads([s.meta for s in snaps], [mf.layout(s.tensors)[0] for s in snaps], new_world)
+        full = reshard(snaps, new_world, MegatronResharder())
+        for t in range(new_world):
+            partial = []
+            for d, s in enumerate(snaps):
+                ts = {n: Pieces(n, v.shape, v.dtype) for n, v in s.tensors.items()}
+                for name, start, count in reads[t].get(d, ()):
+                    if count < 0:
+                        ts[name] = s.tensors[name].clone()
+                    else:
+                        ts[name].add(start, s.tensors[name][start: start + count].clone())
+                partial.append(_Snap(ts, s.meta))
+            got = reshard(partial, new_world, MegatronResharder(), ranks=[t]).ranks[0]
+            want = full.ranks[t]
+            assert sorted(got.tensors) == sorted(want.tensors) and got.meta == want.meta, (world, new_world, t)
+            assert all(torch.equal(got.tensors[n], want.tensors[n]) for n in want.tensors), (world, new_world, t)

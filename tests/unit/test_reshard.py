@@ -293,3 +293,56 @@ def test_the_plan_from_metadata_alone_is_the_reshards():
     assert core.transfer_plan(metas, 2, DeepSpeedResharder()).segments == reshard(snaps, 2).plan.segments
     with pytest.raises(ReshardError, match="cannot share evenly"):
         core.transfer_plan(metas, 3, DeepSpeedResharder())
+
+
+# ---- a target that holds only the pieces it reads (the restore at another size: snapshot/reshard_restore.py) ----
+
+def _partial(snaps, reads, target):
+    """The sources as one target sees them when no rank holds them all: what it reads (pieces in core.Pieces, whole
+    tensors as themselves), every other tensor an empty Pieces of its shape."""
+    out = []
+    for d, s in enumerate(snaps):
+        t = {n: core.Pieces(n, v.shape, v.dtype) for n, v in s.tensors.items()}
+        for name, start, count in reads[target].get(d, ()):
+            if count < 0:
+                t[name] = s.tensors[name].clone()
+            else:
+                t[name].add(start, s.tensors[name].reshape(-1)[start: start + count].clone())
+        out.append(Snap(t, s.meta))
+    return out
+
+
+def _entries(snap):
+    from shardsafe.payload import manifest as mf
+    return mf.layout(snap.tensors)[0]
+
+
+@pytest.mark.parametrize("kind,d,d2", [(k, d, d2) for k in (ZERO12, ZERO3, BF16) for d, d2 in ((4, 3), (3, 2), (2, 4),
+                                                                                            (4, 1), (1, 3))])
+def test_a_target_given_only_what_reads_names_builds_what_it_builds_from_everything(kind, d, d2):
+    """DeepSpeedResharder.reads, from metadata and manifest entries alone, names every byte reshard reads for a
+    target: given only those (the pieces of the masters and moments, the per-tensor state, rank 0's buffers), the
+    target's state is the same, tensor for tensor; and it reads no more than its share of the state."""
+    rnd = random.Random(d * 10 + d2)
+    groups = [[(f"g{g}p{i}", rnd.randint(1, 40)) for i in range(rnd.randint(1, 5))] for g in range(2)]
+    kw = {"gas": 12, "sub_group_size": 25} if kind == ZERO3 else {"gas": 12}
+    snaps = _snapshots(kind, groups, d, _truth(groups, seed=d), **kw)
+    reads = DeepSpeedResharder().reads([s.meta for s in snaps], [_entries(s) for s in snaps], d2)
+    full = reshard(snaps, d2)
+    for t in range(d2):
+        got = reshard(_partial(snaps, reads, t), d2, ranks=[t]).ranks[0]
+        want = full.ranks[t]
+        assert sorted(got.tensors) == sorted(want.tensors) and got.meta == want.meta
+        assert all(torch.equal(got.tensors[n], want.tensors[n]) for n in want.tensors), t
+        pieces = sum(c for r in reads[t].values() for n, _, c in r if c > 0 and n.startswith("opt/master/"))
+        assert pieces == sum(s.length for s in full.plan.into(t))   # each element of its share, once
+
+
+def test_a_piece_that_was_not_received_is_an_error_never_a_zero():
+    p = core.Pieces("opt/master/0", [10], torch.float32)
+    p.add(2, torch.arange(4, dtype=torch.float32))
+    assert torch.equal(p.reshape(-1)[3:5], torch.tensor([1.0, 2.0]))
+    with pytest.raises(ReshardError, match="elements 5..7 were not received"):
+        p.reshape(-1)[5:7]
+    with pytest.raises(ReshardError, match="flat view"):
+        p.reshape(2, 5)

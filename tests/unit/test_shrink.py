@@ -1,8 +1,11 @@
 """The data-parallel size a job continues at when a lost node's place stays empty (shardsafe/launch/shrink.py)."""
+import json
+
 import pytest
 
 from shardsafe.errors import ConfigError
-from shardsafe.launch.shrink import Shape, shrink_after_s, shrink_target
+from shardsafe.launch.shrink import (Shape, batch_from_ds_config, ds_config_in, grow_target, job_shape, shrink_after_s,
+                                     shrink_target)
 
 
 def test_the_largest_size_that_fits_the_nodes_left_and_keeps_the_global_batch():
@@ -37,5 +40,43 @@ def test_a_layout_that_cannot_shrink_says_which_sizes_would():
 
 def test_how_long_to_wait_for_a_spare():
     assert shrink_after_s(None, 60.0) == 180.0 and shrink_after_s(0, 60.0) == 0.0 and shrink_after_s(5, 60) == 5.0
+    assert shrink_after_s(None) == 180.0   # 3 x the agents' rendezvous (read) timeout of 60 s
     with pytest.raises(ConfigError, match="shrink_after_s must be >= 0"):
         shrink_after_s(-1, 60.0)
+
+
+def test_growing_back_takes_the_largest_size_the_nodes_up_run():
+    shape = Shape(dp=4, global_batch=16, micro_batch=4)
+    assert grow_target(shape, 2, nodes_live=3) is None            # 3 nodes: 3 does not keep the batch, 4 needs 4
+    got = grow_target(shape, 2, nodes_live=4)
+    assert (got.dp, got.accumulation, got.nodes) == (4, 1, 4) and "gradient accumulation 2 -> 1" in got.reason
+    assert grow_target(Shape(dp=4, global_batch=48, micro_batch=4), 2, nodes_live=3).dp == 3   # part of the way back
+    assert grow_target(shape, 4, nodes_live=8) is None             # at full size already
+
+
+def test_the_batch_from_the_arguments_or_the_programs_deepspeed_config(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}))
+    for argv in (["--deepspeed_config", str(cfg)], [f"--deepspeed-config={cfg}"], ["x.py", "--ds-config", str(cfg)]):
+        assert ds_config_in(argv) == str(cfg)
+    got = job_shape(nodes=2, ranks_per_node=2, command=["train.py", "--deepspeed_config", str(cfg)])
+    assert (got.dp, got.global_batch, got.micro_batch) == (4, 24, 2)   # micro x gas x dp, as DeepSpeed derives it
+    assert job_shape(nodes=2, ranks_per_node=2, global_batch=8, micro_batch=1, command=["--ds-config", str(cfg)]) \
+        .global_batch == 8   # the arguments win
+    assert batch_from_ds_config({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4) == (32, 4)
+    assert batch_from_ds_config({"train_batch_size": "auto"}, 4) is None
+    unknown = job_shape(nodes=4, ranks_per_node=1, command=["train.py"])
+    assert unknown.global_batch == 0 and unknown.dp == 4
+    tp2 = job_shape(nodes=2, ranks_per_node=4, model_parallel=2, global_batch=8, micro_batch=2)
+    assert (tp2.dp, tp2.world, tp2.nodes_at(2)) == (4, 8, 1)
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"model_parallel": 3}, "model_parallel 3 does not divide the job's 4 ranks"),
+    ({"global_batch": 8}, "go together: give both, in samples, or neither"),
+    ({"global_batch": 6, "micro_batch": 1}, "global batch 6 is not a multiple of micro-batch 1 x data-parallel size 4"),
+])
+def test_a_job_shape_that_does_not_add_up_is_refused_with_what_to_pass(kw, words):
+    with pytest.raises(ConfigError) as e:
+        job_shape(nodes=2, ranks_per_node=2, **kw)
+    assert words in str(e.value)

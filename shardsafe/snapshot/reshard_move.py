@@ -1,0 +1,236 @@
+"""The bytes of a restore at another data-parallel size (:mod:`.reshard_restore`), moved point to point over gloo.
+
+Two moves, both planned by every rank alike from facts every rank has (the survey, the gathered manifests, the
+resharder's reads), so no metadata travels with the bytes:
+
+* **rebuild**: for each lost source, the k fragments of every codeword its chunks are in go from the current ranks
+  that read them (the servers of the surviving members' data and parity) to the rank that decodes it, once per
+  decoding rank; it decodes (:class:`shardsafe.parity.recovery.MemberRecovery`, handed in) and verifies the payload
+  against the checksums that survived in its group's parity manifests;
+* **pieces**: for each (source, target) pair on different nodes, one message from the source's server (or its
+  rebuilder): the pieces the target reads, back to back, each 64-byte aligned so that the target views it as its
+  dtype in place. A target reads what its own node holds straight from its holder (or the persistent tier's file),
+  and receives nothing for it.
+
+Both post every send before waiting on any receive, as the parity exchange and placement do.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import ShardsafeError
+from ..payload import manifest as mf
+from .reshard import Pieces
+from .reshard_survey import Choice, Source
+
+_TAG = 3 << 22          # tags of the pieces' messages (+ source rank) ...
+_FRAG_TAG = 5 << 22     # ... and of the rebuild's fragments (+ group, codeword, fragment)
+_ALIGN = 64
+
+
+class Refused(ShardsafeError):
+    """A candidate version cannot be restored; raised only where every rank reaches the same verdict (after a
+    gather), so every rank goes on to the same next candidate."""
+
+
+class Opened:
+    """The holder mappings and files one attempt opened on this rank, closed at its end (after the apply)."""
+
+    def __init__(self, client: Any, persist: Any):
+        self.client, self.persist = client, persist
+        self.data: dict[int, tuple[dict, Any]] = {}      # source rank -> (manifest, mapping)
+        self.parity: dict[int, tuple[dict, Any]] = {}
+        self._all: list[Any] = []
+
+    def source(self, s: Source, version: int) -> tuple[dict, Any]:
+        """(manifest, mapping) of ``s`` on this rank's node: its holder's slot, or the persistent tier's file.
+
+        Raises:
+            Refused: the slot was sealed again since the survey (its content is not what the survey saw).
+        """
+        if s.key not in self.data:
+            if s.where == "disk":
+                man, mm = self.persist.open(version, s.key)
+            else:
+                held = self.client.open_slot(rank=s.key, version=version, populate=False)
+                man, mm = held.manifest, held.mm
+                if held.sealing != s.sealing:
+                    self._all.append(mm)
+                    raise Refused(f"source rank {s.key}'s slot of version {version} on node {s.node} was sealed "
+                                  "again since the survey")
+            self._all.append(mm)
+            self.data[s.key] = (man, mm)
+        return self.data[s.key]
+
+    def parity_of(self, key: int, version: int) -> tuple[dict, Any]:
+        if key not in self.parity:
+            man, mm = self.client.open(rank=key, version=version, kind="parity", populate=False)
+            self._all.append(mm)
+            self.parity[key] = (man, mm)
+        return self.parity[key]
+
+    def close(self) -> None:
+        for mm in self._all:
+            try:
+                mm.close()
+            except (BufferError, ValueError):
+                pass   # a view still refers to it: the mapping goes with the last view
+        self._all.clear()
+
+
+def as_bytes(buf: Any) -> torch.Tensor:
+    """A uint8 tensor over a mapping or array, read only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+# ---- rebuild ------------------------------------------------------------------------------------------------------
+
+def rebuild(choice: Choice, manifests: dict[int, dict], rebuilders: dict[int, int], recovery: Callable[..., Any],
+            opened: Opened, *, rank: int, group: Any) -> tuple[dict[int, torch.Tensor], list[str], int]:
+    """Decode every lost source of ``choice`` on its rebuilder. Every rank calls it. Returns (the payloads this rank
+    rebuilt and verified, its problems, bytes of fragments it received)."""
+    import torch.distributed as dist
+    rebuilt: dict[int, torch.Tensor] = {}
+    problems: list[str] = []
+    got = 0
+    for gi, g in enumerate(choice.groups):
+        rec = recovery(group=g.group, chunk_size=g.chunk_size, code=g.code, lost=g.lost)
+        reqs, received = [], {}
+        for f in rec.fragments():
+            sender = g.parity_server[f.rank] if f.parity else choice.sources[f.rank].server
+            takers = sorted({rebuilders[t] for t in f.takers})
+            tag = _FRAG_TAG + (gi * 256 + f.codeword) * 256 + f.fragment
+            if sender == rank:
+                frag = rec.fragment_of(f, opened.parity_of(f.rank, choice.version)[1] if f.parity
+                                       else opened.source(choice.sources[f.rank], choice.version)[1])
+                for t in takers:
+                    if t == rank:
+                        received[(f.codeword, f.fragment)] = frag
+                    else:
+                        reqs.append(dist.isend(frag.contiguous(), t, group=group, tag=tag))
+            elif rank in takers:
+                buf = torch.empty(g.chunk_size, dtype=torch.uint8)
+                received[(f.codeword, f.fragment)] = buf
+                reqs.append(dist.irecv(buf, sender, group=group, tag=tag))
+                got += g.chunk_size
+        for q in reqs:
+            q.wait()
+        for lost in g.lost:
+            if rebuilders[lost] != rank:
+                continue
+            try:
+                payload = rec.decode(lost, received)
+                bad = mf.verify(manifests[lost], memoryview(payload.numpy()))
+            except (ShardsafeError, ValueError, KeyError) as e:
+                bad = [f"{type(e).__name__}: {e}"]
+            if bad:
+                problems.append(f"source rank {lost} rebuilt from parity fails its checksums ({'; '.join(bad[:2])}): "
+                                "a survivor's data or parity share is corrupt")
+            else:
+                rebuilt[lost] = payload
+    return rebuilt, problems, got
+
+
+# ---- the pieces ---------------------------------------------------------------------------------------------------
+
+def layout(manifest: dict, reads: Sequence[tuple[str, int, int]]) -> tuple[list[tuple], int]:
+    """Where each read lies in the source's payload and in the message: [(name, first element, elements, payload
+    offset, bytes, message offset)], and the message's size. Server and target compute it alike."""
+    entries = {e["name"]: e for e in manifest["entries"]}
+    out, at = [], 0
+    for name, start, count in reads:
+        e = entries[name]
+        es = mf.dtype_from_name(e["dtype"]).itemsize
+        a, n = (e["offset"], e["nbytes"]) if count < 0 else (e["offset"] + start * es, count * es)
+        out.append((name, start, count, a, n, at))
+        at += -(-n // _ALIGN) * _ALIGN
+    return out, at
+
+
+@dataclass
+class Light:
+    """A source as the resharder sees it on one target: its manifest and metadata, and its tensors (views of the
+    whole payload when this node holds it, else the pieces received, as :class:`~.reshard.Pieces`)."""
+    manifest: dict
+    meta: dict
+    tensors: dict
+
+
+def move(choice: Choice, manifests: dict[int, dict], slices: dict, senders: dict[int, int],
+         rebuilt: dict[int, torch.Tensor], opened: Opened, *, rank: int, nodes: Sequence[str], group: Any,
+         my_slice: tuple[int, int]) -> tuple[list[Light], dict]:
+    """Send what this rank serves to targets on other nodes, receive what it reads from them, and read what its
+    own node holds. Every rank calls it. Returns (this rank's view of its slice's sources, its traffic:
+    ``local_bytes`` read from its own node, ``remote_bytes`` received from others, ``sent_bytes``, by source)."""
+    import torch.distributed as dist
+    traffic: dict[str, Any] = {"local_bytes": 0, "remote_bytes": 0, "sent_bytes": 0, "by_source": {}}
+
+    def here(k: int, target: int) -> bool:   # the target reads source k where it runs
+        s = choice.sources[k]
+        return target == senders[k] or s.where == "disk" or (s.where == "holder" and nodes[target] == s.node)
+
+    def payload(k: int) -> Any:
+        return rebuilt[k].numpy() if k in rebuilt else opened.source(choice.sources[k], choice.version)[1]
+
+    reqs, inbox = [], {}
+    for sl in sorted(slices):
+        p = slices[sl]
+        for d, k in enumerate(p["keys"]):
+            for t, r in enumerate(p["targets"]):
+                reads = p["reads"][t].get(d)
+                if not reads or here(k, r) or rank not in (r, senders[k]):
+                    continue
+                lay, size = layout(manifests[k], reads)
+                nbytes = sum(x[4] for x in lay)
+                msg = torch.empty(size, dtype=torch.uint8)
+                if senders[k] == rank:   # the pieces, back to back in one message
+                    src = as_bytes(payload(k))
+                    for _, _, _, a, n, at in lay:
+                        msg[at: at + n].copy_(src[a: a + n])
+                    reqs.append(dist.isend(msg, r, group=group, tag=_TAG + k))
+                    traffic["sent_bytes"] += nbytes
+                else:
+                    reqs.append(dist.irecv(msg, senders[k], group=group, tag=_TAG + k))
+                    inbox[k] = (msg, lay)
+                    near = nodes[senders[k]] == nodes[rank]
+                    traffic["local_bytes" if near else "remote_bytes"] += nbytes
+                    traffic["by_source"][str(k)] = {"bytes": nbytes, "from_rank": senders[k], "same_node": near}
+    for q in reqs:
+        q.wait()
+    p = slices[my_slice]
+    me = p["targets"].index(rank)
+    light = []
+    for d, k in enumerate(p["keys"]):
+        man = manifests[k]
+        if k in inbox:
+            tensors = _unpack(man, *inbox[k])
+        elif d in p["reads"][me]:
+            tensors = mf.views(man, payload(k))
+            n = sum(x[4] for x in layout(man, p["reads"][me][d])[0])
+            traffic["local_bytes"] += n
+            traffic["by_source"][str(k)] = {"bytes": n, "from_rank": rank, "same_node": True}
+        else:
+            tensors = {e["name"]: Pieces(e["name"], e["shape"], mf.dtype_from_name(e["dtype"])) for e in man["entries"]}
+        light.append(Light(man, p["metas"][d], tensors))
+    return light, traffic
+
+
+def _unpack(manifest: dict, msg: torch.Tensor, lay: list[tuple]) -> dict[str, Any]:
+    """A source's tensors from one received message: whole tensors as themselves, pieces in :class:`Pieces`, the
+    others as empty :class:`Pieces` (their shape and dtype)."""
+    entries = {e["name"]: e for e in manifest["entries"]}
+    out: dict[str, Any] = {n: Pieces(n, e["shape"], mf.dtype_from_name(e["dtype"])) for n, e in entries.items()}
+    for name, start, count, _, n, at in lay:
+        e = entries[name]
+        view = msg[at: at + n].view(mf.dtype_from_name(e["dtype"]))
+        if count < 0:
+            out[name] = view.view(e["shape"])
+        else:
+            out[name].add(start, view)
+    return out

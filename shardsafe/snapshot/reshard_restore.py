@@ -1,0 +1,430 @@
+"""Restore at another data-parallel size: every rank reads only its own node's holder, sources lost with a node are
+rebuilt from parity, and each target rank receives just the pieces of the old ranks' state it needs.
+
+The job ran at D data-parallel ranks and now runs at D' (TP and PP unchanged). The holders keep the snapshots of
+the D old ranks (the **sources**) where they ran; :mod:`.reshard_survey` finds the newest version every source of
+one layout has, held on a node the job runs on or rebuildable from the survivors' parity, and which current rank
+**serves** each held source. Then every rank, from the same facts:
+
+1. **verify**: each server maps the sources it serves and checks every xxh3 segment (each parity share a rebuild
+   reads too), and one JSON gather hands every rank all the sources' manifests (a lost source's survives in its
+   group's parity manifests) and the verdicts. A held copy that fails its checksums is rebuilt from parity like a
+   lost one (once); anything else wrong refuses the version, and the next older one is tried;
+2. **plan**: per model-parallel slice, the framework's resharder (``adapter.resharder()``) says from the manifests
+   alone what each target reads from each source (:meth:`~.reshard.Resharder.reads`): the plan's pieces of the
+   fp32 masters and moments, and the few small tensors it takes whole. A batch the new size cannot split, or a run
+   whose fingerprint differs (another data-parallel size with the same global batch is the same run), is refused;
+3. **rebuild**: each lost source is decoded by the target that reads most of it (:mod:`.reshard_move`);
+4. **move**: each target reads what its own node holds from its holder and receives the rest, one message per
+   (source, target) pair on different nodes: no byte crosses the network twice. The resharder builds the
+   target's state from these pieces (:class:`~.reshard.Pieces`);
+5. **apply**: every rank checks its state against the live one (``adapter.resharded_problems``), and only when
+   every rank's fits does any apply it (``adapter.apply_resharded``): never a partial state.
+
+Every refusal is reached by every rank alike (after a gather), so all go on to the same next candidate. When memory
+cannot serve, the persistent tier is tried the same way, read by every rank from the shared directory, if it holds
+the old layout complete; else :class:`Unrestorable` says what was held, why none of it fits and what to do. Per
+rank the bytes read from its own node and received from other nodes are logged and go into the ``restore_end``
+event (``reshard``); the tier is "memory", "parity" (a source was rebuilt) or "persistent".
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from .. import collectives
+from .. import fingerprint as fpr
+from ..holder.protocol import HolderFailure
+from ..payload import manifest as mf
+from .reshard import ReshardError, reshard
+from .reshard_move import Opened, Refused, move, rebuild
+from .reshard_survey import Choice, choose, disk_choice, leads_node, survey
+from .state import StateAdapter
+
+log = logging.getLogger(__name__)
+
+SAME_SIZE = "same-size"
+""":func:`restore_resized`'s answer when the newest restorable version is at the job's own size."""
+
+
+@dataclass
+class Resize:
+    """What a restore at another data-parallel size needs besides what a same-size restore gets (the runtime builds
+    it when :func:`.reshard_survey.other_size_held` says the holders hold another size).
+
+    Args:
+        places: every current rank's (node, dp, tp, pp), in rank order.
+        recovery: rebuilds a lost source from parity (``shardsafe.parity.recovery.MemberRecovery``: tier 2 is handed
+            in, never imported here); None: lost sources cannot be rebuilt.
+        migrate: run before falling back to the same-size restore (the runtime's placement migration, which a restore
+            at another size must not run: it would move the old ranks' payloads by their old rank numbers).
+    """
+    places: list[tuple[str, int, int, int]]
+    recovery: Optional[Callable[..., Any]] = None
+    migrate: Optional[Callable[[], Any]] = None
+
+
+@dataclass
+class Resized:
+    """What :func:`restore_resized` restored on this rank: the version, its tier, a one-line message, the bytes of
+    this rank's state and of the payloads it rebuilt, the phases' seconds, the adapter's notes, the lost sources,
+    and ``reshard``: the sizes and this rank's traffic (read from its node, received from others, sent, parity
+    fragments received)."""
+    version: int
+    tier: str
+    message: str
+    nbytes: int
+    rebuilt_bytes: int
+    phases: dict
+    notes: dict
+    reshard: dict
+    lost: list
+
+
+@dataclass
+class Unrestorable:
+    """Nothing held at another data-parallel size can be restored: :attr:`message` says what and what to do."""
+    message: str
+
+
+@dataclass
+class _Run:
+    adapter: StateAdapter
+    client: Any
+    rank: int
+    coll: Any
+    resize: Resize
+    persist: Any
+    fingerprint: Optional[dict]
+    force: bool
+    refusals: list = field(default_factory=list)
+    phases: dict = field(default_factory=lambda: dict.fromkeys(("survey", "verify", "rebuild", "move", "apply"), 0.0))
+
+    @property
+    def nodes(self) -> list[str]:
+        return [p[0] for p in self.resize.places]
+
+    @property
+    def my_slice(self) -> tuple[int, int]:
+        return tuple(self.resize.places[self.rank][2:4])   # type: ignore[return-value]
+
+    def gather(self, obj: Any) -> list[Any]:
+        return collectives.gather_json(obj, self.coll.hier, self.coll.world_size)
+
+    def vote(self, choice: Choice, problems: list[str], what: str) -> None:
+        """Every rank's problems, gathered: any one refuses the candidate on every rank alike."""
+        said = [p for r in self.gather(problems[:3]) for p in r]
+        if said:
+            raise Refused(f"version {choice.version} (world size {choice.world}), {what}: " + "; ".join(said[:3]))
+
+
+def restore_resized(adapter: StateAdapter, client: Any, *, rank: int, coll: Any, resize: Resize, persist: Any = None,
+                    fingerprint: Optional[dict] = None, force: bool = False) -> "Resized | Unrestorable | str":
+    """Collective, on every rank: restore the newest version of the newest layout that the holders (or, failing
+    that, the persistent tier) hold complete at another data-parallel size. Returns what was restored
+    (:class:`Resized`), :data:`SAME_SIZE` when the newest restorable version is at this size (the same-size restore
+    takes it), or :class:`Unrestorable` (the same on every rank; nothing was applied, nothing deleted)."""
+    if adapter.resharder() is None:
+        return Unrestorable(
+            f"the holders hold snapshots of this job taken at another world size than this one ({coll.world_size}), "
+            f"and {type(adapter).__name__} cannot re-partition its state to another data-parallel size. Nothing was "
+            "loaded or deleted. Run with the original world size, or export the snapshot (`shardsafe export`) and "
+            "load it with your framework's resharding loader under a new shardsafe job_id.")
+    run = _Run(adapter, client, rank, coll, resize, persist, fingerprint, force)
+    t0 = time.perf_counter()
+    sv = survey(client, rank=rank, nodes=run.nodes, coll=coll)
+    run.phases["survey"] = time.perf_counter() - t0
+    if sv.unread and rank == 0:
+        log.warning("[rank 0] holders that could not be read (their snapshots count as lost): %s", sv.unread)
+    for cand in sv.candidates(coll.world_size):
+        exclude: frozenset[int] = frozenset()
+        for _ in range(2):
+            choice, why = choose(sv, cand, run.nodes, exclude)
+            if choice is None:
+                run.refusals.append(why)
+                break
+            if choice.world == coll.world_size:
+                return SAME_SIZE
+            out, bad = _attempt(run, choice)
+            if out is not None:
+                return out
+            if not bad:
+                break
+            exclude |= bad   # corrupt copies: rebuilt from parity like lost ones, once
+    if persist is not None:
+        choice, why = disk_choice(_disk_records(run), coll.world_size)
+        if choice is None and not why:
+            return SAME_SIZE   # the persistent tier's newest version is at this size: the same-size restore reads it
+        if choice is not None:
+            out, _ = _attempt(run, choice)
+            if out is not None:
+                return out
+        else:
+            run.refusals.append(why)
+    return Unrestorable(_refusal_message(run))
+
+
+def _refusal_message(run: _Run) -> str:
+    why = " | ".join(r.rstrip(". ") for r in run.refusals[:6]) or "nothing held is complete"
+    tier = (f" The persistent tier {run.persist.dir} cannot serve either." if run.persist is not None
+            else " No persistent tier is configured (shardsafe.persist_dir).")
+    return (f"the holders hold snapshots of this job taken at another data-parallel size, and none can be "
+            f"re-partitioned to this one ({run.coll.world_size} ranks): {why}.{tier} Nothing was loaded and nothing "
+            "was deleted. Restart on enough nodes for parity to rebuild what is lost (every node that still holds "
+            "snapshots must run a rank), or at the original size; or resume from your last disk checkpoint "
+            "(engine.load_checkpoint / Megatron --load) with a new shardsafe job_id.")
+
+
+# ---- one candidate ------------------------------------------------------------------------------------------------
+
+def _attempt(run: _Run, choice: Choice) -> tuple[Optional[Resized], frozenset[int]]:
+    """Restore ``choice`` on every rank; else (None, the sources whose copies failed their checksums), the refusal
+    noted in ``run.refusals``."""
+    opened = Opened(run.client, run.persist)
+    group = run.coll.group
+    try:
+        t0 = time.perf_counter()
+        manifests, bad = _verify(run, choice, opened)
+        run.phases["verify"] += time.perf_counter() - t0
+        if bad:
+            return None, bad
+        slices, rebuilders = _plans(run, choice, manifests)
+        t0 = time.perf_counter()
+        rebuilt, problems, fragment_bytes = {}, _fingerprint_problems(run, choice, manifests), 0
+        if choice.groups:
+            if run.resize.recovery is None:
+                problems.append(f"source ranks {choice.lost} are lost and this restore has no parity decoder")
+            else:
+                rebuilt, why, fragment_bytes = rebuild(choice, manifests, rebuilders, run.resize.recovery, opened,
+                                                       rank=run.rank, group=group)
+                problems += why
+        run.vote(choice, problems, "rebuild")
+        run.phases["rebuild"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        senders = {k: rebuilders.get(k, s.server) for k, s in choice.sources.items()}
+        light, traffic = move(choice, manifests, slices, senders, rebuilt, opened, rank=run.rank, nodes=run.nodes,
+                              group=group, my_slice=run.my_slice)
+        run.phases["move"] += time.perf_counter() - t0
+        mine = slices[run.my_slice]
+        target, problems = None, []
+        try:
+            target = reshard(light, len(mine["targets"]), run.adapter.resharder(),
+                             ranks=[mine["targets"].index(run.rank)]).ranks[0]
+            problems = [str(p) for p in run.adapter.resharded_problems(target.tensors, target.meta)]
+        except (ReshardError, KeyError, ValueError) as e:
+            problems = [f"rank {run.rank}: {type(e).__name__}: {e}"]
+        run.vote(choice, problems, "check")
+        t0 = time.perf_counter()
+        run.adapter.apply_resharded(target.tensors, target.meta)
+        run.phases["apply"] += time.perf_counter() - t0
+    except Refused as e:
+        run.refusals.append(str(e))
+        return None, frozenset()
+    finally:
+        opened.close()
+    _fence(run, choice)
+    d_old, d_new = len(mine["keys"]), len(mine["targets"])
+    traffic.update(from_dp=d_old, to_dp=d_new, from_world=choice.world, fragment_bytes=fragment_bytes,
+                   rebuilt_sources=choice.lost, rebuilt_by={str(k): v for k, v in rebuilders.items()})
+    log.info("[rank %d] re-partitioned version %d from %d to %d data-parallel ranks (%s): %d bytes read on this node, "
+             "%d received from other nodes, %d sent, %d bytes of parity fragments received", run.rank, choice.version,
+             d_old, d_new, choice.tier, traffic["local_bytes"], traffic["remote_bytes"], traffic["sent_bytes"],
+             fragment_bytes)
+    where = "the persistent tier" if choice.tier == "persistent" else "holder memory"
+    message = (f"restored version {choice.version} from {where}, re-partitioned from {d_old} to {d_new} data-parallel "
+               "ranks" + (f" after rebuilding source ranks {choice.lost} from parity" if choice.lost else ""))
+    return Resized(choice.version, choice.tier, message, sum(t.numel() * t.element_size()
+                                                             for t in target.tensors.values()),
+                   sum(manifests[k]["payload_nbytes"] for k in rebuilt), {k: round(v, 6) for k, v in run.phases.items()},
+                   dict(getattr(run.adapter, "restore_notes", {}) or {}), traffic, choice.lost), frozenset()
+
+
+def _verify(run: _Run, choice: Choice, opened: Opened) -> tuple[dict[int, dict], frozenset[int]]:
+    """Each server verifies what it serves (and each parity share a rebuild reads); every rank maps the sources
+    its node holds for its slice (a target reads those itself); one gather gives every rank every source's manifest
+    and every verdict. Returns (manifests, the held sources whose copies fail their checksums)."""
+    mine: dict[str, Any] = {"bad": {}, "why": [], "manifests": {}}
+    for s in choice.sources.values():
+        serve = s.server == run.rank
+        reads_here = s.slice == run.my_slice and (s.where == "disk" or s.node == run.nodes[run.rank])
+        if not serve and not reads_here:
+            continue
+        try:
+            man, mm = opened.source(s, choice.version)
+            if serve:
+                buf = memoryview(mm)
+                try:
+                    bad = mf.verify(man, buf, populate=True)
+                finally:
+                    buf.release()
+                if bad:
+                    mine["bad"][str(s.key)] = "; ".join(bad[:2])
+                else:
+                    mine["manifests"][str(s.key)] = man
+        except (Refused, HolderFailure, OSError, ValueError, KeyError) as e:   # said in the gather every rank reaches
+            if serve and not isinstance(e, Refused):   # unreadable where it is held: rebuilt like a lost one
+                mine["bad"][str(s.key)] = f"cannot read it: {type(e).__name__}: {e}"
+            else:
+                mine["why"].append(f"source rank {s.key}: {e}")
+    for g in choice.groups:
+        for member, server in g.parity_server.items():
+            if server != run.rank:
+                continue
+            try:
+                pman, pmm = opened.parity_of(member, choice.version)
+                buf = memoryview(pmm)
+                try:
+                    bad = mf.verify_any(pman, buf)
+                finally:
+                    buf.release()
+                if bad:
+                    mine["why"].append(f"rank {member}'s parity shares of version {choice.version} fail their "
+                                       f"checksums ({'; '.join(bad[:2])})")
+                if g.manifests_from == run.rank and member == min(g.parity_server):
+                    for lost in g.lost:
+                        mine["manifests"][str(lost)] = pman["group_manifests"][str(lost)]
+            except (HolderFailure, OSError, ValueError, KeyError) as e:
+                mine["why"].append(f"rank {member}'s parity shares of version {choice.version}: {e}")
+    everyone = run.gather(mine)
+    bad = {int(k): v for r in everyone for k, v in r["bad"].items()}
+    why = [w for r in everyone for w in r["why"]]
+    if bad:
+        said = "; ".join(f"rank {k}: {v}" for k, v in sorted(bad.items())[:2])
+        if any(choice.sources[k].where != "holder" for k in bad):   # no parity to repair them with
+            raise Refused(f"version {choice.version}: source ranks {sorted(bad)} fail their checksums ({said})")
+        if run.rank == 0:
+            log.warning("[rank 0] version %d: the copies of source ranks %s fail their checksums (%s); rebuilding them "
+                        "from parity", choice.version, sorted(bad), said)
+        return {}, frozenset(bad)
+    if why:
+        raise Refused(f"version {choice.version} (world size {choice.world}): " + "; ".join(why[:3]))
+    manifests = {int(k): v for r in everyone for k, v in r["manifests"].items()}
+    missing = sorted(set(choice.sources) - set(manifests))
+    if missing:
+        raise Refused(f"version {choice.version}: no manifest of source ranks {missing} reached every rank")
+    return manifests, frozenset()
+
+
+def _plans(run: _Run, choice: Choice, manifests: dict[int, dict]) -> tuple[dict, dict[int, int]]:
+    """Per model-parallel slice: its sources and targets in data-parallel order, their metadata and what each target
+    reads from each source (the resharder's, from the manifests alone); and who rebuilds each lost source: the
+    target that reads most of it, so that most of the decoded bytes stay where they are decoded."""
+    src: dict[tuple[int, int], dict[int, int]] = {}
+    for s in choice.sources.values():
+        src.setdefault(s.slice, {})[s.dp] = s.key
+    dst: dict[tuple[int, int], dict[int, int]] = {}
+    for r, (_, dp, tp, pp) in enumerate(run.resize.places):
+        dst.setdefault((tp, pp), {})[dp] = r
+    if set(src) != set(dst):
+        raise Refused(f"version {choice.version}: its model-parallel slices (tp, pp) {sorted(src)} are not this job's "
+                      f"{sorted(dst)}: only the data-parallel size may change")
+    resharder = run.adapter.resharder()
+    slices, rebuilders = {}, {}
+    for sl in sorted(src):
+        keys = [src[sl][d] for d in sorted(src[sl])]
+        targets = [dst[sl][d] for d in sorted(dst[sl])]
+        if sorted(src[sl]) != list(range(len(keys))) or sorted(dst[sl]) != list(range(len(targets))):
+            raise Refused(f"version {choice.version}: slice {sl} has data-parallel indices {sorted(src[sl])} -> "
+                          f"{sorted(dst[sl])}, expected 0..D-1 on both sides")
+        metas = [mf.from_jsonable(manifests[k]["meta"]) for k in keys]
+        try:
+            reads = resharder.reads(metas, [manifests[k]["entries"] for k in keys], len(targets))
+        except (ReshardError, KeyError, ValueError) as e:
+            raise Refused(f"version {choice.version} cannot be re-partitioned from {len(keys)} to {len(targets)} "
+                          f"data-parallel ranks: {e}") from None
+        slices[sl] = {"keys": keys, "targets": targets, "metas": metas, "reads": reads}
+        for d, k in enumerate(keys):
+            if choice.sources[k].where == "rebuilt":
+                need = [sum(c for _, _, c in reads[t].get(d, ()) if c > 0) for t in range(len(targets))]
+                rebuilders[k] = targets[max(range(len(targets)), key=lambda t: (need[t], -t))]
+    return slices, rebuilders
+
+
+def _fingerprint_problems(run: _Run, choice: Choice, manifests: dict[int, dict]) -> list[str]:
+    """Why the sources of this rank's slice are another run's (shardsafe/fingerprint.py: another data-parallel size
+    with the same global batch is the same run)."""
+    if run.fingerprint is None:
+        return []
+    for s in choice.sources.values():
+        if s.slice != run.my_slice:
+            continue
+        diff = fpr.differences(manifests[s.key].get("fingerprint"), run.fingerprint)
+        if not diff:
+            continue
+        if run.force:
+            log.warning("[rank %d] resume \"force\": re-partitioning another run's version %d: %s", run.rank,
+                        choice.version, "; ".join(diff[:3]))
+            return []
+        return [f"source rank {s.key} is another run's snapshot (its fingerprint differs: {diff[0]}). Nothing of it "
+                "is applied: keep the global batch (gradient_accumulation_steps x data-parallel size) and every "
+                "other setting, or start with resume \"never\" or a new job_id"]
+    return []
+
+
+# ---- around the attempt -------------------------------------------------------------------------------------------
+
+def _fence(run: _Run, choice: Choice) -> None:
+    """After the apply: every newer copy the node holds goes (the abandoned branch), and the restored version's held
+    copies are committed again, so the holder keeps them until a version at the new size commits (the runtime then
+    drops them). The node's lowest rank does it."""
+    if run.client is None or choice.tier == "persistent" or not leads_node(run.nodes, run.rank):
+        return
+    try:
+        for key, kinds in run.client.list().items():
+            key = int(key)
+            for kind in ("data", "parity"):
+                for s in kinds.get(kind, []):
+                    if s["version"] > choice.version:
+                        run.client.drop(rank=key, version=s["version"], kind=kind)
+                    elif s["version"] == choice.version and s["state"] == "sealed" and key in choice.sources:
+                        run.client.commit(ranks=[key], version=s["version"], kind=kind)
+    except (HolderFailure, OSError) as e:
+        log.warning("[rank %d] could not fence newer versions / keep version %d in the holder: %s", run.rank,
+                    choice.version, e)
+
+
+def drop_old_layout(client: Any, *, rank: int, node: str, nodes: list[str], version: int) -> None:
+    """After a restore at another size, once ``version`` committed at the new size on every rank (the runtime calls
+    it from its commit hook): the copies the restore re-partitioned from are no longer the newest protection. Each
+    rank drops its own older versions (its rank number's copies from the old layout), and each node's lowest rank
+    the copies of ranks that do not run on its node now (the old layout's other ranks): the holders keep the new
+    layout alone, within the budget it was sized for."""
+    if client is None:
+        return
+    try:
+        for kind in ("data", "parity"):
+            for v in client.sealed_versions(rank, kind):
+                if v < version:
+                    client.drop(rank=rank, version=v, kind=kind)
+        if leads_node(nodes, rank):
+            here = {r for r, n in enumerate(nodes) if n == node}
+            stale = sorted(int(r) for r in client.list() if int(r) not in here)
+            for kind in ("data", "parity"):
+                if stale:
+                    client.drop(ranks=stale, kind=kind)
+    except (HolderFailure, OSError) as e:   # their memory stays taken until a restart's placement drops them
+        log.warning("[rank %d] the old layout's copies were not dropped from the holder: %s", rank, e)
+
+
+def _disk_records(run: _Run) -> list[dict]:
+    """The persistent tier's newest versions, one record per rank file, as rank 0 reads them (every rank takes rank
+    0's answer: one view of a directory a flush may be writing)."""
+    recs = []
+    if run.rank == 0:
+        try:
+            for v in sorted(run.persist.versions(), reverse=True)[:4]:
+                d = run.persist.version_dir(v)
+                for name in sorted(n for n in os.listdir(d) if n.startswith("rank") and n.endswith(".json")):
+                    with open(os.path.join(d, name)) as f:
+                        man = json.load(f)
+                    c, key = man.get("coords") or {}, int(man["rank"])
+                    recs.append({"key": key, "version": int(man["version"]), "world": int(man.get("world_size", -1)),
+                                 "timeline": int(man.get("timeline", 0)), "dp": int(c.get("dp", key)),
+                                 "tp": int(c.get("tp", 0)), "pp": int(c.get("pp", 0))})
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("[rank 0] the persistent tier %s cannot be listed: %s", run.persist.dir, e)
+    return run.gather(recs)[0]
