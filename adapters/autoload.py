@@ -129,12 +129,12 @@ def _patch_deepspeed(module) -> None:
 
     @functools.wraps(original)
     def initialize(*args, **kwargs):
-        from .ds_config import keep_global_batch, wants_protection   # stdlib only; imported at the first call
+        from .ds_config import keep_global_batch, reformed, wants_protection   # stdlib only; at the first call
         # A job the launcher re-formed at another size keeps its global batch, protected or not (the ConfigError
         # when it cannot ends the run with a record: the launcher must not restart it the same way). HF's Trainer
         # and Lightning count the accumulation in their own loops, from their own settings: DeepSpeed's must stay
         # theirs (a batch they do not keep is refused at restore, naming it).
-        if env.get(env.FULL_WORLD_SIZE) and not _called_from(("transformers.", "accelerate.", "lightning.",
+        if reformed() and not _called_from(("transformers.", "accelerate.", "lightning.",
                                                                "pytorch_lightning.")):
             from shardsafe.fatal import install_excepthook
             install_excepthook()

@@ -114,6 +114,14 @@ class _Rescaled(dict):
     """A config whose gradient accumulation :func:`keep_global_batch` already scaled (never twice)."""
 
 
+def reformed(environ=None) -> bool:
+    """Whether the launcher runs this job at another world size than its full one (``SHARDSAFE_FULL_WORLD_SIZE``
+    set and not ``WORLD_SIZE``): the launchers export the full size to every job, re-formed or not."""
+    from shardsafe import env
+    full, world = env.get(env.FULL_WORLD_SIZE, environ), _world_size(environ)
+    return bool(full) and bool(world) and int(full) != world
+
+
 def keep_global_batch(args: tuple, kwargs: dict, environ=None) -> tuple[tuple, dict]:
     """``deepspeed.initialize``'s arguments, with the config's ``gradient_accumulation_steps`` scaled so that a job
     the launcher re-formed at another world size (``WORLD_SIZE`` ranks of ``SHARDSAFE_FULL_WORLD_SIZE``; the
