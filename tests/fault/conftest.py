@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from .helpers import PLAIN_DEEPSPEED, cached_reference, close_fork_servers, reference_preload, run_job
@@ -16,15 +18,17 @@ def reference(tmp_path_factory):
     trainers start cold, else they fork from a server that imported the frameworks only (helpers.py says
     which references are cold and why). A cold reference also serves a test that asks for a forked one."""
     cache = {}
+    # Under pytest-xdist the workers share one base folder: a reference one worker ran serves the others.
+    shared = tmp_path_factory.getbasetemp().parent / "references" if os.environ.get("PYTEST_XDIST_WORKER") else None
 
     def get(stage, dtype, steps, extra=(), world=2, cold=False):
-        def run():
-            d = tmp_path_factory.mktemp(f"ref-z{stage}-{dtype}-{steps}-w{world}" + ("-cold" if cold else ""))
+        def run(d=None):
+            d = d or tmp_path_factory.mktemp(f"ref-z{stage}-{dtype}-{steps}-w{world}" + ("-cold" if cold else ""))
             res = run_job(d, stage=stage, dtype=dtype, steps=steps, shardsafe=False, max_restarts=0, extra=extra,
                           nodes=world, nproc=1, preload=reference_preload(PLAIN_DEEPSPEED, cold))
             assert res.ok, f"reference run failed; see {d}"
             return d
 
-        return cached_reference(cache, (stage, dtype, steps, tuple(extra), world), cold, run)
+        return cached_reference(cache, (stage, dtype, steps, tuple(extra), world), cold, run, shared)
 
     return get

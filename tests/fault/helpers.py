@@ -34,14 +34,35 @@ def reference_preload(plain: tuple, cold: bool) -> tuple:
     return () if cold or ALL_REFERENCES_COLD else plain
 
 
-def cached_reference(cache: dict, key, cold: bool, run):
+def cached_reference(cache: dict, key, cold: bool, run, shared=None):
     """The session's reference run for ``key``: ``run()`` (its run directory) once per (key, cold); a cold run
-    also serves a caller that asks for a forked one."""
+    also serves a caller that asks for a forked one. ``shared``: a folder the test processes share (pytest-xdist's
+    workers): ``run(folder)`` runs there once for all of them, under a file lock, and a finished one is reused."""
     for k in ((key, True), (key, cold)):
         if k in cache:
             return cache[k]
-    cache[(key, cold)] = run()
-    return cache[(key, cold)]
+    if shared is None:
+        cache[(key, cold)] = run()
+        return cache[(key, cold)]
+    import hashlib
+
+    from filelock import FileLock
+    os.makedirs(shared, exist_ok=True)
+    name = {c: hashlib.sha1(repr((key, c)).encode()).hexdigest()[:12] for c in (True, False)}
+    with FileLock(os.path.join(shared, name[cold] + ".lock")):
+        for c in (True, cold):
+            if os.path.exists(os.path.join(shared, name[c], ".done")):
+                cache[(key, cold)] = shared / name[c]
+                return cache[(key, cold)]
+        d = shared / name[cold]
+        if d.exists():   # a worker that failed half-way: its folder is not a reference
+            import shutil
+            shutil.rmtree(d)
+        d.mkdir()
+        run(d)
+        (d / ".done").touch()
+    cache[(key, cold)] = d
+    return d
 
 
 def run_job(run_dir, *, stage, dtype, steps, nodes=2, nproc=1, inject="", extra=(), shardsafe=True,
