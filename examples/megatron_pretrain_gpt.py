@@ -307,6 +307,24 @@ def build_parser() -> argparse.ArgumentParser:
     return add_arguments(p)
 
 
+def _microbatches_keeping_global_batch(args: argparse.Namespace) -> int:
+    """``--num-microbatches`` counts micro-batches per rank at the job's full size; a job the launcher re-formed at
+    another world size (SHARDSAFE_FULL_WORLD_SIZE) runs as many more or fewer that the global batch stays, as
+    Megatron-LM does with --global-batch-size (ConfigError, naming the sizes that fit, when it cannot)."""
+    from shardsafe import env
+    from shardsafe.adapters.megatron.args import keep_global_batch
+    full = env.get(env.FULL_WORLD_SIZE)
+    world = int(os.environ.get("WORLD_SIZE") or 0)
+    if not full or not world or int(full) == world:
+        return args.num_microbatches
+    full_dp = int(full) // (args.tp * args.pp)
+    ns = argparse.Namespace(micro_batch_size=args.micro_batch_size, tensor_model_parallel_size=args.tp,
+                            pipeline_model_parallel_size=args.pp,
+                            global_batch_size=args.micro_batch_size * args.num_microbatches * full_dp)
+    keep_global_batch(ns)
+    return ns.global_batch_size // (args.micro_batch_size * (world // (args.tp * args.pp)))
+
+
 def _attempt() -> int:
     return int(os.environ.get("SHARDSAFE_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
@@ -340,6 +358,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if os.environ.get("SHARDSAFE_RUN_DIR"):
         from shardsafe.tor import EventLog   # process start, before the slow framework imports
         EventLog(os.environ["SHARDSAFE_RUN_DIR"], source="trainer", rank=rank, attempt=_attempt()).emit("trainer_start")
+    args.num_microbatches = _microbatches_keeping_global_batch(args)
     run = TinyGPT(tp=args.tp, pp=args.pp, vpp=args.vpp, num_experts=args.num_experts, ep=args.ep, bf16=args.bf16,
                   fp16=args.fp16, initial_loss_scale=args.initial_loss_scale,
                   loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
@@ -351,6 +370,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     init_distributed(args.timeout_s)
     rank = torch.distributed.get_rank()
     initialize_parallel(run)
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    # Megatron's calculator, as Megatron-LM's initialize sets it: the snapshots record the global batch from it, so
+    # that a job continued at another data-parallel size with the same batch restores them (re-partitioned).
+    init_num_microbatches_calculator(rank, None, run.global_batch_size(torch.distributed.get_world_size() //
+                                                                       (run.tp * run.pp)),
+                                     run.micro_batch_size, torch.distributed.get_world_size() // (run.tp * run.pp))
     tr = Trainer(run)
     prot = None
     if ss_cfg.enabled:

@@ -13,9 +13,14 @@ Argparse only checks types; ``config_from_args`` turns the namespace into a chec
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, Optional
+import logging
+import os
+from typing import Any, Callable, Mapping, Optional
 
+from shardsafe import env
 from shardsafe.config import ON_UNPROTECTED, PARITY_TRANSPORTS, RESTORE_H2D, RESUME, ConfigError, ShardsafeConfig
+
+log = logging.getLogger(__name__)
 
 GROUP_TITLE = "shardsafe"
 
@@ -154,14 +159,82 @@ def _flagged(msg: str) -> str:
     return msg
 
 
+def keep_global_batch(args: Any, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """Megatron-LM's parsed arguments for a job the launcher re-formed at another world size (``WORLD_SIZE`` ranks
+    of ``SHARDSAFE_FULL_WORLD_SIZE``, the model-parallel size unchanged): the global batch stays the full-size job's,
+    so its snapshots re-partition and its training is the same run. Megatron-LM computes the micro-batches per step
+    as ``global_batch_size / (micro_batch_size x data-parallel size)``; given ``--global-batch-size`` that already
+    keeps it, and without one Megatron would default it to ``micro_batch_size x`` the *current* data-parallel size,
+    another batch: it is set to ``micro_batch_size x`` the full-size data-parallel size instead (rank 0 says so).
+    Unchanged when the variable is unset or equal to the world size. Returns ``args``, changed in place.
+
+    Raises:
+        ConfigError: the global batch is no multiple of ``micro_batch_size x`` this data-parallel size; the message
+            names the data-parallel sizes that keep it.
+    """
+    full = env.get(env.FULL_WORLD_SIZE, environ)
+    # Megatron-LM's own world size: torchrun's WORLD_SIZE, which its parse_args reads right after parsing.
+    world = int((os.environ if environ is None else environ).get("WORLD_SIZE") or 0)
+    micro = getattr(args, "micro_batch_size", None)
+    if not full or not world or int(full) == world or not micro:
+        return args   # not re-formed (or no micro-batch yet: Megatron's validate_args reports that)
+    model_parallel = 1
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        model_parallel *= int(getattr(args, name, None) or 1)
+    full, micro = int(full), int(micro)
+    if full % model_parallel or world % model_parallel:
+        raise ConfigError(f"this job runs {world} of its {full} ranks (SHARDSAFE_FULL_WORLD_SIZE), and the "
+                          f"model-parallel size (tensor x pipeline x context = {model_parallel}) does not divide both: "
+                          "a job re-formed at another size keeps its model-parallel layout and changes only the "
+                          "data-parallel size. Restart with a world size that is a multiple of it.")
+    full_dp, dp = full // model_parallel, world // model_parallel
+    derived = getattr(args, "global_batch_size", None) is None
+    gbs = micro * full_dp if derived else int(args.global_batch_size)
+    if gbs % (micro * dp):
+        fits = [d for d in range(1, full_dp + 1) if gbs % (micro * d) == 0]
+        raise ConfigError(f"this job runs {world} of its {full} ranks (SHARDSAFE_FULL_WORLD_SIZE), data-parallel size "
+                          f"{dp} of {full_dp}: keeping its global batch of {gbs} samples needs {gbs} / "
+                          f"(--micro-batch-size {micro} x {dp}) micro-batches per step, which is no integer. "
+                          f"Data-parallel sizes that keep it: {fits} (world sizes "
+                          f"{[d * model_parallel for d in fits]}). Continue at one of those (the launcher's shrink "
+                          "rule picks one when the global batch allows), or wait for a node to come back")
+    if derived:
+        args.global_batch_size = gbs
+        if int((os.environ if environ is None else environ).get("RANK") or 0) == 0:
+            log.warning("shardsafe: this job runs %d of its %d ranks (SHARDSAFE_FULL_WORLD_SIZE): --global-batch-size "
+                        "%d (--micro-batch-size %d x the full-size data-parallel size %d) keeps the global batch; "
+                        "Megatron runs %d micro-batches per step", world, full, gbs, micro, full_dp,
+                        gbs // (micro * dp))
+    return args
+
+
+def _keeping_global_batch(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM parses right after the extra_args_provider returns the parser (``parser.parse_args()`` or
+    ``parse_known_args()``, both through ``parse_known_args``) and validates right after that, deriving the
+    micro-batches per step from the global batch: :func:`keep_global_batch` has to run in between, so it runs at the
+    end of this parser's ``parse_known_args`` (set on the instance: Megatron's parser is not changed otherwise)."""
+    if getattr(parser.parse_known_args, "__shardsafe_batch__", False):
+        return parser
+    parse = parser.parse_known_args
+
+    def parse_known_args(*a: Any, **kw: Any) -> Any:
+        ns, rest = parse(*a, **kw)
+        return keep_global_batch(ns), rest
+
+    parse_known_args.__shardsafe_batch__ = True  # type: ignore[attr-defined]
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+    return parser
+
+
 def compose_extra_args_provider(
         user_provider: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]]
 ) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
-    """An extra_args_provider adding the user's flags (if any) and then shardsafe's."""
+    """An extra_args_provider adding the user's flags (if any) and then shardsafe's, for Megatron-LM's parser: a job
+    the launcher re-formed at another size keeps its global batch (:func:`keep_global_batch`)."""
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if user_provider is not None:
             parser = user_provider(parser)
         if not any(a.dest == "shardsafe" for a in parser._actions):  # idempotent: Megatron may re-parse
             parser = add_arguments(parser)
-        return parser
+        return _keeping_global_batch(parser)
     return provider

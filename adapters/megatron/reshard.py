@@ -449,6 +449,14 @@ class ReshardingMixin:
         """Megatron's re-partitioning rules, for shardsafe.snapshot.reshard (keyword arguments: MegatronResharder)."""
         return MegatronResharder(**kwargs)
 
+    def resharded_problems(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> list[str]:
+        """Why :meth:`apply_resharded` would refuse this state (empty: it fits): the restore votes on it on every rank
+        before any applies, so a layout or batch that does not fit refuses the version everywhere, not on one rank
+        after others applied."""
+        if "resharded" not in meta:
+            return ["the state given to apply_resharded was not re-partitioned (no 'resharded' in its meta): use apply"]
+        return layout_problems(self, meta) + list(self.validate(tensors, meta))  # type: ignore[attr-defined]
+
     def apply_resharded(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
         """A state re-partitioned to this job's data-parallel size from snapshots taken at another one: refused
         unless every DistributedOptimizer here cuts its state exactly where the re-partition put it (and the loop

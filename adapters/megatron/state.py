@@ -76,7 +76,9 @@ def _like_live(saved: Any, live: Any) -> Any:
     return saved
 
 
-class MegatronStateAdapter(_SnapshotChecks, ReshardingMixin):
+# ReshardingMixin first: StateAdapter (under _SnapshotChecks) has refusing defaults of resharder() / apply_resharded()
+# that would otherwise come first in the method order.
+class MegatronStateAdapter(ReshardingMixin, _SnapshotChecks):
     """:class:`shardsafe.snapshot.state.StateAdapter` for megatron-core model chunks + MegatronOptimizer.
 
     Args:

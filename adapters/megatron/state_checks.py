@@ -180,7 +180,9 @@ class _SnapshotChecks(StateAdapter):
 
     def fingerprint(self) -> dict[str, Any]:
         """shardsafe/fingerprint.py: the model's TransformerConfig and the optimizer's OptimizerConfig (without the
-        volatile keys), this rank's parameters, its parallel layout and the optimizers' static group settings."""
+        volatile keys), this rank's parameters, its parallel layout and the optimizers' static group settings, and
+        the global batch and micro-batch where Megatron's num-microbatches calculator has them (Megatron-LM's loop
+        initialises it): with the batch recorded, a job at another data-parallel size that keeps it is this run."""
         from shardsafe.fingerprint import plain, strip_volatile
         chunk = self.model_chunks[0]
         model_cfg = getattr(chunk, "config", None) or getattr(getattr(chunk, "module", None), "config", None)
@@ -193,8 +195,13 @@ class _SnapshotChecks(StateAdapter):
         layout = {k: coords.get(k) for k in _COORD_KEYS}
         groups = [[{k: v for k, v in g.items() if k not in self._SCHEDULED_GROUP_KEYS} for g in self._groups(li)]
                   for li in range(len(self.leaves))]
-        return {"config": strip_volatile(plain({"model": model_cfg, "optimizer": opt_cfg})), "model": params,
-                "layout": plain(layout), "optimizer": plain({"kinds": self._kinds, "param_groups": groups})}
+        out = {"config": strip_volatile(plain({"model": model_cfg, "optimizer": opt_cfg})), "model": params,
+               "layout": plain(layout), "optimizer": plain({"kinds": self._kinds, "param_groups": groups})}
+        from .reshard import batch_record   # here: .reshard imports this module
+        batch = batch_record()
+        if batch is not None:   # the samples per step, not how they are split: another DP size is this run
+            out["batch"] = {k: batch[k] for k in ("global_batch_size", "micro_batch_size")}
+        return out
 
     def validate(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> list[str]:
         """Problems that would stop ``apply`` (empty list = applicable). No communication, no mutation."""
