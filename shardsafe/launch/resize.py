@@ -10,7 +10,7 @@ node map is stable (the same nodes in the same order while nothing changes), and
 runs where source rank r ran whenever that node is still there, which is where its own snapshot is.
 
 After a loss (:meth:`Membership.plan`): run at the current size when the live nodes hold it (spares taken, or a
-survivor the smaller size left idle); else wait ``shrink_after_s`` for a node to join; then continue at the
+a node that joined at the smaller size); else wait ``shrink_after_s`` for a node to join; then continue at the
 largest size below that the live nodes run and that keeps the global batch (:func:`.shrink.shrink_target`). A
 layout with no such size, or ``shrink_after_s`` 0, waits for a node. While a job runs below its full size, a node
 that joins makes a larger size possible (:meth:`Membership.grow_plan`); the launcher then stops the attempt at its
@@ -136,7 +136,7 @@ class Membership:
         up = grow_target(self.shape, self.dp, live)
         if up is not None:   # nodes joined while the job waited: a larger size than the current one
             return Plan(GROW, up.dp, tuple(self.live[:up.nodes]), up.reason)
-        if self.shape.fits(self.dp, live):   # spares took the empty slots, or a survivor the smaller size left idle
+        if self.shape.fits(self.dp, live):   # spares, or nodes that joined, took the empty slots
             return Plan(RUN, self.dp, tuple(self.live[:self.shape.nodes_at(self.dp)]))
         short = f"{live} of the {self.shape.nodes_at(self.dp)} node(s) data-parallel size {self.dp} needs are up"
         if self.shrink_after_s <= 0:

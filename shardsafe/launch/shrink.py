@@ -90,10 +90,20 @@ def shrink_target(shape: Shape, nodes_left: int) -> ShrinkDecision:
         raise ConfigError("shrinking keeps the global batch, and the job's global batch and micro-batch are not known "
                           f"(global_batch={shape.global_batch}, micro_batch={shape.micro_batch}); waiting for a spare")
     keeps_batch = [d for d in range(shape.dp - 1, 0, -1) if shape.accumulation(d) is not None]
-    for d in keeps_batch:
-        if shape.fits(d, nodes_left):
+    fitting = [d for d in keeps_batch if shape.fits(d, nodes_left)]
+    # Every surviving node must run ranks: its holder's memory is read only by the ranks on its node, so a survivor
+    # left idle would count as lost at the restore, on top of the lost nodes that parity rebuilds.
+    for d in fitting:
+        if shape.nodes_at(d) == nodes_left:
             return _decision(shape, shape.dp, d, "continuing")
     need = ", ".join(f"{d} (on {shape.nodes_at(d)} node(s))" for d in keeps_batch)
+    if fitting:
+        raise ConfigError(
+            f"cannot continue on {nodes_left} node(s): the global batch of {shape.global_batch} samples in "
+            f"micro-batches of {shape.micro_batch} divides only at data-parallel sizes {need}, and data-parallel size "
+            f"{fitting[0]} would leave {nodes_left - shape.nodes_at(fitting[0])} surviving node(s) idle, whose holders' "
+            "memory the restore needs (only ranks on a node read its holder); waiting for a spare node (or set a "
+            f"global batch that a data-parallel size on all {nodes_left} node(s) divides)")
     raise ConfigError(
         f"cannot continue on {nodes_left} node(s): the global batch of {shape.global_batch} samples in micro-batches of "
         f"{shape.micro_batch} divides only at data-parallel sizes {need or 'none below ' + str(shape.dp)}; waiting for "

@@ -11,7 +11,7 @@ from shardsafe.launch.shrink import Shape
 NODES = ["n0", "n1", "n2", "n3"]
 
 
-def members(shape=Shape(dp=4, global_batch=16, micro_batch=4), **kw):
+def members(shape=Shape(dp=4, global_batch=48, micro_batch=4), **kw):
     return Membership(NODES[:shape.nodes_at(shape.dp)], shape, **{"spares": 0, "shrink_after_s": 10.0, **kw})
 
 
@@ -30,7 +30,7 @@ def test_a_node_that_joins_takes_the_lowest_empty_slot_and_the_job_grows_back():
     m = members()
     m.lose(["n1"])
     m.apply(m.plan(waited_s=10.0))
-    assert (m.dp, m.active) == (2, ["n0", "n2"])   # 16 / 4 does not divide at 3
+    assert (m.dp, m.active) == (3, ["n0", "n2", "n3"])
     assert m.grow_plan() is None
     assert m.join("n1") and not m.join("n1")
     g = m.grow_plan()
@@ -60,15 +60,18 @@ def test_spares_take_the_lost_places_under_their_own_names_until_they_run_out():
     assert unlimited.take_spares() == ["n1", "n2"] and unlimited.plan(0.0).action == RUN
 
 
-def test_an_idle_survivor_covers_the_next_loss_at_the_smaller_size_without_waiting():
+def test_no_survivor_is_left_idle_and_a_node_that_joins_at_the_smaller_size_takes_a_lost_place():
+    idle = members(Shape(dp=4, global_batch=16, micro_batch=4))   # 16 / 4 divides at 2, not at 3
+    idle.lose(["n3"])
+    p = idle.plan(10.0)
+    assert p.action == WAIT and p.refused and "would leave 1 surviving node(s) idle" in p.reason
     m = members()
     m.lose(["n3"])
-    m.apply(m.plan(10.0))                      # 2 on n0, n1; n2 idle
-    assert m.lose(["n2"]) == []                # it ran no rank
+    m.apply(m.plan(10.0))                      # 3 on n0, n1, n2
     assert m.lose(["n1"]) == ["n1"]
     m.join("n5")                               # joins slot 1
     p = m.plan(0.0)
-    assert (p.action, p.dp, p.nodes) == (RUN, 2, ("n0", "n5"))
+    assert (p.action, p.dp, p.nodes) == (RUN, 3, ("n0", "n5", "n2"))
 
 
 def test_no_shrink_when_it_is_off_or_no_smaller_size_fits_and_the_reason_says_so():
@@ -187,8 +190,8 @@ def test_shardsafe_launch_takes_the_resize_options_and_control_plans_a_shrink(tm
                       "32", "--micro-batch", "2", "t.py"])
     assert (a.spares, a.shrink_after_s, a.model_parallel, a.global_batch, a.micro_batch) == (0, 30.0, 2, 32, 2)
     assert p.parse_args(["launch", "t.py"]).spares is None
-    a = p.parse_args(["control", "shrink-plan", "--nnodes", "4", "--nodes-left", "3", "--global-batch", "16",
+    a = p.parse_args(["control", "shrink-plan", "--nnodes", "4", "--nodes-left", "3", "--global-batch", "48",
                       "--micro-batch", "4"])
-    assert a.func(a) == 0 and capsys.readouterr().out.split() == ["2", "2"]
+    assert a.func(a) == 0 and capsys.readouterr().out.split() == ["3", "3"]
     a = p.parse_args(["control", "shrink-plan", "--nnodes", "4", "--nodes-left", "3"])
     assert a.func(a) == 3 and "not known" in capsys.readouterr().err

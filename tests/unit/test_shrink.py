@@ -9,13 +9,22 @@ from shardsafe.launch.shrink import (Shape, batch_from_ds_config, ds_config_in, 
 
 
 def test_the_largest_size_that_fits_the_nodes_left_and_keeps_the_global_batch():
-    # 4 nodes x 1 rank, global batch 16 in micro-batches of 4: D=4 (G=1); one node lost -> 3 does not divide 16/4
-    got = shrink_target(Shape(dp=4, global_batch=16, micro_batch=4), nodes_left=3)
-    assert (got.dp, got.accumulation, got.nodes) == (2, 2, 2)
-    assert "gradient accumulation 1 -> 2 keeps the global batch of 16" in got.reason
-    # a batch that 3 divides: continue on all 3 nodes left
+    # 4 nodes x 1 rank, global batch 48 in micro-batches of 4: D=4 (G=3); one node lost -> 3 nodes, G=4
     got = shrink_target(Shape(dp=4, global_batch=48, micro_batch=4), nodes_left=3)
     assert (got.dp, got.accumulation, got.nodes) == (3, 4, 3)
+    assert "gradient accumulation 3 -> 4 keeps the global batch of 48" in got.reason
+    # two lost: 2 nodes, G=6
+    got = shrink_target(Shape(dp=4, global_batch=48, micro_batch=4), nodes_left=2)
+    assert (got.dp, got.accumulation, got.nodes) == (2, 6, 2)
+
+
+def test_no_surviving_node_is_left_idle_its_holder_is_needed():
+    # 16 / 4 does not divide at 3; size 2 would run on 2 of the 3 survivors, and the third's memory (its old ranks'
+    # shards) would be unreachable: one lost node plus one idle survivor is more than one parity shard rebuilds
+    with pytest.raises(ConfigError, match=r"divides only at data-parallel sizes 2 \(on 2 node\(s\)\), 1 \(on 1 node"
+                                          r"\(s\)\), and data-parallel size 2 would leave 1 surviving node\(s\) idle, "
+                                          r"whose holders' memory the restore needs .*waiting for a spare"):
+        shrink_target(Shape(dp=4, global_batch=16, micro_batch=4), nodes_left=3)
 
 
 def test_model_parallel_slices_stay_whole_and_nodes_stay_whole():
@@ -24,8 +33,10 @@ def test_model_parallel_slices_stay_whole_and_nodes_stay_whole():
     assert (got.dp, got.nodes, got.accumulation) == (2, 1, 16)
     # 8 ranks per node, model parallel 8: one replica per node
     got = shrink_target(Shape(dp=8, model_parallel=8, ranks_per_node=8, global_batch=8 * 6, micro_batch=1),
-                        nodes_left=5)
-    assert (got.dp, got.nodes) == (4, 4)   # 5 does not divide 48 / 1... 6 would, but only 5 nodes are left
+                        nodes_left=6)
+    assert (got.dp, got.nodes, got.accumulation) == (6, 6, 8)
+    with pytest.raises(ConfigError, match="would leave 1 surviving node"):   # 5 does not divide 48; 4 idles one
+        shrink_target(Shape(dp=8, model_parallel=8, ranks_per_node=8, global_batch=8 * 6, micro_batch=1), nodes_left=5)
 
 
 def test_a_layout_that_cannot_shrink_says_which_sizes_would():
