@@ -243,9 +243,10 @@ ss_shrink_plan() {
 }
 
 # No spare, SS_SHRINK_AFTER_S passed: re-form the job on the active nodes left at the largest data-parallel
-# size that keeps the global batch. Its agents stop (their workers with them); new agents start on the first
-# nodes of the size, in a rendezvous of that many nodes (a new rendezvous id: the old one still lists the agents
-# that stopped); the nodes it does not use stay, with their holders, as spares. 1 when no smaller size works.
+# size that keeps the global batch and runs on all of them (a node that runs no rank cannot serve its holder's
+# memory to the restore). Its agents stop (their workers with them); new agents start on those nodes, in a
+# rendezvous of that many nodes (a new rendezvous id: the old one still lists the agents that stopped). 1 when no
+# smaller size works.
 ss_shrink() {
   local plan dp k n node pid
   SS_SHRINK_AT=""
