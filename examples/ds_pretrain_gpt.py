@@ -5,10 +5,12 @@
     shardsafe launch --nnodes 2 --nproc-per-node 2 examples/ds_pretrain_gpt.py --steps 50
     (also plain `srun` tasks or `mpirun` with mpi4py: shardsafe.launch.discovery fills in RANK, WORLD_SIZE, ...)
 
-Data is a pure function of (seed, global micro-batch index, data-parallel rank), so the stream
-continues exactly from the engine's restored counters. Per optimizer step each rank appends
-``{"step", "loss" (float.hex), "attempt"}`` to RUN_DIR/losses_rank{R}.jsonl; at the end it writes
-its final rank state (payload + JSON manifest) for bit-exact comparison.
+Every sample is a pure function of (seed, its global position): step k consumes positions [k B, (k+1) B) of the
+global batch B, micro-batch j of data-parallel rank r the slice at (j D + r) x micro-batch. So the stream continues
+exactly from the engine's restored step, and a step reads the same samples at any data-parallel size D that keeps
+B (``shardsafe launch`` re-forming the job on fewer nodes, SHARDSAFE_FULL_WORLD_SIZE). Per optimizer step each
+rank appends ``{"step", "loss" (float.hex), "attempt"}`` to RUN_DIR/losses_rank{R}.jsonl; at the end it writes its
+final rank state (payload + JSON manifest) for bit-exact comparison.
 """
 from __future__ import annotations
 
@@ -159,9 +161,34 @@ def pipeline_model(a: argparse.Namespace, grid=None, topology=None):
 
 
 def batch(seed: int, micro_index: int, dp_rank: int, mb: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch as a function of (seed, micro-batch index, rank): the benches' and ds_plain_gpt.py's data."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + micro_index * 4099 + dp_rank)
     tokens = torch.randint(vocab, (mb, seq + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def samples(seed: int, first: int, mb: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples ``first .. first + mb - 1`` of the global stream, each drawn from its own seed: which rank or
+    micro-batch reads a sample does not change it."""
+    g = torch.Generator()
+    tokens = torch.stack([torch.randint(vocab, (seq + 1,), generator=g.manual_seed(seed * 1_000_003 + first + i))
+                          for i in range(mb)])
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def micro_batch(a: argparse.Namespace, engine, step: int, j: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``j`` of optimizer step ``step`` (0-based) on data-parallel rank ``dp_rank``: global positions,
+    so a re-formed job at another data-parallel size (another accumulation, same global batch) reads the same
+    samples per step."""
+    gas, dp = engine.gradient_accumulation_steps(), engine.dp_world_size
+    return samples(a.seed, (step * gas * dp + j * dp + dp_rank) * a.micro_batch, a.micro_batch, a.seq, a.vocab)
+
+
+def full_world_size(world: int) -> int:
+    """The world size the job was configured for: a job the launcher re-formed on fewer nodes runs ``world`` of
+    SHARDSAFE_FULL_WORLD_SIZE ranks and keeps the full job's global batch (shardsafe scales the accumulation)."""
+    from shardsafe import env
+    return int(env.get(env.FULL_WORLD_SIZE) or world)
 
 
 # The optimizer paths DeepSpeed picks from its config (engine._configure_basic_optimizer): "AdamW" without
@@ -178,6 +205,7 @@ OPTIMIZERS = {
 
 
 def ds_config(a: argparse.Namespace, world: int) -> dict:
+    """``world``: the full job's world size (:func:`full_world_size`); the global batch is that job's."""
     cfg = {
         "train_micro_batch_size_per_gpu": a.micro_batch,
         "gradient_accumulation_steps": a.gas,
@@ -220,10 +248,11 @@ def ds_config(a: argparse.Namespace, world: int) -> dict:
     return cfg
 
 
-def universal_fixups(engine, load_dir: str, gas: int) -> None:
+def universal_fixups(engine, load_dir: str) -> None:
     """What DeepSpeed's universal-checkpoint load leaves out, put back the way a same-size load_checkpoint has it:
     the module buffers (data-parallel rank 0's module state, which ds_to_universal copies beside zero/) and
-    ``micro_steps``, which no checkpoint carries (the data position: global_steps x this run's accumulation)."""
+    ``micro_steps``, which no checkpoint carries (global_steps x this run's accumulation, as shardsafe's re-partition
+    counts it), and the CPU Adam kernels' beta powers."""
     import glob
     with open(os.path.join(load_dir, "latest_universal")) as f:
         folder = os.path.join(load_dir, f.read().strip())
@@ -234,7 +263,19 @@ def universal_fixups(engine, load_dir: str, gas: int) -> None:
             for name, buf in engine.module.named_buffers():
                 if name in module:
                     buf.copy_(module[name])
-    engine.micro_steps = engine.global_steps * gas
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    if not isinstance(engine, PipelineEngine):   # train_batch() never counts micro_steps: it stays 0 there
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    # DeepSpeed's CPU Adam kernels (FusedAdam's CPU build, DeepSpeedCPUAdam) keep beta1^t, beta2^t in C++ as a
+    # float32 product chain from the first step; a loaded process would start a new chain with pow(beta, t) and
+    # differ in the last bits. An uninterrupted run's chain started at step 1: rebuild that one.
+    from shardsafe.adapters.deepspeed.cpu_adam_powers import AdamPowersTracker
+    basic = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    tracker = AdamPowersTracker.for_optimizer(basic)
+    steps = [int(st["step"]) for st in basic.state.values() if "step" in st]
+    if tracker is not None and steps:
+        b1, b2 = basic.param_groups[0]["betas"]
+        tracker.restore({"s0": 1, "step": max(steps), "beta1": b1, "beta2": b2})
 
 
 def final_state(engine, schedulers: tuple = ()) -> dict[str, torch.Tensor]:
@@ -405,8 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(a.seed + 1 + rank)  # per-rank dropout streams: the adapter must keep RNG per rank
     random.seed(a.seed + rank)
     np.random.seed(a.seed + rank)
-    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=ds_config(a, world),
-                                 mpu=mpu)
+    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(),
+                                 config=ds_config(a, full_world_size(world)), mpu=mpu)
     print(f"[rank {rank}] {type(engine).__name__} with {type(engine.optimizer).__name__}", flush=True)
     if engine.shardsafe:
         r = engine.shardsafe.restored
@@ -420,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         if path is None:
             raise SystemExit(f"no DeepSpeed checkpoint under {a.load}")
         if a.load_universal:
-            universal_fixups(engine, a.load.format(rank=rank), a.gas)
+            universal_fixups(engine, a.load.format(rank=rank))
             print(f"[rank {rank}] loaded universal checkpoint {path} at step {engine.global_steps}", flush=True)
         else:
             print(f"[rank {rank}] loaded {path} at step {engine.global_steps}; shardsafe client state: "
@@ -436,15 +477,16 @@ def main(argv: list[str] | None = None) -> int:
         from shardsafe.tor import RunningTor
         running = RunningTor(events, every=a.running_tor_every)
     runtime = engine.shardsafe.runtime if engine.shardsafe else None
+    # DeepSpeed's accumulation, not --gas: a job re-formed at another data-parallel size accumulates more or fewer
+    # micro-batches per step (shardsafe scales it to keep the global batch)
+    gas = engine.gradient_accumulation_steps()
     while engine.global_steps < a.steps:
         t0 = time.perf_counter()
         stall0 = runtime.stall_total_s if runtime is not None else 0.0
         total = 0.0
         if a.pp:
             # One optimizer step per train_batch(); it pulls `gas` micro-batches on the first and last stage.
-            # The pipeline engine does not count micro-steps: the data position is global_steps * gas.
-            first = engine.global_steps * a.gas
-            data = iter([batch(a.seed, first + j, dp_rank, a.micro_batch, a.seq, a.vocab) for j in range(a.gas)])
+            data = iter([micro_batch(a, engine, engine.global_steps, j, dp_rank) for j in range(gas)])
             rec = {"step": engine.global_steps + 1, "attempt": attempt}
             scaler = getattr(engine.optimizer, "loss_scaler", None)
             if a.dtype == "fp16" and scaler is not None:
@@ -453,12 +495,12 @@ def main(argv: list[str] | None = None) -> int:
             if losses:   # after the step here: train_batch returns the loss only then
                 losses.write(json.dumps({**rec, "loss": float(loss.item()).hex()}) + "\n")
                 losses.flush()
-        for i in range(0 if a.pp else a.gas):
-            x, y = batch(a.seed, engine.micro_steps, dp_rank, a.micro_batch, a.seq, a.vocab)
+        for i in range(0 if a.pp else gas):
+            x, y = micro_batch(a, engine, engine.global_steps, i, dp_rank)
             loss = engine(x, y) if dtype is None else engine(x, y)
             engine.backward(loss)
             total += loss.item()
-            if losses and i == a.gas - 1:
+            if losses and i == gas - 1:
                 # Logged before the optimizer step: the step's snapshot may commit right after it, and a
                 # kill between that commit and a later write would lose this line for good. A step
                 # replayed after a restore writes its line again (the last one counts).

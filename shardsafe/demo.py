@@ -8,7 +8,8 @@ bit, and reports what the restore cost.
 data-parallel size that keeps the global batch, the node returns and the job grows back at the next committed
 version. The oracle is DeepSpeed's own reshard: plain runs chained through universal checkpoints of the same
 versions (``ds_to_universal``, loaded with ``load_universal`` at each size), compared loss for loss and state for
-state with what the protected run kept from each of its sizes.
+state with what the protected run kept from each of its sizes. With ``--engine deepspeed-3d`` the nodes run one rank
+per pipeline stage, and the stages stay while the data-parallel size changes.
 """
 from __future__ import annotations
 
@@ -115,12 +116,14 @@ def _plan(a: argparse.Namespace, world: int) -> _Plan:
                               f"{a.nproc_per_node}); pick a stage count that divides it")
         stage = 0 if a.dtype == "bf16" else 1   # bf16 with stage 0 under a pipeline is BF16_Optimizer; fp32: ZeRO-1
         return _Plan(str(EXAMPLES / "ds_pretrain_gpt.py"),
-                     ["--steps", str(a.steps), "--pp", str(pp), "--zero-stage", str(stage), "--dtype", a.dtype],
+                     ["--steps", str(a.steps), "--pp", str(pp), "--zero-stage", str(stage), "--dtype", a.dtype,
+                      "--optimizer", a.optimizer],
                      f"PipelineModule PP{pp} x DP{world // pp} (tied embedding), "
                      + ("BF16_Optimizer" if stage == 0 else "ZeRO-1") + f", {a.dtype}",
                      "plain deepspeed.initialize", [], ["--no-shardsafe"], stage)
     return _Plan(str(EXAMPLES / "ds_pretrain_gpt.py"),
-                 ["--steps", str(a.steps), "--zero-stage", str(a.zero_stage), "--dtype", a.dtype],
+                 ["--steps", str(a.steps), "--zero-stage", str(a.zero_stage), "--dtype", a.dtype, "--optimizer",
+                  a.optimizer],
                  f"ZeRO-{a.zero_stage} {a.dtype}", "plain deepspeed.initialize", [], ["--no-shardsafe"], a.zero_stage)
 
 
@@ -224,6 +227,10 @@ SHRINK_MICRO, SHRINK_GAS = 2, 3
 with accumulation 4: the job continues on all 3 nodes left."""
 
 
+SHRINK_STEP_SLEEP_S = 0.25
+"""Seconds the protected run pauses per step after the node's return (see run_shrink_demo)."""
+
+
 def _kept_segments(run_dir: str, sizes: list[int], steps: int) -> list[dict[str, Any]]:
     """The protected run as stretches of one data-parallel size: each stretch's attempts and the steps it kept,
     (first, last], first = the version the stretch's first attempt restored (the version every rank had when the
@@ -246,20 +253,23 @@ def _kept_segments(run_dir: str, sizes: list[int], steps: int) -> list[dict[str,
 
 
 def _oracle_run(a: argparse.Namespace, plan: "_Plan", seg: dict[str, Any], prev: str, out: str, job: str,
-                full: int) -> str:
+                full: int, mp: int = 1) -> str:
     """One stretch of the oracle: a plain run at the stretch's size with the same global batch (accumulation scaled
-    by full / dp), loading the previous stretch's universal checkpoint, saving its own at the stretch's last step
-    and converting it with ds_to_universal. Returns the converted checkpoint's folder ("" for the last stretch)."""
+    by full / dp, ``full`` the full data-parallel size), loading the previous stretch's universal checkpoint, saving
+    its own at the stretch's last step and converting it with ds_to_universal. ``mp`` ranks per model replica (the
+    pipeline's stages), ``a.nproc_per_node`` per node. Returns the converted checkpoint's folder ("" for the last
+    stretch)."""
     gas = SHRINK_GAS * full // seg["dp"]
-    cmd = [sys.executable, plan.script, "--steps", str(seg["last"]), "--zero-stage", str(a.zero_stage), "--dtype",
-           a.dtype, "--micro-batch", str(SHRINK_MICRO), "--gas", str(gas), "--no-shardsafe", "--out", out]
+    cmd = [sys.executable, plan.script, *plan.common, "--steps", str(seg["last"]), "--micro-batch", str(SHRINK_MICRO),
+           "--gas", str(gas), "--no-shardsafe", "--out", out]
     if prev:
         cmd += ["--load", prev, "--load-universal"]
     save = seg.get("save", False)
     ckpt = os.path.join(out, "ckpt")
     if save:
         cmd += ["--save-dir", ckpt, "--save-at", str(seg["last"])]
-    run = LocalLauncher(LaunchConfig(nodes=seg["dp"], nproc_per_node=1, job_id=f"{job}-o{seg['dp']}-{seg['first']}",
+    run = LocalLauncher(LaunchConfig(nodes=seg["dp"] * mp // a.nproc_per_node, nproc_per_node=a.nproc_per_node,
+                                     job_id=f"{job}-o{seg['dp']}-{seg['first']}",
                                      run_dir=out, start_holders=False, max_restarts=0))
     res = run.run(cmd)
     if not res.ok:
@@ -277,7 +287,7 @@ def _oracle_run(a: argparse.Namespace, plan: "_Plan", seg: dict[str, Any], prev:
     return ckpt
 
 
-def _compare_segments(run_dir: str, segs: list[dict[str, Any]], steps: int) -> list[str]:
+def _compare_segments(run_dir: str, segs: list[dict[str, Any]], steps: int, mp: int = 1) -> list[str]:
     """Every loss the protected run kept from each stretch against the oracle's run of that stretch (same size,
     same ranks), and every rank's final state against the last stretch's: the mismatches (empty = bit-identical)."""
     import torch
@@ -286,7 +296,7 @@ def _compare_segments(run_dir: str, segs: list[dict[str, Any]], steps: int) -> l
     from .runcheck import effective_losses, read_jsonl
     bad: list[str] = []
     for seg in segs:
-        for r in range(seg["dp"]):
+        for r in range(seg["dp"] * mp):
             kept: dict[int, str] = {}
             for rec in read_jsonl(os.path.join(run_dir, f"losses_rank{r}.jsonl")):
                 if int(rec.get("attempt", 0)) in seg["attempts"] and seg["first"] < int(rec["step"]) <= seg["last"]:
@@ -296,7 +306,7 @@ def _compare_segments(run_dir: str, segs: list[dict[str, Any]], steps: int) -> l
                 if kept.get(st) != want.get(st):
                     bad.append(f"data-parallel {seg['dp']} rank {r} step {st}: {kept.get(st)} != {want.get(st)}")
     last = segs[-1]
-    for r in range(last["dp"]):
+    for r in range(last["dp"] * mp):
         try:
             x = load_tensors(os.path.join(run_dir, f"final_rank{r}"))
             y = load_tensors(os.path.join(last["dir"], f"final_rank{r}"))
@@ -310,14 +320,18 @@ def _compare_segments(run_dir: str, segs: list[dict[str, Any]], steps: int) -> l
 
 def run_shrink_demo(a: argparse.Namespace) -> dict[str, Any]:
     from .runcheck import resume_problems
-    if a.engine != "deepspeed":
-        raise ConfigError(f"--shrink runs --engine deepspeed (ZeRO), whose oracle is DeepSpeed's universal "
+    if a.engine not in ("deepspeed", "deepspeed-3d"):
+        raise ConfigError(f"--shrink runs --engine deepspeed or deepspeed-3d, whose oracle is DeepSpeed's universal "
                           f"checkpoint; --engine {a.engine} is not supported with it")
+    # deepspeed-3d: PP stages per replica. Every node runs one rank of each stage: after a node loss every node
+    # left still runs ranks, so every holder that keeps a stage's snapshots is read by the restore (a node that
+    # runs none cannot serve it; with one rank per node, D' would leave such a node idle).
+    mp = (a.pp if a.pp > 1 else 2) if a.engine == "deepspeed-3d" else 1
     a.nodes = 4 if a.nodes is None else a.nodes
-    a.nproc_per_node = 1 if a.nproc_per_node is None else a.nproc_per_node
-    if a.nodes < 2 or a.nproc_per_node != 1:
-        raise ConfigError(f"--shrink loses one of --nnodes >= 2 nodes of one rank each; got --nnodes {a.nodes} "
-                          f"--nproc-per-node {a.nproc_per_node}")
+    a.nproc_per_node = mp if a.nproc_per_node is None else a.nproc_per_node
+    if a.nodes < 2 or a.nproc_per_node != mp:
+        raise ConfigError(f"--shrink loses one of --nnodes >= 2 nodes of {mp} rank(s) each (one per pipeline stage); "
+                          f"got --nnodes {a.nodes} --nproc-per-node {a.nproc_per_node}")
     a.steps = 30 if a.steps is None else a.steps
     kill = a.kill_at or (a.steps * 2) // 5
     join = kill + max(2, a.steps // 5)
@@ -325,7 +339,8 @@ def run_shrink_demo(a: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(f"--steps {a.steps}: the node is lost at step {kill} and returns at {join}, before the last "
                           "step; pass more --steps or an earlier --kill-at")
     plan = _resolve(a)
-    world, lost = a.nodes, f"node{a.nodes - 1}"
+    world, lost = a.nodes * mp, f"node{a.nodes - 1}"
+    full_dp = a.nodes
     inject = a.inject or f"kill-node:{lost}@{kill};add-node:{lost}@{join}"
     keep = bool(a.run_dir)
     base = a.run_dir or tempfile.mkdtemp(prefix="shardsafe-demo-")
@@ -333,17 +348,24 @@ def run_shrink_demo(a: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(run_dir, ignore_errors=True)
     job = f"demo{os.getpid()}"
     say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else (lambda *x: print(*x, flush=True))
-    batch = SHRINK_MICRO * SHRINK_GAS * world
-    say(f"[1/3] protected run: {world} simulated nodes, no spare, {a.engine} {plan.layout}, {a.steps} steps, global "
-        f"batch {batch} samples; {inject}: {lost} is lost, the job continues on the nodes left after "
-        f"{a.shrink_after_s:g} s, {lost} returns and the job grows back at the next committed version")
+    batch = SHRINK_MICRO * SHRINK_GAS * full_dp
+    say(f"[1/3] protected run: {a.nodes} simulated nodes of {mp} rank(s), no spare, {a.engine} {plan.layout}, "
+        f"{a.steps} steps, global batch {batch} samples; {inject}: {lost} is lost, the job continues on the nodes "
+        f"left after {a.shrink_after_s:g} s, {lost} returns and the job grows back at the next committed version")
     preload = PRESETS["deepspeed"] if a.preload is None else a.preload
-    run = LocalLauncher(LaunchConfig(nodes=world, nproc_per_node=1, job_id=job, run_dir=run_dir, inject=inject,
+    run = LocalLauncher(LaunchConfig(nodes=a.nodes, nproc_per_node=mp, job_id=job, run_dir=run_dir, inject=inject,
                                      max_restarts=3, memory_budget_gb=a.memory_budget_gb, preload=preload, spares=0,
-                                     shrink_after_s=a.shrink_after_s, global_batch=batch, micro_batch=SHRINK_MICRO))
+                                     shrink_after_s=a.shrink_after_s, global_batch=batch, micro_batch=SHRINK_MICRO,
+                                     model_parallel=mp))
     t_run = time.time()
+    from .faults import FaultKind, parse
+    joined = min([f.step for f in parse(inject) if f.kind is FaultKind.ADD_NODE] or [a.steps])
+    # The launcher grows the job at the first version committed after the node joined; steps of a tiny model can
+    # outrun its polling to the last step (then the job ends at D' and no grow is shown). A pause per step after
+    # the join gives it the time; it changes no result.
     cmd = [sys.executable, plan.script, *plan.common, "--micro-batch", str(SHRINK_MICRO), "--gas", str(SHRINK_GAS),
-           *plan.protect, "--out", run_dir]
+           *plan.protect, "--out", run_dir, "--step-sleep", str(SHRINK_STEP_SLEEP_S), "--step-sleep-after",
+           str(joined)]
     r1 = run.run(cmd)
     measured = time.time() - t_run
     sizes = r1.data_parallel_sizes
@@ -363,17 +385,17 @@ def run_shrink_demo(a: argparse.Namespace) -> dict[str, Any]:
                 seg["save"] = i + 1 < len(segs)
                 seg["dir"] = os.path.join(base, f"oracle{i}")
                 shutil.rmtree(seg["dir"], ignore_errors=True)
-                prev = _oracle_run(a, plan, seg, prev, seg["dir"], job, world)
+                prev = _oracle_run(a, plan, seg, prev, seg["dir"], job, full_dp, mp)
             oracle["ran"] = True
             say("[3/3] comparing every kept loss of each stretch and every rank's final state with the oracle")
-            mismatches = _compare_segments(run_dir, segs, a.steps)
+            mismatches = _compare_segments(run_dir, segs, a.steps, mp)
         except (OracleError, OSError, subprocess.SubprocessError) as e:
             oracle["error"] = str(e)
             mismatches = [f"oracle: {e}"]
     ev = [e for e in _read_events(run_dir) if e.get("source") == "launcher"]
     problems = resume_problems(run_dir, world) if r1.ok else []
     out = {"engine": a.engine, "zero_stage": plan.stage, "layout": plan.layout, "dtype": a.dtype, "steps": a.steps,
-           "nodes": world, "ranks": world, "failures_injected": len(r1.failures), "attempts": r1.attempts,
+           "nodes": a.nodes, "ranks": world, "failures_injected": len(r1.failures), "attempts": r1.attempts,
            "data_parallel_sizes": sizes, "shrinks": sum(e["kind"] == "shrink" for e in ev),
            "grows": sum(e["kind"] == "grow" for e in ev), "oracle": oracle,
            **summarize(run_dir, world),
@@ -451,6 +473,9 @@ def register_cli(sub) -> None:
     p.add_argument("--pp", type=whole(1), default=1, help="megatron: pipeline-parallel size; deepspeed-3d: stages "
                                                          "(default: 1 for megatron, 2 for deepspeed-3d)")
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="training precision")
+    p.add_argument("--optimizer", default="torch-adamw", choices=["torch-adamw", "fused-adamw"],
+                   help="deepspeed and deepspeed-3d: torch.optim.AdamW (torch_adam) or DeepSpeed's default FusedAdam, "
+                        "whose CPU build compiles once (about a minute) on first use")
     hidden_alias(p, "--nodes", p.add_argument(
         "--nnodes", dest="nodes", type=whole(1, "nodes"), default=None, metavar="N",
         help="simulated nodes (default: 2, 4 with deepspeed-3d)"))
@@ -475,7 +500,8 @@ def register_cli(sub) -> None:
     p.add_argument("--shrink", action="store_true",
                    help="continue at a smaller data-parallel size instead: 4 nodes, no spare, the last node is lost at "
                         "2/5 of the run (--kill-at) and returns a fifth of the run later; compared with DeepSpeed's "
-                        "universal checkpoint of the same versions (deepspeed engine; default 30 steps)")
+                        "universal checkpoint of the same versions (deepspeed engine, or deepspeed-3d on nodes of one "
+                        "rank per stage; default 30 steps)")
     p.add_argument("--shrink-after-s", type=seconds, default=1.0, metavar="S",
                    help="--shrink: how long the launcher waits for a node before continuing on the nodes left")
     p.set_defaults(func=cmd_demo)

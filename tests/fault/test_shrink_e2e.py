@@ -1,0 +1,138 @@
+"""A DeepSpeed job continues on fewer nodes and grows back, end to end through `shardsafe launch` (issue 44).
+
+The ZeRO-3 test runs `shardsafe launch` (torch elastic), the others `shardsafe demo --shrink` (shardsafe/demo.py, the
+local launcher); all use the demo's oracle. Each is a protected job of examples/ds_pretrain_gpt.py on 4
+simulated nodes (of one rank; the pipeline's of one rank per stage), no spare, DeepSpeed's default FusedAdam from
+the config (its CPU build), bf16, WarmupLR, gradient clipping, a global batch of 24 samples (micro-batch 2 x
+accumulation 3 x D = 4). A node is SIGKILLed with its holder; the launcher re-forms the job at D' = 3 (accumulation
+4), whose restore re-partitions the committed version, the lost rank rebuilt from parity; the node returns and the
+job grows back to 4 from the newest version taken at 3. The oracle is DeepSpeed's own reshard: plain runs of the
+same program chained through universal checkpoints (``ds_to_universal``, ``load_universal``) of the versions the
+protected job re-formed at. Every loss each stretch kept is compared (float.hex) and every rank's final state
+(torch.equal), and every restarted attempt must have continued from the version it restored (its first logged step
+is that version + 1).
+
+ZeRO-2 runs in tests/fault/test_demo.py::test_demo_shrink_json. A layout that cannot shrink (the global batch
+divides at no smaller size) waits for a spare and says why: tests/fault/test_resize_launch.py::
+test_a_layout_that_cannot_shrink_waits_for_a_node_and_says_why.
+
+The pipeline layout (PipelineModule, PP = 2, D changes and PP stays) has DeepSpeed's universal checkpoint as its
+oracle too: ``ds_to_universal`` converts a PipelineEngine's ZeRO-1 checkpoint and ``load_universal`` loads it at
+another data-parallel size with the same stages. It runs in fp32 (ZeRO-1): with bf16 the demo's pipeline uses
+BF16_Optimizer, whose pipeline checkpoint ``ds_to_universal`` refuses ("param_shapes must contain dictionaries"), so
+that combination has no native oracle (its shrink and grow themselves run the same way).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shardsafe import demo
+from shardsafe.demo import EXAMPLES, SHRINK_GAS, SHRINK_MICRO
+from shardsafe.runcheck import read_jsonl, resume_problems
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = EXAMPLES / "ds_pretrain_gpt.py"
+
+
+def shrink_demo(tmp_path, *args: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    r = subprocess.run([sys.executable, "-m", "shardsafe.cli", "demo", "--shrink", "--optimizer", "fused-adamw",
+                        "--steps", "10", "--json", "--run-dir", str(tmp_path), *args],
+                       capture_output=True, text=True, env=env, timeout=900)
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stdout + r.stderr[-3000:]
+    out = json.loads(lines[0])
+    print(json.dumps({k: out.get(k) for k in ("data_parallel_sizes", "attempts", "restored_versions",
+                                              "restore_tiers", "oracle", "wall_s")}))
+    assert r.returncode == 0, (out.get("mismatches"), out.get("resume_problems"), r.stderr[-3000:])
+    return out
+
+
+def check_bit_exact_and_resumed(out: dict, sizes: list[int]) -> None:
+    assert out["data_parallel_sizes"] == sizes and (out["shrinks"], out["grows"]) == (1, 1), out
+    assert out["oracle"]["ran"] and out["oracle"]["error"] is None, out["oracle"]
+    assert out["bit_identical"] is True and out["mismatches"] == [], out["mismatches"]
+    assert out["resumed"] is True and out["resume_problems"] == [], out["resume_problems"]
+    assert out["node_losses"] == 1 and out["restore_tiers"][0] == "parity", out
+
+
+def attempt_sizes(run_dir: str) -> list[int]:
+    """Each attempt's data-parallel size (one rank per node): the ranks whose trainer started in it."""
+    ranks: dict[int, set] = {}
+    for e in read_jsonl(os.path.join(run_dir, "events.jsonl")):
+        if e.get("source") == "trainer" and e.get("kind") == "trainer_start":
+            ranks.setdefault(int(e.get("attempt") or 0), set()).add(e["rank"])
+    return [len(ranks[a]) for a in sorted(ranks)]
+
+
+def test_zero3_under_shardsafe_launch_shrinks_from_memory_and_grows_back_bit_exact(tmp_path):
+    """ZeRO-3 through `shardsafe launch` (torch elastic agents, a rendezvous per size): node3 is lost at step 4
+    (version 3 or 4 committed), the launcher re-forms the job on 3 nodes, whose restore rebuilds node3's partition from
+    parity and re-partitions every parameter; node3 returns after step 6 and the job grows back at the next committed
+    version, re-partitioning the D' = 3 copies in memory. The oracle and the checks are the demo's (shardsafe/demo.py:
+    universal checkpoints of the versions the job re-formed at)."""
+    run_dir, steps = str(tmp_path / "run"), 10
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    program = ["--steps", str(steps), "--zero-stage", "3", "--dtype", "bf16", "--optimizer", "fused-adamw"]
+    r = subprocess.run([sys.executable, "-m", "shardsafe.cli", "launch", "--nnodes", "4", "--spares", "0",
+                        "--shrink-after-s", "1", "--global-batch", str(SHRINK_MICRO * SHRINK_GAS * 4), "--micro-batch",
+                        str(SHRINK_MICRO), "--max-restarts", "3", "--timeout-s", "500", "--inject",
+                        "kill-node:node3@4;add-node:node3@6", "--run-dir", run_dir, "--json", str(EXAMPLE), *program,
+                        "--micro-batch", str(SHRINK_MICRO), "--gas", str(SHRINK_GAS), "--out", run_dir,
+                        # a pause per step after the node's return: the launcher sees a commit before the last step
+                        "--step-sleep", "0.25", "--step-sleep-after", "6"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert r.returncode == 0 and len(lines) == 1, r.stdout + r.stderr[-3000:]
+    out = json.loads(lines[0])
+    assert out["ok"] and out["data_parallel_sizes"] == [4, 3, 4], out
+    assert [f["cause"] for f in out["failures"]] == ["node_loss"], out
+    sizes = attempt_sizes(run_dir)
+    assert sizes == [4, 3, 4], sizes
+    tiers = {int(e.get("attempt") or 0): (e["tier"], int(e["version"]))
+             for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e.get("kind") == "restore_end"}
+    # the kill lands once step 4 is done: version 3 or, when its commit was faster than the kill, 4
+    assert tiers[1][0] == "parity" and tiers[1][1] in (3, 4) and tiers[2][0] == "memory", tiers
+    assert resume_problems(run_dir, 4) == []
+
+    a = argparse.Namespace(engine="deepspeed", zero_stage=3, dtype="bf16", optimizer="fused-adamw", steps=steps, pp=1,
+                           tp=1, nodes=4, nproc_per_node=1, kill_at=0, inject="", memory_budget_gb=1.0)
+    plan = demo._resolve(a)
+    segs = demo._kept_segments(run_dir, sizes, steps)
+    assert [(s["dp"], s["first"]) for s in segs] == [(4, 0), (3, tiers[1][1]), (4, tiers[2][1])], segs
+    prev = ""
+    for i, seg in enumerate(segs):
+        seg["save"], seg["dir"] = i + 1 < len(segs), str(tmp_path / f"oracle{i}")
+        prev = demo._oracle_run(a, plan, seg, prev, seg["dir"], f"e2e{os.getpid()}", 4)
+    assert demo._compare_segments(run_dir, segs, steps) == []
+
+
+def test_zero1_a_rank_killed_before_the_first_commit_at_the_smaller_size_restores_again(tmp_path):
+    """ZeRO-1, a second failure inside the shrink: node3 is lost at step 4 (version 3 committed, or 4 when its commit
+    beat the kill); in the attempt at D' = 3, rank 1 is SIGKILLed at the first step it runs (4 or 5: both are
+    armed), before any version of the new size commits, so the next attempt (still at 3: no node came back) must
+    re-partition the same version again from the old size's copies (the survivors' and node3's rebuilt from parity),
+    which the first D' attempt may not have dropped. Then node3 returns and the job grows back."""
+    out = shrink_demo(tmp_path, "--zero-stage", "1",
+                      "--inject", "kill-node:node3@4;kill-rank:1@4&kill-rank:1@5;add-node:node3@6")
+    check_bit_exact_and_resumed(out, [4, 3, 4])
+    assert out["attempts"] == 4 and out["failures_injected"] == 2, out
+    v = out["restored_versions"]
+    assert v[0] in (3, 4) and v[1] == v[0] and out["restore_tiers"][:2] == ["parity", "parity"], out
+    assert [s["dp"] for s in out["oracle"]["segments"]] == [4, 3, 4], out["oracle"]
+
+
+def test_pipeline_pp2_shrinks_and_grows_back_with_the_stages_kept_bit_exact(tmp_path):
+    """PipelineModule PP = 2 x D = 4 on 4 nodes of 2 ranks (one per stage; ZeRO-1, fp32, tied embedding):
+    node3 is lost (a rank of each stage), the job continues at D' = 3 with both stages on every node left (each
+    stage's lost rank rebuilt from its own parity group), and grows back to 4."""
+    out = shrink_demo(tmp_path, "--engine", "deepspeed-3d", "--dtype", "fp32")
+    check_bit_exact_and_resumed(out, [4, 3, 4])
+    assert out["ranks"] == 8 and "PP2" in out["layout"], out
