@@ -109,7 +109,14 @@ def test_kill_rank_then_node_loss_with_ranks_moved_to_other_nodes(tmp_path, refe
     # of 3 was still running when it died), the same on every rank
     assert {e["tier"] for e in restore[1]} == {"memory"} and len({e["version"] for e in restore[1]}) == 1
     assert {e["version"] for e in restore[1]} <= {2, 3}
-    assert {e["tier"] for e in restore[2]} == {"parity"} and {e["version"] for e in restore[2]} <= {6, 7}
+    # node1 dies once the launcher sees step 7: the survivors may finish a step or so more before they block on it.
+    # What attempt 2 restores is the newest version every rank committed in attempt 1 (or the one after it, sealed
+    # everywhere while its vote was still out), at least 6
+    committed = min(max((e["version"] for e in evs if e["kind"] == "snapshot" and e.get("attempt") == 1
+                         and e.get("rank") == r and e.get("committed")), default=-1) for r in range(NODES))
+    (v2,) = {e["version"] for e in restore[2]}
+    assert {e["tier"] for e in restore[2]} == {"parity"} and 6 <= v2 and committed <= v2 <= committed + 1, \
+        (v2, committed)
     placed = {e["rank"]: e["node"] for e in by_attempt(evs, "trainer_start")[2]}
     assert placed == {0: "node0", 1: "node2", 2: "node3"}, placed
     moved = {e["rank"]: e.get("migrated_slots", 0) for e in restore[2]}

@@ -149,7 +149,8 @@ def test_the_deepspeed_adapter_installs_the_memo_before_deepspeed_builds_the_eng
             seen["doc"] = mod.get_cpu_info.__doc__
             raise Stop
 
-        conf = {"train_batch_size": 1, "shardsafe": {"enabled": enabled, "holder_dir": str(tmp_path / "h")}}
+        conf = {"train_batch_size": 1, "shardsafe": {"enabled": enabled, "holder_dir": str(tmp_path / "h"),
+                                                     "job_id": "memo"}}   # a pytest-xdist worker has no script argv
         with pytest.raises(Stop):
             ss_ds.protect(ds_initialize, (), {"config": conf})
         return seen["doc"]
