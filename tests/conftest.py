@@ -162,3 +162,23 @@ def holder_factory(tmp_path, tmp_path_factory):
 
     yield start
     _stop_holders(started, HOLDER_STOP_TIMEOUT_S)
+
+
+# ---- order: the longest files first ---------------------------------------------------------------------------
+
+# Under pytest-xdist (`make test`) each file runs on one worker; a long file collected last would run alone at the
+# end. These start first, longest first (a file's own tests keep their order); the rest follow in collection order.
+# tests/fault's files stay together: its package fixture (the shared fork servers) is set up once.
+_LONGEST_FIRST = ("slurm/test_slurm.py", "package/test_install.py", "fault/test_megatron_resume.py",
+                  "fault/test_hf_trainer.py", "fault/test_deepspeed_3d.py", "fault/test_shrink_e2e.py",
+                  "fault/test_export_megatron.py", "fault/test_demo.py", "fault/test_deepspeed_resume.py",
+                  "fault/test_resubmission.py", "fault/test_two_jobs.py", "fault/test_unchanged_programs.py",
+                  "fault/test_launch.py", "fault/test_deepspeed_optimizers.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        path = item.nodeid.split("::")[0]
+        return next((i for i, f in enumerate(_LONGEST_FIRST) if path.endswith(f)), len(_LONGEST_FIRST))
+
+    items.sort(key=rank)   # stable: each file's tests keep their order
