@@ -39,25 +39,12 @@ from shardsafe.snapshot.reshard import (FlatLayout, Read, Reshard, ReshardedRank
                                         Traffic, TransferPlan, assemble, default_colocation, plan, reads_by_plan)
 
 from . import distopt_layout as dl
-from .state_checks import FORMAT
+from .state_checks import FORMAT, batch_record
 
 ENGINE = "megatron"
 _SUPPORTED_DTYPES = ("torch.float32",) + dl.FP16_DTYPES
 _WORLD_FIELDS = ("rank", "world_size", "dp_ranks", "tp_ranks", "pp_ranks", "edp_ranks")   # the old job's world ranks
 _SHARED = ("format", "iteration", "counters", "scheduler", "batch")   # one step of one run: equal on every source
-
-
-def batch_record() -> Optional[dict[str, int]]:
-    """Megatron's global batch as its num-microbatches calculator has it (Megatron-LM's loop initialises it), or
-    None (a loop of one's own: pass the batch to :class:`MegatronResharder`)."""
-    try:
-        from megatron.core import num_microbatches_calculator as nmc
-    except ImportError:   # pragma: no cover - only without megatron-core
-        return None
-    if getattr(nmc, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None) is None:
-        return None
-    return {"global_batch_size": int(nmc.get_current_global_batch_size()),
-            "micro_batch_size": int(nmc.get_micro_batch_size()), "num_microbatches": int(nmc.get_num_microbatches())}
 
 
 class MegatronResharder(Resharder):

@@ -165,6 +165,19 @@ def parity_coordinates(coords: Optional[Mapping[str, Any]] = None) -> Optional[d
     return {"dp": int(coords["dp"]), "tp": int(coords["tp"]), "pp": int(coords["pp"])}
 
 
+def batch_record() -> Optional[dict[str, int]]:
+    """Megatron's global batch as its num-microbatches calculator has it (Megatron-LM's loop initialises it), or
+    None (a loop of one's own: pass the batch to :class:`MegatronResharder`)."""
+    try:
+        from megatron.core import num_microbatches_calculator as nmc
+    except ImportError:   # pragma: no cover - only without megatron-core
+        return None
+    if getattr(nmc, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None) is None:
+        return None
+    return {"global_batch_size": int(nmc.get_current_global_batch_size()),
+            "micro_batch_size": int(nmc.get_micro_batch_size()), "num_microbatches": int(nmc.get_num_microbatches())}
+
+
 # --------------------------------------------------------------------------------------------------
 # Does a snapshot fit the live model/optimizer?
 # --------------------------------------------------------------------------------------------------
@@ -197,7 +210,6 @@ class _SnapshotChecks(StateAdapter):
                   for li in range(len(self.leaves))]
         out = {"config": strip_volatile(plain({"model": model_cfg, "optimizer": opt_cfg})), "model": params,
                "layout": plain(layout), "optimizer": plain({"kinds": self._kinds, "param_groups": groups})}
-        from .reshard import batch_record   # here: .reshard imports this module
         batch = batch_record()
         if batch is not None:   # the samples per step, not how they are split: another DP size is this run
             out["batch"] = {k: batch[k] for k in ("global_batch_size", "micro_batch_size")}

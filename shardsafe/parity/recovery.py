@@ -100,7 +100,9 @@ class MemberRecovery:
             raise ParityError(f"rank {rank} is not among the lost members {list(self.lost)} of parity group "
                               f"{self.group.index}")
         cs = self.chunk_size
-        out = torch.zeros(self.k * cs, dtype=torch.uint8)
+        # not zeroed first: the decode writes every chunk it rebuilds, and only a chunk no codeword rebuilds is zeroed
+        out = torch.empty(self.k * cs, dtype=torch.uint8)
+        written = set()
         for cw in self._plan:
             mine = [t for t in cw.targets if t.rank == rank and not t.is_parity]
             if not mine:
@@ -108,4 +110,7 @@ class MemberRecovery:
             avail = {f.fragment: np.asarray(received[(cw.codeword, f.fragment)].numpy()) for f in cw.sources}
             outs = [out[t.slot * cs:(t.slot + 1) * cs].numpy() for t in mine]
             self.codec.reconstruct(avail, [t.fragment for t in mine], out=outs)
+            written.update(t.slot for t in mine)
+        for slot in set(range(self.k)) - written:
+            out[slot * cs:(slot + 1) * cs].zero_()
         return out

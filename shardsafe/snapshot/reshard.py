@@ -26,6 +26,7 @@ shrink/grow policy and the restore decide which ranks call it with which snapsho
 from __future__ import annotations
 
 import bisect
+import contextvars
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Sequence
@@ -182,16 +183,88 @@ def plan(src: FlatLayout, dst: FlatLayout) -> TransferPlan:
 
 def assemble(plan_: TransferPlan, rank: int, tensor: int, source: Callable[[int, int], torch.Tensor],
              *, dtype: torch.dtype, device: Any = "cpu") -> torch.Tensor:
-    """Target ``rank``'s flat tensor ``tensor``: zeros, then every segment copied in from ``source(src_rank,
-    src_tensor)`` (a flat tensor of the source layout, e.g. a view of that rank's verified payload)."""
-    out = torch.zeros(plan_.dst.numels[rank][tensor], dtype=dtype, device=device)
-    for s in plan_.into(rank, tensor):
+    """Target ``rank``'s flat tensor ``tensor``: every segment copied in from ``source(src_rank, src_tensor)`` (a
+    flat tensor of the source layout, e.g. a view of that rank's verified payload), every element no segment writes
+    (padding) zero. Inside :class:`Deferred`, only the shape is returned (a tensor on the meta device) and the copy
+    is recorded, to be written later by :meth:`Deferred.fill` (straight into the live tensors); the sources are
+    looked up either way, so a piece that was not received raises here, before any vote."""
+    n = plan_.dst.numels[rank][tensor]
+    copies: list[tuple[int, torch.Tensor]] = []
+    at = 0
+    for s in sorted(plan_.into(rank, tensor), key=lambda s: s.dst_offset):
         src = source(s.src_rank, s.src_tensor).reshape(-1)
         if src.dtype != dtype:
             raise ReshardError(f"source rank {s.src_rank} tensor {s.src_tensor} is {src.dtype}, the target {dtype}: "
                                "a re-partition copies bytes and never converts")
-        out[s.dst_offset: s.dst_offset + s.length].copy_(src[s.src_offset: s.src_offset + s.length])
+        if s.dst_offset < at or s.dst_offset + s.length > n:   # plan() rules it out; a gap's zeros would overwrite
+            raise ReshardError(f"target rank {rank} tensor {tensor}: a segment at {s.dst_offset} (length {s.length}) "
+                               f"overlaps another or ends past its {n} elements: an internal error, nothing applied")
+        copies.append((s.dst_offset, src[s.src_offset: s.src_offset + s.length]))
+        at = s.dst_offset + s.length
+    recipes = _DEFERRED.get()
+    if recipes is not None:
+        out = torch.empty(n, dtype=dtype, device="meta")
+        recipes[id(out)] = (out, copies, device)
+        return out
+    # no zero-fill of the whole tensor: fresh pages are faulted in by the copies, each byte written once
+    return _fill(torch.empty(n, dtype=dtype, device=device), copies)
+
+
+@torch.no_grad()   # a live tensor may be a parameter (DeepSpeed's fp32 partitions): written as the apply writes it
+def _fill(out: torch.Tensor, copies: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """``out`` with each (offset, piece) copied in and every element between the pieces zeroed (``copies`` sorted,
+    not overlapping: :func:`assemble` checked it)."""
+    at = 0
+    for off, src in copies:
+        if off > at:
+            out[at: off].zero_()
+        out[off: off + src.numel()].copy_(src)
+        at = off + src.numel()
+    if at < out.numel():
+        out[at:].zero_()
     return out
+
+
+_DEFERRED: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("shardsafe_reshard_deferred", default=None)
+
+
+class Deferred:
+    """Within ``with Deferred() as d:``, :func:`assemble` records its copies instead of making them and returns only
+    the shape. A restore then checks the target state (every check that decides whether it may be applied reads
+    shapes, dtypes and metadata only) and votes on it with nothing written, and only then :meth:`fill` writes each
+    flat tensor once, straight into the live tensor it replaces: the same bytes as an assembly into new tensors
+    followed by an apply, without writing every byte twice into freshly faulted memory."""
+
+    def __init__(self) -> None:
+        self._recipes: dict[int, tuple[torch.Tensor, list, Any]] = {}
+        self._token: Any = None
+
+    def __enter__(self) -> "Deferred":
+        self._token = _DEFERRED.set(self._recipes)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _DEFERRED.reset(self._token)
+
+    def deferred(self, t: Any) -> bool:
+        """Whether ``t`` is a shape :func:`assemble` returned inside this context."""
+        got = self._recipes.get(id(t))
+        return got is not None and got[0] is t
+
+    def fill(self, tensors: Mapping[str, Any], into: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """``tensors`` with every deferred tensor written: into ``into[name]`` when that is a host tensor of its
+        exact shape and dtype, contiguous (a live tensor: the apply's copy from it into itself is then no copy),
+        else into a new one. Call it only once the target state may be applied: it writes the live state."""
+        out = dict(tensors)
+        for name, t in tensors.items():
+            if not self.deferred(t):
+                continue
+            _, copies, device = self._recipes[id(t)]
+            live = into.get(name)
+            fits = (torch.is_tensor(live) and live.device.type == "cpu" and torch.device(device).type == "cpu"
+                    and live.dtype == t.dtype and live.shape == t.shape and live.is_contiguous())
+            out[name] = _fill(live if fits else torch.empty(t.shape, dtype=t.dtype, device=device), copies)
+        return out
 
 
 @dataclass

@@ -7,10 +7,11 @@ resharder's reads), so no metadata travels with the bytes:
   that read them (the servers of the surviving members' data and parity) to the rank that decodes it, once per
   decoding rank; it decodes (:class:`shardsafe.parity.recovery.MemberRecovery`, handed in) and verifies the payload
   against the checksums that survived in its group's parity manifests;
-* **pieces**: for each (source, target) pair on different nodes, one message from the source's server (or its
-  rebuilder): the pieces the target reads, back to back, each 64-byte aligned so that the target views it as its
-  dtype in place. A target reads what its own node holds straight from its holder (or the persistent tier's file),
-  and receives nothing for it.
+* **pieces**: for each (source, target) pair on different nodes, the pieces the target reads, each one message
+  sent from where it lies in the source's mapped payload (or its rebuilt copy) by its server (or its rebuilder), and
+  received into its place in one buffer per pair, back to back, each 64-byte aligned so that the target views it as
+  its dtype in place. A target reads what its own node holds straight from its holder (or the persistent tier's
+  file), and receives nothing for it.
 
 Both post every send before waiting on any receive, as the parity exchange and placement do.
 """
@@ -188,15 +189,14 @@ def move(choice: Choice, manifests: dict[int, dict], slices: dict, senders: dict
                     continue
                 lay, size = layout(manifests[k], reads)
                 nbytes = sum(x[4] for x in lay)
-                msg = torch.empty(size, dtype=torch.uint8)
-                if senders[k] == rank:   # the pieces, back to back in one message
+                if senders[k] == rank:   # each piece sent from where it lies: no staging copy
                     src = as_bytes(payload(k))
-                    for _, _, _, a, n, at in lay:
-                        msg[at: at + n].copy_(src[a: a + n])
-                    reqs.append(dist.isend(msg, r, group=group, tag=_TAG + k))
+                    reqs += [dist.isend(src[a: a + n], r, group=group, tag=_TAG + k) for _, _, _, a, n, _ in lay if n]
                     traffic["sent_bytes"] += nbytes
-                else:
-                    reqs.append(dist.irecv(msg, senders[k], group=group, tag=_TAG + k))
+                else:   # into its place in one buffer; one tag per pair: gloo matches them in order
+                    msg = torch.empty(size, dtype=torch.uint8)
+                    reqs += [dist.irecv(msg[at: at + n], senders[k], group=group, tag=_TAG + k)
+                             for _, _, _, _, n, at in lay if n]
                     inbox[k] = (msg, lay)
                     near = nodes[senders[k]] == nodes[rank]
                     traffic["local_bytes" if near else "remote_bytes"] += nbytes

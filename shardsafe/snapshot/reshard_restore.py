@@ -16,10 +16,13 @@ one layout has, held on a node the job runs on or rebuildable from the survivors
    whose fingerprint differs (another data-parallel size with the same global batch is the same run), is refused;
 3. **rebuild**: each lost source is decoded by the target that reads most of it (:mod:`.reshard_move`);
 4. **move**: each target reads what its own node holds from its holder and receives the rest, one message per
-   (source, target) pair on different nodes: no byte crosses the network twice. The resharder builds the
-   target's state from these pieces (:class:`~.reshard.Pieces`);
-5. **apply**: every rank checks its state against the live one (``adapter.resharded_problems``), and only when
-   every rank's fits does any apply it (``adapter.apply_resharded``): never a partial state.
+   (source, target) pair on different nodes: no byte crosses the network twice;
+5. **assemble**: the resharder builds the target's state from these pieces (:class:`~.reshard.Pieces`), its flat
+   tensors deferred (:class:`~.reshard.Deferred`: shapes, and where each piece goes). Every rank checks that state
+   against the live one (``adapter.resharded_problems``: shapes, dtypes, layouts, metadata), and only when every
+   rank's fits does any write it: each flat tensor straight into the live tensor it replaces, each byte once, from
+   the holder's mapping or the received message (never a partial state: a refusal leaves the live state untouched);
+6. **apply**: ``adapter.apply_resharded`` writes the rest (its copy of a flat tensor onto itself copies nothing).
 
 Every refusal is reached by every rank alike (after a gather), so all go on to the same next candidate. When memory
 cannot serve, the persistent tier is tried the same way, read by every rank from the shared directory, if it holds
@@ -40,7 +43,7 @@ from .. import collectives
 from .. import fingerprint as fpr
 from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
-from .reshard import ReshardError, reshard
+from .reshard import Deferred, ReshardError, reshard
 from .reshard_move import Opened, Refused, move, rebuild
 from .reshard_survey import Choice, choose, disk_choice, leads_node, survey
 from .state import StateAdapter
@@ -102,7 +105,8 @@ class _Run:
     fingerprint: Optional[dict]
     force: bool
     refusals: list = field(default_factory=list)
-    phases: dict = field(default_factory=lambda: dict.fromkeys(("survey", "verify", "rebuild", "move", "apply"), 0.0))
+    phases: dict = field(default_factory=lambda: dict.fromkeys(
+        ("survey", "verify", "rebuild", "move", "assemble", "apply"), 0.0))
 
     @property
     def nodes(self) -> list[str]:
@@ -210,16 +214,23 @@ def _attempt(run: _Run, choice: Choice) -> tuple[Optional[Resized], frozenset[in
                               group=group, my_slice=run.my_slice)
         run.phases["move"] += time.perf_counter() - t0
         mine = slices[run.my_slice]
-        target, problems = None, []
+        target, problems, deferred = None, [], Deferred()
+        t0 = time.perf_counter()
         try:
-            target = reshard(light, len(mine["targets"]), run.adapter.resharder(),
-                             ranks=[mine["targets"].index(run.rank)]).ranks[0]
+            with deferred:   # the flat tensors' shapes only: nothing is written before the vote
+                target = reshard(light, len(mine["targets"]), run.adapter.resharder(),
+                                 ranks=[mine["targets"].index(run.rank)]).ranks[0]
             problems = [str(p) for p in run.adapter.resharded_problems(target.tensors, target.meta)]
-        except (ReshardError, KeyError, ValueError) as e:
+        except (ReshardError, KeyError, ValueError, RuntimeError, NotImplementedError) as e:
+            # RuntimeError/NotImplementedError: a check that reads values, which the deferred shapes do not have
             problems = [f"rank {run.rank}: {type(e).__name__}: {e}"]
+        run.phases["assemble"] += time.perf_counter() - t0
         run.vote(choice, problems, "check")
         t0 = time.perf_counter()
-        run.adapter.apply_resharded(target.tensors, target.meta)
+        tensors = deferred.fill(target.tensors, _live(run.adapter))
+        run.phases["assemble"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        run.adapter.apply_resharded(tensors, target.meta)
         run.phases["apply"] += time.perf_counter() - t0
     except Refused as e:
         run.refusals.append(str(e))
@@ -238,9 +249,19 @@ def _attempt(run: _Run, choice: Choice) -> tuple[Optional[Resized], frozenset[in
     message = (f"restored version {choice.version} from {where}, re-partitioned from {d_old} to {d_new} data-parallel "
                "ranks" + (f" after rebuilding source ranks {choice.lost} from parity" if choice.lost else ""))
     return Resized(choice.version, choice.tier, message, sum(t.numel() * t.element_size()
-                                                             for t in target.tensors.values()),
+                                                             for t in tensors.values()),
                    sum(manifests[k]["payload_nbytes"] for k in rebuilt), {k: round(v, 6) for k, v in run.phases.items()},
                    dict(getattr(run.adapter, "restore_notes", {}) or {}), traffic, choice.lost), frozenset()
+
+
+def _live(adapter: StateAdapter) -> dict:
+    """The live tensors the re-partitioned flat tensors are written into (``capture`` hands out references to the
+    live state: the tensors a snapshot copies from are the ones an apply writes), or none when it cannot say."""
+    try:
+        return dict(adapter.capture().tensors)
+    except Exception as e:   # noqa: BLE001 -- any failure only costs the direct write: new tensors, then the apply
+        log.debug("capture() for the live tensors failed (%s): assembling into new tensors", e)
+        return {}
 
 
 def _verify(run: _Run, choice: Choice, opened: Opened) -> tuple[dict[int, dict], frozenset[int]]:

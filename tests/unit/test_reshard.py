@@ -346,3 +346,49 @@ def test_a_piece_that_was_not_received_is_an_error_never_a_zero():
         p.reshape(-1)[5:7]
     with pytest.raises(ReshardError, match="flat view"):
         p.reshape(2, 5)
+
+
+def test_a_deferred_assembly_writes_nothing_until_filled_then_the_same_bytes_into_the_live_tensors():
+    """Inside core.Deferred the resharder returns shapes only (the restore's checks and vote read those), a piece
+    that was not received still raises there, and fill() writes each flat tensor into the live tensor of its name
+    (garbage in its padding overwritten by zeros), or a new one where the live tensor does not fit: bit for bit what
+    the assembly into new tensors gives."""
+    groups = [[("a", 50), ("b", 7)], [("c", 13)]]
+    snaps = _snapshots(ZERO12, groups, 4, _truth(groups), gas=3)
+    want = reshard(snaps, 3, ranks=[1]).ranks[0]
+    d = core.Deferred()
+    with d:
+        got = reshard(snaps, 3, ranks=[1]).ranks[0]
+    flat = [n for n in want.tensors if n.startswith("opt/master/") or n.startswith("opt/state/") and
+            want.tensors[n].dim() == 1]
+    assert flat and all(got.tensors[n].device.type == "meta" and d.deferred(got.tensors[n]) for n in flat)
+    assert all(got.tensors[n].shape == want.tensors[n].shape and got.tensors[n].dtype == want.tensors[n].dtype
+               for n in flat)
+    assert core._DEFERRED.get() is None   # outside the context, assemble copies again
+    live = {n: torch.full_like(want.tensors[n], float("nan")) for n in flat}
+    live[flat[0]] = torch.full((want.tensors[flat[0]].numel() + 1,), 7.0)   # does not fit: left alone
+    before = {n: t.clone() for n, t in live.items()}
+    filled = d.fill(got.tensors, live)
+    assert sorted(filled) == sorted(want.tensors)
+    assert all(torch.equal(filled[n], want.tensors[n]) for n in want.tensors)
+    assert all(filled[n] is live[n] for n in flat[1:]) and filled[flat[0]] is not live[flat[0]]
+    assert torch.equal(live[flat[0]], before[flat[0]])
+    reads = DeepSpeedResharder().reads([s.meta for s in snaps], [_entries(s) for s in snaps], 3)
+    short = _partial(snaps, reads, 1)
+    src, name = next((src, n) for src, r in sorted(reads[1].items()) for n, _, c in r if c > 0)
+    short[src].tensors[name] = core.Pieces(name, snaps[src].tensors[name].shape, torch.float32)
+    with pytest.raises(ReshardError, match="not received"), core.Deferred():
+        reshard(short, 3, ranks=[1])
+
+
+def test_a_deferred_assembly_fills_a_live_parameter_that_requires_grad():
+    """DeepSpeed's fp32 partitions are leaf parameters: written in place as the apply writes them (no autograd)."""
+    groups = [[("a", 50), ("b", 7)]]
+    snaps = _snapshots(ZERO12, groups, 2, _truth(groups), gas=2)
+    want = reshard(snaps, 1).ranks[0]
+    d = core.Deferred()
+    with d:
+        got = reshard(snaps, 1).ranks[0]
+    live = torch.nn.Parameter(torch.full_like(want.tensors["opt/master/0"], float("nan")))
+    filled = d.fill(got.tensors, {"opt/master/0": live})
+    assert filled["opt/master/0"] is live and torch.equal(live.detach(), want.tensors["opt/master/0"])

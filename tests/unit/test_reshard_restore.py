@@ -91,3 +91,45 @@ def test_an_adapter_that_cannot_re_partition_is_refused_before_anything_is_read(
             return None
     with pytest.raises(RestoreError, match="Plain cannot re-partition its state"):
         restore_from_holder(Plain(), None, rank=0, coll=Collectives(), resize=Resize(places=[("n0", 0, 0, 0)]))
+
+
+class _Live(_Target):
+    """A target whose live state is flat tensors of the new size (capture hands them out, as an engine's adapter
+    does), filled with garbage; its check refuses when ``refuse`` is set."""
+
+    def __init__(self, shapes, refuse=False):
+        super().__init__()
+        self.live = {n: torch.full(t.shape, float("nan"), dtype=t.dtype) for n, t in shapes.items()
+                     if n.startswith("opt/") and t.dim() == 1}
+        self.refuse = refuse
+
+    def capture(self):
+        return RankState(dict(self.live), {})
+
+    def resharded_problems(self, tensors, meta):
+        return ["refused by the test"] if self.refuse else []
+
+    def apply_resharded(self, tensors, meta):
+        for n, t in self.live.items():
+            t.copy_(tensors[n])
+        super().apply_resharded(tensors, meta)
+
+
+def test_the_flat_tensors_are_written_into_the_live_ones_after_the_check_and_never_on_a_refusal(tmp_path):
+    snaps = _snapshots(ZERO3, GROUPS, 2, _truth(GROUPS), sub_group_size=9, gas=2)
+    store = PersistentStore(str(tmp_path), "job")
+    _flush(store, snaps, 5)
+    want = reshard(snaps, 1, DeepSpeedResharder()).ranks[0]
+    refused = _Live(want.tensors, refuse=True)
+    with pytest.raises(RestoreError, match="refused by the test"):
+        restore_from_holder(refused, None, rank=0, coll=Collectives(), persist=store,
+                            resize=Resize(places=[("n0", 0, 0, 0)]))
+    assert refused.got is None and refused.live and all(torch.isnan(t).all() for t in refused.live.values())
+    target = _Live(want.tensors)
+    ptrs = {n: t.data_ptr() for n, t in target.live.items()}
+    res = restore_from_holder(target, None, rank=0, coll=Collectives(), persist=store,
+                              resize=Resize(places=[("n0", 0, 0, 0)]))
+    assert res.phases["assemble"] > 0 and "move" in res.phases
+    tensors, _ = target.got
+    assert all(torch.equal(tensors[n], want.tensors[n]) for n in want.tensors)
+    assert all(torch.equal(t, want.tensors[n]) and t.data_ptr() == ptrs[n] for n, t in target.live.items())
