@@ -28,13 +28,13 @@ SHARDSAFE_FULL_WORLD_SIZE) is refused as another run's state, naming the global 
 """
 import json
 import os
-import subprocess
 
 import pytest
 
-from shardsafe.holder.client import HolderClient, holder_command
+from shardsafe.holder.client import HolderClient
 from shardsafe.holder.paths import HolderPaths
 
+from ._node_holders import NodeHolders
 from ._fork_ranks import load_tensors, run_ranks, save_tensors
 from .test_ds_reshard_oracle import MB, MODEL, SEED, _buffers_from_checkpoint, _diff, _save_capture, _train, \
     _zero3_group_hyperparameters
@@ -201,36 +201,6 @@ def _held(root, nodes):
     return out
 
 
-class _Holders:
-    """One holder per node for the whole module (the phases share them: that is the point), stopped at its end."""
-
-    def __init__(self, root):
-        self.root, self.procs = root, {}
-
-    def start(self, node):
-        proc = subprocess.Popen(holder_command(HolderPaths(self.root, JOB, node), budget_gb=0.1),
-                                stdout=subprocess.PIPE)
-        line = proc.stdout.readline()
-        assert line.startswith(b"holder ready"), (node, line)
-        self.procs[node] = proc
-
-    def kill(self, node):
-        self.procs[node].kill()
-        self.procs[node].wait()
-
-    def stop(self):
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            p.stdout.close()
-
-
 def _prewarm():
     """What a fork server preloads for DeepSpeed trainers (``shardsafe launch --preload deepspeed``), and FusedAdam's
     CPU op, once in this process before the ranks are forked: DeepSpeed's first engine in a process otherwise
@@ -252,11 +222,10 @@ def _prewarm():
 def phases(tmp_path_factory):
     """The three phases, once: at D, at D' after node n1 is lost, and at D again once it is back."""
     out = str(tmp_path_factory.mktemp("reshard-restore"))
-    holders = _Holders(str(tmp_path_factory.mktemp("holders")))
+    holders = NodeHolders(str(tmp_path_factory.mktemp("holders")), JOB)
     _prewarm()
     try:
-        for n in FULL:
-            holders.start(n)
+        holders.start(*FULL)
         full = run_ranks(D, _run_full, holders.root, out, timeout_s=300, pg_timeout_s=30)
         holders.kill("n1")   # node n1 is lost, and its holder's memory with it
         shrunk = run_ranks(D2, _run_resized, holders.root, out, "shrunk", SHRUNK, f"global_step{V}", True,

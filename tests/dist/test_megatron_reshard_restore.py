@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 
 import pytest
@@ -39,9 +38,10 @@ pytest.importorskip("megatron.core", reason="megatron-core not installed (see do
 
 import torch  # noqa: E402
 
-from shardsafe.holder.client import HolderClient, holder_command  # noqa: E402
+from shardsafe.holder.client import HolderClient  # noqa: E402
 from shardsafe.holder.paths import HolderPaths  # noqa: E402
 
+from ._node_holders import NodeHolders  # noqa: E402
 from .test_megatron_reshard_oracle import (MB, _capture, _diff, _loss, _oracle_load, _sharded_state_dict,  # noqa: E402
                                            ex, load_tensors, run_ranks)
 
@@ -201,43 +201,11 @@ def _held(root: str, nodes: list[str]) -> dict[str, list[int]]:
     return out
 
 
-class _Holders:
-    """One holder per node for the whole module (the phases share them: that is the point), stopped at its end."""
-
-    def __init__(self, root: str):
-        self.root, self.procs = root, {}
-
-    def start(self, *nodes: str) -> None:
-        """Started together (each takes a second or so to import), then each waited for."""
-        for node in nodes:
-            self.procs[node] = subprocess.Popen(holder_command(HolderPaths(self.root, JOB, node), budget_gb=0.1),
-                                                stdout=subprocess.PIPE)
-        for node in nodes:
-            line = self.procs[node].stdout.readline()
-            assert line.startswith(b"holder ready"), (node, line)
-
-    def kill(self, node: str) -> None:
-        self.procs[node].kill()
-        self.procs[node].wait()
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            p.stdout.close()
-
-
 @pytest.fixture(scope="module")
 def phases(tmp_path_factory):
     """The three phases, once: at D, at D' after node n1 is lost, and at D again once it is back."""
     out = str(tmp_path_factory.mktemp("mreshard-restore"))
-    holders = _Holders(str(tmp_path_factory.mktemp("holders")))
+    holders = NodeHolders(str(tmp_path_factory.mktemp("holders")), JOB)
     seconds = {}
     try:
         holders.start(*FULL)
