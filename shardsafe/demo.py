@@ -222,6 +222,12 @@ class OracleError(RuntimeError, ShardsafeError):
     its logs are."""
 
 
+ORACLE_PRELOAD = tuple(m for m in PRESETS["deepspeed"]
+                       if m not in ("shardsafe.runtime", "shardsafe.adapters.deepspeed"))
+"""The oracle's plain runs fork their trainers from a server that imported the frameworks and nothing of shardsafe's
+runtime (a forked trainer computes what a cold one does: tests/fault pins it); each stretch would otherwise pay the
+imports of every rank at once."""
+
 SHRINK_MICRO, SHRINK_GAS = 2, 3
 """The protected run's batch: micro-batch 2 x accumulation 3 x D = 4 is 24 samples, which data-parallel size 3 keeps
 with accumulation 4: the job continues on all 3 nodes left."""
@@ -269,8 +275,8 @@ def _oracle_run(a: argparse.Namespace, plan: "_Plan", seg: dict[str, Any], prev:
     if save:
         cmd += ["--save-dir", ckpt, "--save-at", str(seg["last"])]
     run = LocalLauncher(LaunchConfig(nodes=seg["dp"] * mp // a.nproc_per_node, nproc_per_node=a.nproc_per_node,
-                                     job_id=f"{job}-o{seg['dp']}-{seg['first']}",
-                                     run_dir=out, start_holders=False, max_restarts=0))
+                                     job_id=f"{job}-o{seg['dp']}-{seg['first']}", run_dir=out, start_holders=False,
+                                     max_restarts=0, preload=ORACLE_PRELOAD))
     res = run.run(cmd)
     if not res.ok:
         raise OracleError(f"the oracle's run at data-parallel size {seg['dp']} (steps {seg['first'] + 1}.."

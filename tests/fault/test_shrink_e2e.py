@@ -98,8 +98,14 @@ def test_zero3_under_shardsafe_launch_shrinks_from_memory_and_grows_back_bit_exa
     assert sizes == [4, 3, 4], sizes
     tiers = {int(e.get("attempt") or 0): (e["tier"], int(e["version"]))
              for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e.get("kind") == "restore_end"}
-    # the kill lands once step 4 is done: version 3 or, when its commit was faster than the kill, 4
-    assert tiers[1][0] == "parity" and tiers[1][1] in (3, 4) and tiers[2][0] == "memory", tiers
+    # the node dies once the launcher sees step 4, and the others may finish a step or so more before they block on
+    # it: attempt 1 restores the newest version every rank committed in attempt 0 (or the one after it, sealed
+    # everywhere while its vote was still out), at least 3
+    evs = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    committed = min(max((int(e["version"]) for e in evs if e.get("kind") == "snapshot" and e.get("rank") == r
+                         and int(e.get("attempt") or 0) == 0 and e.get("committed")), default=-1) for r in range(4))
+    assert tiers[1][0] == "parity" and 3 <= tiers[1][1] and committed <= tiers[1][1] <= committed + 1 \
+        and tiers[2][0] == "memory", (tiers, committed)
     assert resume_problems(run_dir, 4) == []
 
     a = argparse.Namespace(engine="deepspeed", zero_stage=3, dtype="bf16", optimizer="fused-adamw", steps=steps, pp=1,
