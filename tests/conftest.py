@@ -182,3 +182,44 @@ def pytest_collection_modifyitems(items):
         return next((i for i, f in enumerate(_LONGEST_FIRST) if path.endswith(f)), len(_LONGEST_FIRST))
 
     items.sort(key=rank)   # stable: each file's tests keep their order
+
+
+_LOG_TAIL_LINES = 40
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that ran trainers shows the end of each trainer log under its tmp_path in its report: a
+    failure seen once on a loaded CI machine must be readable from that run's output alone."""
+    outcome = yield
+    report = outcome.get_result()
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if not report.failed or tmp is None or not os.path.isdir(tmp):
+        return
+    parts = []
+    for root, _, files in sorted(os.walk(tmp)):
+        for f in sorted(files):
+            if f.startswith("trainer_rank") and f.endswith(".log"):
+                path = os.path.join(root, f)
+                with open(path, errors="replace") as fh:
+                    tail = fh.readlines()[-_LOG_TAIL_LINES:]
+                parts.append(f"---- {os.path.relpath(path, tmp)} (last {len(tail)} lines)\n" + "".join(tail))
+    if parts:
+        report.sections.append(("trainer logs", "\n".join(parts[:16])))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The files that took longest, summed over their tests' set-up, call and teardown (under pytest-xdist,
+    each worker's time): where the suite's time goes."""
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if getattr(r, "when", None) in ("setup", "call", "teardown") and hasattr(r, "duration"):
+                f = r.nodeid.split("::")[0]
+                per_file[f] = per_file.get(f, 0.0) + r.duration
+    if not per_file:
+        return
+    total = sum(per_file.values())
+    terminalreporter.write_sep("=", f"slowest files (of {total:.0f} s summed over all tests)")
+    for f, s in sorted(per_file.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{s:8.1f}s {100 * s / total:5.1f}%  {f}")

@@ -19,6 +19,7 @@ imports torch; mpi4py is imported only when MPI variables are present.
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -249,7 +250,7 @@ def discover(env: MutableMapping[str, str] | None = None, *, set_env: bool = Tru
     if found is None:
         node = shardsafe_env.node_name(env)
         found = DistEnv(0, 1, 0, 1, node, env.get("MASTER_ADDR", "127.0.0.1"),
-                        int(env.get("MASTER_PORT", 0) or 0) or _free_port(), "single")
+                        int(env.get("MASTER_PORT", 0) or 0) or free_port(), "single")
     if set_env:
         for k, v in found.as_env().items():
             if k.startswith("MASTER_"):
@@ -260,10 +261,39 @@ def discover(env: MutableMapping[str, str] | None = None, *, set_env: bool = Tru
     return found
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now, for a server that a process started next will bind (torchrun's
+    ``MASTER_PORT``, a single process's own store).
+
+    Drawn below the kernel's ephemeral range (``ip_local_port_range``) when it leaves room: a port from
+    ``bind(0)`` is one the kernel hands out again to any ``connect()`` or ``bind(0)`` on the node (gloo makes
+    many) in the seconds before the server binds it; one below the range goes only to an explicit bind."""
+    lo, _ = _ephemeral_range()
+    if lo > _LOWEST_DRAWN + 1024:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(_LOWEST_DRAWN, lo)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_LOWEST_DRAWN = 20000   # clear of the well-known and most registered service ports
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 0, 0
 
 
 def wait_for_store(host: str, port: int, timeout_s: float, *, poll_s: float = 0.005) -> float:

@@ -21,12 +21,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from .. import env as names
@@ -48,10 +48,7 @@ from .signals import SignalStop
 log = logging.getLogger(__name__)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+STORE_TIMEOUT_S = 60.0
 
 
 @dataclass(kw_only=True)
@@ -167,6 +164,7 @@ class LocalLauncher:
         self.forks: ForkServer | None = fork_server
         self._shared_forks = fork_server is not None
         self.starts = {"forked": 0, "cold": 0}
+        self._store = None   # the current attempt's c10d store (_rendezvous_store)
         self.instance = f"{cfg.job_id}.{os.getpid()}.{uuid.uuid4().hex[:8]}"   # this run of the job (shardsafe.jobid)
         self.members: Membership | None = None   # the job's nodes and size (run() makes it: it knows the command)
         self.sizes: list[int] = []               # each attempt's data-parallel size
@@ -227,9 +225,23 @@ class LocalLauncher:
             log.warning("%s; trainers start cold", e)
             self.forks = None
 
+    def _rendezvous_store(self) -> int:
+        """Serve this attempt's c10d store from the launcher, as torchrun's agent does, and return its port.
+
+        Why: a port found free and handed to rank 0 to bind can be taken in between by any process on the node
+        (every gloo connection draws an ephemeral port), and rank 0 then dies in ``init_process_group``. The
+        store is bound here before a trainer starts; ``TORCHELASTIC_USE_AGENT_STORE=True`` makes every rank's
+        ``env://`` / ``tcp://`` init a client of it. A new store per attempt: no key of a dead attempt is
+        seen by the next one (torch relies on the same)."""
+        from torch.distributed import TCPStore
+        self._store = None   # the previous attempt's server stops first
+        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=STORE_TIMEOUT_S))
+        return int(self._store.port)
+
     def _spawn(self, cmd: list[str], attempt: int) -> list[Any]:
         c, m = self.cfg, self.members
-        port, world, nodes = free_port(), m.world(), m.active
+        port, world, nodes = self._rendezvous_store(), m.world(), m.active
         procs = []
         for rank, node in enumerate(m.rank_nodes()):
             local = rank % c.nproc_per_node
@@ -237,7 +249,7 @@ class LocalLauncher:
                    "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
                    "LOCAL_WORLD_SIZE": str(c.nproc_per_node), "GROUP_RANK": str(nodes.index(node)),
                    "GROUP_WORLD_SIZE": str(len(nodes)),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                    names.NODE: node, names.JOB_ID: c.job_id, names.FULL_WORLD_SIZE: str(m.world(m.full_dp)),
                    names.HOLDER_DIR: c.holder_dir, names.RUN_DIR: c.run_dir,
                    names.ATTEMPT: str(attempt), names.INJECT: c.inject,
@@ -421,6 +433,7 @@ class LocalLauncher:
                     ok = True
                     break
             finally:
+                self._store = None
                 self.stop_holders()
                 if self.forks is not None and not self._shared_forks:
                     self.forks.close()
@@ -484,8 +497,13 @@ class LocalLauncher:
             codes = [p.poll() for p in procs]
             bad = [(r, rc) for r, rc in enumerate(codes) if rc not in (None, 0)]
             if bad:
-                r, rc = bad[0]
-                return {"cause": "rank_exit", "rank": r, "rc": rc, "attempt": attempt, "node": placed[r]}
+                # Seen together in one poll (a busy launcher polls late), a rank killed by a signal is the
+                # cause and the ranks that exited with an error are its peers failing on the lost connection.
+                r, rc = min(bad, key=lambda b: (b[1] > 0, b[0]))
+                rec = {"cause": "rank_exit", "rank": r, "rc": rc, "attempt": attempt, "node": placed[r]}
+                if len(bad) > 1:
+                    rec["also"] = [{"rank": o, "rc": orc} for o, orc in bad if o != r]
+                return rec
             if all(rc == 0 for rc in codes):
                 return None
             if time.monotonic() - started > c.attempt_timeout_s:

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from shardsafe.launch.local import free_port
+from shardsafe.launch.discovery import free_port
 from shardsafe.runcheck import compare_runs, read_jsonl
 
 from .helpers import ROOT, SCRIPT

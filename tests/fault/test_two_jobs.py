@@ -26,7 +26,7 @@ import pytest
 from shardsafe.launch.elastic import ElasticConfig, ElasticLauncher
 from shardsafe.holder.client import HolderClient, HolderUnavailable
 from shardsafe.holder.paths import HolderPaths, private_dir
-from shardsafe.launch.local import free_port
+from shardsafe.launch.discovery import free_port
 from shardsafe.runcheck import compare_runs, read_jsonl, resume_problems
 
 from .helpers import ROOT, SCRIPT

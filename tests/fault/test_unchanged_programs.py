@@ -18,7 +18,7 @@ import uuid
 import pytest
 
 from shardsafe.launch import PRELOAD_DEEPSPEED, LaunchConfig
-from shardsafe.launch.local import free_port
+from shardsafe.launch.discovery import free_port
 from shardsafe.runcheck import compare_runs, losses_by_attempt, read_jsonl
 
 from .helpers import ROOT, launch, restores, trainer_logs
