@@ -258,13 +258,26 @@ def _kept_segments(run_dir: str, sizes: list[int], steps: int) -> list[dict[str,
     return segs
 
 
+def oracle_fork_server(log_dir: str):
+    """The fork server every stretch of one oracle forks its trainers from (started once: its imports are seconds of
+    CPU); the caller closes it. None when it cannot start: the stretches then start their trainers cold."""
+    from .launch.local import trainer_env
+    from .launch.prewarm import ForkServer, PrewarmError
+    probe = LaunchConfig(job_id="oracle", run_dir=log_dir)
+    try:
+        return ForkServer(ORACLE_PRELOAD, env=trainer_env(probe), log_path=os.path.join(log_dir, "prewarm.log")).start()
+    except PrewarmError as e:
+        print(f"shardsafe demo: the oracle's trainers start cold: {e}", file=sys.stderr, flush=True)
+        return None
+
+
 def _oracle_run(a: argparse.Namespace, plan: "_Plan", seg: dict[str, Any], prev: str, out: str, job: str,
-                full: int, mp: int = 1) -> str:
+                full: int, mp: int = 1, forks=None) -> str:
     """One stretch of the oracle: a plain run at the stretch's size with the same global batch (accumulation scaled
     by full / dp, ``full`` the full data-parallel size), loading the previous stretch's universal checkpoint, saving
     its own at the stretch's last step and converting it with ds_to_universal. ``mp`` ranks per model replica (the
     pipeline's stages), ``a.nproc_per_node`` per node. Returns the converted checkpoint's folder ("" for the last
-    stretch)."""
+    stretch). ``forks``: the oracle's fork server (:func:`oracle_fork_server`), else one for this stretch alone."""
     gas = SHRINK_GAS * full // seg["dp"]
     cmd = [sys.executable, plan.script, *plan.common, "--steps", str(seg["last"]), "--micro-batch", str(SHRINK_MICRO),
            "--gas", str(gas), "--no-shardsafe", "--out", out]
@@ -276,7 +289,8 @@ def _oracle_run(a: argparse.Namespace, plan: "_Plan", seg: dict[str, Any], prev:
         cmd += ["--save-dir", ckpt, "--save-at", str(seg["last"])]
     run = LocalLauncher(LaunchConfig(nodes=seg["dp"] * mp // a.nproc_per_node, nproc_per_node=a.nproc_per_node,
                                      job_id=f"{job}-o{seg['dp']}-{seg['first']}", run_dir=out, start_holders=False,
-                                     max_restarts=0, preload=ORACLE_PRELOAD))
+                                     max_restarts=0, preload=() if forks else ORACLE_PRELOAD),
+                      fork_server=forks)
     res = run.run(cmd)
     if not res.ok:
         raise OracleError(f"the oracle's run at data-parallel size {seg['dp']} (steps {seg['first'] + 1}.."
@@ -385,19 +399,23 @@ def run_shrink_demo(a: argparse.Namespace) -> dict[str, Any]:
     if r1.ok:
         say(f"[2/3] oracle: plain runs of {len(segs)} stretch(es) at sizes {[s_['dp'] for s_ in segs]}, each loading "
             "the previous one's universal checkpoint of the version the protected run re-formed at")
+        forks = oracle_fork_server(base)
         try:
             prev = ""
             for i, seg in enumerate(segs):
                 seg["save"] = i + 1 < len(segs)
                 seg["dir"] = os.path.join(base, f"oracle{i}")
                 shutil.rmtree(seg["dir"], ignore_errors=True)
-                prev = _oracle_run(a, plan, seg, prev, seg["dir"], job, full_dp, mp)
+                prev = _oracle_run(a, plan, seg, prev, seg["dir"], job, full_dp, mp, forks)
             oracle["ran"] = True
             say("[3/3] comparing every kept loss of each stretch and every rank's final state with the oracle")
             mismatches = _compare_segments(run_dir, segs, a.steps, mp)
         except (OracleError, OSError, subprocess.SubprocessError) as e:
             oracle["error"] = str(e)
             mismatches = [f"oracle: {e}"]
+        finally:
+            if forks is not None:
+                forks.close()
     ev = [e for e in _read_events(run_dir) if e.get("source") == "launcher"]
     problems = resume_problems(run_dir, world) if r1.ok else []
     out = {"engine": a.engine, "zero_stage": plan.stage, "layout": plan.layout, "dtype": a.dtype, "steps": a.steps,

@@ -221,5 +221,5 @@ def pytest_terminal_summary(terminalreporter):
         return
     total = sum(per_file.values())
     terminalreporter.write_sep("=", f"slowest files (of {total:.0f} s summed over all tests)")
-    for f, s in sorted(per_file.items(), key=lambda kv: -kv[1])[:15]:
+    for f, s in sorted(per_file.items(), key=lambda kv: -kv[1])[:25]:
         terminalreporter.write_line(f"{s:8.1f}s {100 * s / total:5.1f}%  {f}")

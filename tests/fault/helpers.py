@@ -5,7 +5,7 @@ import sys
 import tempfile
 import uuid
 
-from shardsafe.launch import PRELOAD_DEEPSPEED, PRELOAD_MEGATRON, LaunchConfig, LocalLauncher
+from shardsafe.launch import PRELOAD_DEEPSPEED, PRELOAD_HF, PRELOAD_MEGATRON, LaunchConfig, LocalLauncher
 from shardsafe.launch.local import trainer_env
 from shardsafe.launch.prewarm import ForkServer
 from shardsafe.runcheck import read_jsonl
@@ -22,10 +22,13 @@ SCRIPT = os.path.join(ROOT, "examples", "ds_pretrain_gpt.py")
 # ZeRO-1/2/3 in fp32, bf16 and fp16 (test_deepspeed_resume.py), DeepSpeed's FusedAdam and CPUAdam kernels
 # (test_deepspeed_optimizers.py), workers forked under torch elastic
 # (test_launch.py), Megatron's tp2_dp2 and Megatron-LM's loop (test_megatron_resume.py, where a cold plain run
-# also shows what a program without the flags imports). SHARDSAFE_TEST_COLD_REFERENCES=1 starts every
+# also shows what a program without the flags imports), HF's Trainer (test_hf_trainer.py's module reference, which
+# also shows what a Trainer without the block imports). SHARDSAFE_TEST_COLD_REFERENCES=1 starts every
 # reference cold.
 PLAIN_DEEPSPEED = tuple(m for m in PRELOAD_DEEPSPEED if m not in ("shardsafe.runtime", "shardsafe.adapters.deepspeed"))
 PLAIN_MEGATRON = tuple(m for m in PRELOAD_MEGATRON if m not in ("shardsafe.runtime", "shardsafe.adapters.megatron"))
+PLAIN_HF = tuple(m for m in PRELOAD_HF if m not in ("shardsafe.runtime", "shardsafe.adapters.deepspeed",
+                                                    "shardsafe.adapters.hf"))
 ALL_REFERENCES_COLD = os.environ.get("SHARDSAFE_TEST_COLD_REFERENCES", "0") == "1"
 
 

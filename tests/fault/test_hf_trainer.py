@@ -15,10 +15,10 @@ import uuid
 
 import pytest
 
-from shardsafe.launch import PRELOAD_DEEPSPEED, LaunchConfig
+from shardsafe.launch import PRELOAD_HF, LaunchConfig
 from shardsafe.runcheck import compare_runs, losses_by_attempt
 
-from .helpers import ROOT, launch, restores, resumed_without_start_over, trainer_logs
+from .helpers import PLAIN_HF, ROOT, launch, reference_preload, restores, resumed_without_start_over, trainer_logs
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -29,20 +29,22 @@ STEPS = 10
 SAMPLES = 24
 
 
-def hf_job(run_dir, *, inject="", max_restarts=1, protected=True, extra=()):
+def hf_job(run_dir, *, inject="", max_restarts=1, protected=True, extra=(), cold=False):
+    """Protected runs fork their trainers from a server with `--preload hf`'s modules; unprotected ones (references)
+    from one with the frameworks only (helpers.PLAIN_HF), or start cold."""
     cfg = LaunchConfig(nodes=2, nproc_per_node=1, job_id=f"h{uuid.uuid4().hex[:8]}", run_dir=str(run_dir),
                        inject=inject, max_restarts=max_restarts, memory_budget_gb=0.5, start_holders=protected,
                        holder_dir=str(run_dir / "holders"), attempt_timeout_s=300,
                        env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"})
     cmd = [sys.executable, SCRIPT, "--steps", str(STEPS), "--samples", str(SAMPLES), "--out", str(run_dir)] + \
         ([] if protected else ["--no-shardsafe"]) + list(extra)
-    return launch(cfg, cmd, preload=PRELOAD_DEEPSPEED if protected else ())
+    return launch(cfg, cmd, preload=PRELOAD_HF if protected else reference_preload(PLAIN_HF, cold))
 
 
 @pytest.fixture(scope="module")
 def hf_reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf-ref")
-    res = hf_job(d, max_restarts=0, protected=False)
+    res = hf_job(d, max_restarts=0, protected=False, cold=True)   # cold: what a Trainer alone imports is checked
     assert res.ok, trainer_logs(str(d))[-3000:]
     return d
 

@@ -76,15 +76,16 @@ def test_zero3_under_shardsafe_launch_shrinks_from_memory_and_grows_back_bit_exa
     """ZeRO-3 through `shardsafe launch` (torch elastic agents, a rendezvous per size): node3 is lost at step 4
     (version 3 or 4 committed), the launcher re-forms the job on 3 nodes, whose restore rebuilds node3's partition from
     parity and re-partitions every parameter; node3 returns after step 6 and the job grows back at the next committed
-    version, re-partitioning the D' = 3 copies in memory. The oracle and the checks are the demo's (shardsafe/demo.py:
-    universal checkpoints of the versions the job re-formed at)."""
+    version, re-partitioning the D' = 3 copies in memory. Workers are forked from each node's fork server (``--preload
+    deepspeed``, as the docs advise), the returning node's started anew. The oracle and the checks are the demo's
+    (shardsafe/demo.py: universal checkpoints of the versions the job re-formed at)."""
     run_dir, steps = str(tmp_path / "run"), 10
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     program = ["--steps", str(steps), "--zero-stage", "3", "--dtype", "bf16", "--optimizer", "fused-adamw"]
     r = subprocess.run([sys.executable, "-m", "shardsafe.cli", "launch", "--nnodes", "4", "--spares", "0",
-                        "--shrink-after-s", "1", "--global-batch", str(SHRINK_MICRO * SHRINK_GAS * 4), "--micro-batch",
-                        str(SHRINK_MICRO), "--max-restarts", "3", "--timeout-s", "500", "--inject",
-                        "kill-node:node3@4;add-node:node3@6", "--run-dir", run_dir, "--json", str(EXAMPLE), *program,
+                        "--shrink-after-s", "1", "--preload", "deepspeed", "--global-batch",
+                        str(SHRINK_MICRO * SHRINK_GAS * 4), "--micro-batch", str(SHRINK_MICRO), "--max-restarts", "3",
+                        "--timeout-s", "500", "--inject", "kill-node:node3@4;add-node:node3@6", "--run-dir", run_dir, "--json", str(EXAMPLE), *program,
                         "--micro-batch", str(SHRINK_MICRO), "--gas", str(SHRINK_GAS), "--out", run_dir,
                         # a pause per step after the node's return: the launcher sees a commit before the last step
                         "--step-sleep", "0.25", "--step-sleep-after", "6"],
@@ -96,6 +97,9 @@ def test_zero3_under_shardsafe_launch_shrinks_from_memory_and_grows_back_bit_exa
     assert [f["cause"] for f in out["failures"]] == ["node_loss"], out
     sizes = attempt_sizes(run_dir)
     assert sizes == [4, 3, 4], sizes
+    logs = "".join(open(os.path.join(run_dir, "logs", f), errors="replace").read()
+                   for f in sorted(os.listdir(os.path.join(run_dir, "logs"))) if f.startswith("agent_"))
+    assert "workers are forked from the fork server" in logs and "workers start cold" not in logs, logs[-3000:]
     tiers = {int(e.get("attempt") or 0): (e["tier"], int(e["version"]))
              for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e.get("kind") == "restore_end"}
     # the node dies once the launcher sees step 4, and the others may finish a step or so more before they block on
@@ -114,9 +118,14 @@ def test_zero3_under_shardsafe_launch_shrinks_from_memory_and_grows_back_bit_exa
     segs = demo._kept_segments(run_dir, sizes, steps)
     assert [(s["dp"], s["first"]) for s in segs] == [(4, 0), (3, tiers[1][1]), (4, tiers[2][1])], segs
     prev = ""
-    for i, seg in enumerate(segs):
-        seg["save"], seg["dir"] = i + 1 < len(segs), str(tmp_path / f"oracle{i}")
-        prev = demo._oracle_run(a, plan, seg, prev, seg["dir"], f"e2e{os.getpid()}", 4)
+    forks = demo.oracle_fork_server(str(tmp_path))
+    assert forks is not None
+    try:
+        for i, seg in enumerate(segs):
+            seg["save"], seg["dir"] = i + 1 < len(segs), str(tmp_path / f"oracle{i}")
+            prev = demo._oracle_run(a, plan, seg, prev, seg["dir"], f"e2e{os.getpid()}", 4, forks=forks)
+    finally:
+        forks.close()
     assert demo._compare_segments(run_dir, segs, steps) == []
 
 

@@ -80,7 +80,17 @@ def test_the_mapping_is_released_when_allocation_fails(monkeypatch):
     def refuse(fd, offset, length):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(segments.os, "posix_fallocate", refuse)
-    before = len(os.listdir("/proc/self/fd"))
+    name = f"shardsafe.test.full.{os.getpid()}"
     with pytest.raises(OSError, match="No space"):
-        Segment("shardsafe.test.full", 4 << 20)
-    assert len(os.listdir("/proc/self/fd")) == before
+        Segment(name, 4 << 20)
+    # Only this segment's memfd and mapping are looked for: other fds of the process (pytest-xdist's channel,
+    # threads of earlier tests) come and go meanwhile.
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    assert not [ln for ln in links if name in ln], links
+    with open("/proc/self/maps") as f:
+        assert name not in f.read()
