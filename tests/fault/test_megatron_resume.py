@@ -91,6 +91,14 @@ def lm_args(*extra: str) -> list[str]:
     return [f"@{LM_ARGS}", *extra]
 
 
+def lm_reference(megatron_reference):
+    """Megatron-LM's loop without shardsafe, started as a user's unchanged program (``--plain-entry``: the entry
+    calls Megatron-LM's ``pretrain`` as pretrain_gpt.py does) and cold: what a plain start imports is checked on
+    it, and the protected runs, forked, must compute what it computed."""
+    return megatron_reference("megatron_lm_plain_entry", [*lm_args(), "--plain-entry"], script=MEGATRON_LM,
+                              env=lm_env(), cold=True)
+
+
 @pytest.fixture(scope="session")
 def megatron_reference(tmp_path_factory):
     """Uninterrupted runs without shardsafe (plain Megatron), cached per (script, arguments); ``cold`` as in
@@ -253,7 +261,7 @@ def test_megatron_lm_pretrain_kill_and_resume(tmp_path, megatron_reference):
     iteration 4 (inside Megatron-LM's train_step, through shardsafe's optimizer-step wrapper); the restart
     restores inside setup_model_and_optimizer and iterations 4-6 and the final state match exactly."""
     steps = 6
-    ref = megatron_reference("megatron_lm", lm_args(), script=MEGATRON_LM, env=lm_env(), cold=True)
+    ref = lm_reference(megatron_reference)
     res = run_megatron(tmp_path, lm_args(), script=MEGATRON_LM, env=lm_env(), inject="kill-rank:2@4")
     assert res.ok and res.attempts == 2, (res, trainer_logs(str(tmp_path))[-3000:])
     assert res.failures[0]["rank"] == 2 and res.failures[0]["rc"] == -9
@@ -273,9 +281,7 @@ def test_megatron_lm_unmodified_entry_protected_by_its_flags_alone(tmp_path, meg
     imports nothing of shardsafe beyond the hook; with it, a SIGKILL of rank 2 before iteration 4 resumes from
     the snapshot and ends bit-identical to the plain run."""
     steps = 6
-    # cold: what a plain start of this program imports (a fork server's child has the server's modules)
-    ref = megatron_reference("megatron_lm_plain_entry", [*lm_args(), "--plain-entry"], script=MEGATRON_LM,
-                             env=lm_env(), cold=True)
+    ref = lm_reference(megatron_reference)   # cold: a fork server's child would have the server's modules
     hook_only = ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload", "shardsafe.env", "shardsafe.errors"]
     for r in range(4):
         with open(os.path.join(str(ref), f"modules_rank{r}.json")) as f:
@@ -299,7 +305,7 @@ def test_megatron_lm_node_loss_rebuilt_from_parity(tmp_path, megatron_reference)
     """Megatron-LM's loop, TP2xDP2 on 2 nodes x 2 ranks (each DP pair spans both nodes: parity RS(1,1)): node1
     (ranks 2 and 3 and its holder, shared memory gone) is lost after iteration 3; the restarted ranks 2 and 3
     are rebuilt from node0's data and parity inside setup_model_and_optimizer and the run ends bit-exact."""
-    ref = megatron_reference("megatron_lm", lm_args(), script=MEGATRON_LM, env=lm_env())
+    ref = lm_reference(megatron_reference)
     res = run_megatron(tmp_path, lm_args(), script=MEGATRON_LM, env=lm_env(), inject="kill-node:node1@3")
     assert res.ok and res.attempts == 2 and res.failures[0]["cause"] == "node_loss", (res, trainer_logs(str(tmp_path))[-3000:])
     ev = events(tmp_path)
@@ -320,7 +326,7 @@ def test_megatron_lm_exit_seals_a_final_snapshot(tmp_path, megatron_reference):
     the interval skipped. Its final snapshot is committed and flushed to the persistent tier (persist_every
     10 would flush neither 3 nor 4), so the next job of the same id, whose holders start empty, restores
     iteration 4 from disk and finishes bit-exact."""
-    ref = megatron_reference("megatron_lm", lm_args(), script=MEGATRON_LM, env=lm_env())
+    ref = lm_reference(megatron_reference)
     disk, job = tmp_path / "persist", f"mx{uuid.uuid4().hex[:8]}"
     flags = ["--shardsafe", "--shardsafe-timeout-s", "30", "--shardsafe-interval", "3",
              "--shardsafe-persist-dir", str(disk), "--out", str(tmp_path)]
