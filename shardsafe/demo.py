@@ -30,7 +30,7 @@ from .cliargs import hidden_alias, seconds, whole
 from .errors import ConfigError, ShardsafeError
 from .launch.local import LaunchConfig, LocalLauncher
 from .launch.cli import fault_spec_arg, preload_arg
-from .launch.presets import PRESETS
+from .launch.presets import PRESETS, without_runtime
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -179,15 +179,18 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
 
     say(f"[1/3] reference run: {world} ranks on {a.nodes} simulated nodes, {a.engine} {plan.layout}, "
         f"{a.steps} steps, no failures, {plan.plain}")
+    preload = PRESETS["megatron" if a.engine == "megatron" else "deepspeed"] if a.preload is None else a.preload
+    # The reference's trainers fork from a server with the same frameworks and nothing of shardsafe's runtime
+    # (with --preload none both runs start cold)
     ref = LocalLauncher(LaunchConfig(nodes=a.nodes, nproc_per_node=a.nproc_per_node, job_id=job + "-ref",
-                                     run_dir=ref_dir, start_holders=False, max_restarts=0))
+                                     run_dir=ref_dir, start_holders=False, max_restarts=0,
+                                     preload=without_runtime(preload)))
     r0 = ref.run([sys.executable, plan.script, *plan.common, *plan.unprotect, "--out", ref_dir])
     if not r0.ok:
         raise SystemExit(f"the reference run failed; see {ref_dir}/trainer_rank*.log")
     say(f"      done in {r0.wall_s:.1f} s")
     say(f"[2/3] protected run: snapshot every step into one holder per node, parity across nodes; "
         f"injected faults: {inject} (a SIGKILLed trainer, then a whole node: its trainers and holder)")
-    preload = PRESETS["megatron" if a.engine == "megatron" else "deepspeed"] if a.preload is None else a.preload
     run = LocalLauncher(LaunchConfig(nodes=a.nodes, nproc_per_node=a.nproc_per_node, job_id=job, run_dir=run_dir,
                                      inject=inject, max_restarts=3, memory_budget_gb=a.memory_budget_gb,
                                      preload=preload))
@@ -222,8 +225,7 @@ class OracleError(RuntimeError, ShardsafeError):
     its logs are."""
 
 
-ORACLE_PRELOAD = tuple(m for m in PRESETS["deepspeed"]
-                       if m not in ("shardsafe.runtime", "shardsafe.adapters.deepspeed"))
+ORACLE_PRELOAD = without_runtime(PRESETS["deepspeed"])
 """The oracle's plain runs fork their trainers from a server that imported the frameworks and nothing of shardsafe's
 runtime (a forked trainer computes what a cold one does: tests/fault pins it); each stretch would otherwise pay the
 imports of every rank at once."""
@@ -251,10 +253,12 @@ def _kept_segments(run_dir: str, sizes: list[int], steps: int) -> list[dict[str,
     for a, d in enumerate(sizes):
         if segs and segs[-1]["dp"] == d:
             segs[-1]["attempts"].append(a)
-            continue
-        if segs:
-            segs[-1]["last"] = max(0, restored.get(a, 0))
-        segs.append({"dp": d, "attempts": [a], "first": segs[-1]["last"] if segs else 0, "last": steps})
+        else:
+            segs.append({"dp": d, "attempts": [a], "first": 0, "last": steps})
+    for prev, seg in zip(segs, segs[1:]):
+        # an attempt killed inside its restore wrote no restore_end: the stretch starts at the first one that did
+        done = [restored[a] for a in seg["attempts"] if restored.get(a, -1) >= 0]
+        prev["last"] = seg["first"] = done[0] if done else 0
     return segs
 
 

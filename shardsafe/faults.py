@@ -28,10 +28,12 @@ Phases of the snapshot's background work (S = the snapshot version):
   kill-commit:R@S         ... after the commit vote agreed on version S, before its holder commits it
   stall-vote:R@S          rank R's snapshot worker sleeps SHARDSAFE_INJECT_STALL_S seconds (default 10) right before
                           the commit vote of version S: a rank slower than timeout_s, the others' vote times out
-Phases of a restore (S = the version being restored, 0 = whichever):
-  kill-restore-rebuild:R@S  SIGKILL rank R in a parity rebuild, after the stripes arrived, before the seal
-  kill-restore-verify:R@S   ... after its copy verified, before the vote
-  kill-restore-apply:R@S    ... halfway through writing the snapshot into the live tensors
+Phases of a restore (S = the version being restored, 0 = whichever), at the same size or re-partitioned to another:
+  kill-restore-rebuild:R@S  SIGKILL rank R in a parity rebuild, after the stripes arrived, before the seal (a
+                            re-partition: once it decoded the lost sources it rebuilds, before the rebuild vote)
+  kill-restore-verify:R@S   ... after its copy verified, before the vote (a re-partition: every source's)
+  kill-restore-apply:R@S    ... halfway through writing the snapshot into the live tensors (a re-partition: its
+                            flat tensors)
 """
 from __future__ import annotations
 

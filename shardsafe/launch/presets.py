@@ -42,6 +42,18 @@ PRESETS: dict[str, tuple[str, ...]] = {"deepspeed": PRELOAD_DEEPSPEED, "megatron
                                        "hf": PRELOAD_HF, "none": ()}
 """``--preload NAME``: the preset for the framework the trainers run; ``none`` starts every trainer cold."""
 
+RUNTIME_MODULES = ("shardsafe.runtime", "shardsafe.adapters.deepspeed", "shardsafe.adapters.megatron",
+                   "shardsafe.adapters.hf")
+"""shardsafe's runtime and framework adapters in the presets: what an unprotected run's server leaves out."""
+
+
+def without_runtime(modules: tuple[str, ...]) -> tuple[str, ...]:
+    """``modules`` without shardsafe's runtime and adapters: a server for unprotected runs (a reference, an
+    oracle), which import the frameworks as the protected ones do and nothing of shardsafe's runtime. Function
+    entries stay (py-cpuinfo's answer is remembered as for the protected runs)."""
+    return tuple(m for m in modules if m not in RUNTIME_MODULES)
+
+
 _ENTRY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_]*)?")
 
 

@@ -251,14 +251,21 @@ class Deferred:
         got = self._recipes.get(id(t))
         return got is not None and got[0] is t
 
-    def fill(self, tensors: Mapping[str, Any], into: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    def fill(self, tensors: Mapping[str, Any], into: Mapping[str, torch.Tensor],
+             halfway: Optional[Callable[[], None]] = None) -> dict[str, Any]:
         """``tensors`` with every deferred tensor written: into ``into[name]`` when that is a host tensor of its
         exact shape and dtype, contiguous (a live tensor: the apply's copy from it into itself is then no copy),
-        else into a new one. Call it only once the target state may be applied: it writes the live state."""
+        else into a new one. Call it only once the target state may be applied: it writes the live state.
+        ``halfway`` is called once half of the deferred tensors are written (fault injection: a torn apply)."""
         out = dict(tensors)
-        for name, t in tensors.items():
-            if not self.deferred(t):
-                continue
+        todo = [name for name, t in tensors.items() if self.deferred(t)]
+        half = len(todo) // 2
+        if halfway is not None and not todo:
+            halfway()
+        for i, name in enumerate(todo):
+            t = tensors[name]
+            if halfway is not None and i == half:
+                halfway()
             _, copies, device = self._recipes[id(t)]
             live = into.get(name)
             fits = (torch.is_tensor(live) and live.device.type == "cpu" and torch.device(device).type == "cpu"

@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional
 
 from .. import collectives
 from .. import fingerprint as fpr
+from ..faults import PHASE_RESTORE_APPLY, PHASE_RESTORE_REBUILD, PHASE_RESTORE_VERIFY
 from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
 from .reshard import Deferred, ReshardError, reshard
@@ -104,6 +105,7 @@ class _Run:
     persist: Any
     fingerprint: Optional[dict]
     force: bool
+    on_phase: Callable[[str, int], None]   # fault injection at the restore's phases (shardsafe.faults)
     refusals: list = field(default_factory=list)
     phases: dict = field(default_factory=lambda: dict.fromkeys(
         ("survey", "verify", "rebuild", "move", "assemble", "apply"), 0.0))
@@ -127,7 +129,8 @@ class _Run:
 
 
 def restore_resized(adapter: StateAdapter, client: Any, *, rank: int, coll: Any, resize: Resize, persist: Any = None,
-                    fingerprint: Optional[dict] = None, force: bool = False) -> "Resized | Unrestorable | str":
+                    fingerprint: Optional[dict] = None, force: bool = False,
+                    on_phase: Optional[Callable[[str, int], None]] = None) -> "Resized | Unrestorable | str":
     """Collective, on every rank: restore the newest version of the newest layout that the holders (or, failing
     that, the persistent tier) hold complete at another data-parallel size. Returns what was restored
     (:class:`Resized`), :data:`SAME_SIZE` when the newest restorable version is at this size (the same-size restore
@@ -138,7 +141,7 @@ def restore_resized(adapter: StateAdapter, client: Any, *, rank: int, coll: Any,
             f"and {type(adapter).__name__} cannot re-partition its state to another data-parallel size. Nothing was "
             "loaded or deleted. Run with the original world size, or export the snapshot (`shardsafe export`) and "
             "load it with your framework's resharding loader under a new shardsafe job_id.")
-    run = _Run(adapter, client, rank, coll, resize, persist, fingerprint, force)
+    run = _Run(adapter, client, rank, coll, resize, persist, fingerprint, force, on_phase or (lambda name, v: None))
     t0 = time.perf_counter()
     sv = survey(client, rank=rank, nodes=run.nodes, coll=coll)
     run.phases["survey"] = time.perf_counter() - t0
@@ -196,6 +199,7 @@ def _attempt(run: _Run, choice: Choice) -> tuple[Optional[Resized], frozenset[in
         run.phases["verify"] += time.perf_counter() - t0
         if bad:
             return None, bad
+        run.on_phase(PHASE_RESTORE_VERIFY, choice.version)
         slices, rebuilders = _plans(run, choice, manifests)
         t0 = time.perf_counter()
         rebuilt, problems, fragment_bytes = {}, _fingerprint_problems(run, choice, manifests), 0
@@ -206,6 +210,8 @@ def _attempt(run: _Run, choice: Choice) -> tuple[Optional[Resized], frozenset[in
                 rebuilt, why, fragment_bytes = rebuild(choice, manifests, rebuilders, run.resize.recovery, opened,
                                                        rank=run.rank, group=group)
                 problems += why
+                if run.rank in rebuilders.values():
+                    run.on_phase(PHASE_RESTORE_REBUILD, choice.version)
         run.vote(choice, problems, "rebuild")
         run.phases["rebuild"] += time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -227,7 +233,8 @@ def _attempt(run: _Run, choice: Choice) -> tuple[Optional[Resized], frozenset[in
         run.phases["assemble"] += time.perf_counter() - t0
         run.vote(choice, problems, "check")
         t0 = time.perf_counter()
-        tensors = deferred.fill(target.tensors, _live(run.adapter))
+        tensors = deferred.fill(target.tensors, _live(run.adapter),
+                                halfway=lambda: run.on_phase(PHASE_RESTORE_APPLY, choice.version))
         run.phases["assemble"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         run.adapter.apply_resharded(tensors, target.meta)

@@ -183,7 +183,7 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     res = None
     if resize is not None:
         res = _resized(adapter, client, rank=rank, coll=coll, resize=resize, persist=persist, emit=emit, t0=t0,
-                       early=early, fingerprint=fingerprint, force=force)
+                       early=early, fingerprint=fingerprint, force=force, on_phase=on_phase)
     if res is None:
         res = _same_size(adapter, client, rank=rank, coll=coll, emit=emit, t0=t0, exchange=exchange, nodes=nodes,
                          persist=persist, on_phase=on_phase, h2d=h2d, early=early, fingerprint=fingerprint,
@@ -245,11 +245,11 @@ def _same_size(adapter: StateAdapter, client, *, rank: int, coll: Collectives, e
 
 
 def _resized(adapter: StateAdapter, client, *, rank: int, coll: Collectives, resize: Resize, persist, emit,
-             t0: float, early: Optional[EarlyOpen], fingerprint, force: bool) -> Optional[RestoreResult]:
+             t0: float, early: Optional[EarlyOpen], fingerprint, force: bool, on_phase=None) -> Optional[RestoreResult]:
     """The restore at another data-parallel size (shardsafe/snapshot/reshard_restore.py); None when the newest
     restorable version is at this size (then placement runs, and the same-size restore goes on)."""
     out = restore_resized(adapter, client, rank=rank, coll=coll, resize=resize, persist=persist,
-                          fingerprint=fingerprint, force=force)
+                          fingerprint=fingerprint, force=force, on_phase=on_phase)
     if out == SAME_SIZE:
         if resize.migrate is not None:
             resize.migrate()

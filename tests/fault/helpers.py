@@ -7,6 +7,7 @@ import uuid
 
 from shardsafe.launch import PRELOAD_DEEPSPEED, PRELOAD_HF, PRELOAD_MEGATRON, LaunchConfig, LocalLauncher
 from shardsafe.launch.local import trainer_env
+from shardsafe.launch.presets import without_runtime
 from shardsafe.launch.prewarm import ForkServer
 from shardsafe.runcheck import read_jsonl
 
@@ -25,10 +26,8 @@ SCRIPT = os.path.join(ROOT, "examples", "ds_pretrain_gpt.py")
 # also shows what a program without the flags imports), HF's Trainer (test_hf_trainer.py's module reference, which
 # also shows what a Trainer without the block imports). SHARDSAFE_TEST_COLD_REFERENCES=1 starts every
 # reference cold.
-PLAIN_DEEPSPEED = tuple(m for m in PRELOAD_DEEPSPEED if m not in ("shardsafe.runtime", "shardsafe.adapters.deepspeed"))
-PLAIN_MEGATRON = tuple(m for m in PRELOAD_MEGATRON if m not in ("shardsafe.runtime", "shardsafe.adapters.megatron"))
-PLAIN_HF = tuple(m for m in PRELOAD_HF if m not in ("shardsafe.runtime", "shardsafe.adapters.deepspeed",
-                                                    "shardsafe.adapters.hf"))
+PLAIN_DEEPSPEED, PLAIN_MEGATRON, PLAIN_HF = (without_runtime(p) for p in (PRELOAD_DEEPSPEED, PRELOAD_MEGATRON,
+                                                                           PRELOAD_HF))
 ALL_REFERENCES_COLD = os.environ.get("SHARDSAFE_TEST_COLD_REFERENCES", "0") == "1"
 
 

@@ -1,7 +1,8 @@
 """`shardsafe demo --json` end to end, for both engines (what `make demo` runs, shortened).
 
-Each demo is two real jobs on 2 simulated nodes x 2 ranks: a cold-started reference without failures,
-and a protected run, forked from the fork server, that loses a rank and then a whole node. The demo
+Each demo is two real jobs on 2 simulated nodes x 2 ranks: a reference without failures, forked from a server
+that imported the frameworks and nothing of shardsafe's runtime, and a protected run, forked from the preset's
+server, that loses a rank and then a whole node. The demo
 itself compares every loss and every rank's final state with torch.equal; the test checks its verdict
 and that its JSON says what happened.
 """
@@ -13,6 +14,8 @@ import subprocess
 import sys
 
 import pytest
+
+from shardsafe.launch.presets import RUNTIME_MODULES, without_runtime
 
 from .._probes import installed_version
 
@@ -45,11 +48,16 @@ def test_demo_json(tmp_path, engine, steps):
     assert out["failures_injected"] == 2 and out["restores"] == 2 and out["node_losses"] == 1
     assert out["restore_tiers"] == ["memory", "parity"] and out["rebuilt_bytes"] > 0
     assert out["tor_accounted"] is True and 0 < out["tor"] < 1
-    # the protected run's trainers were forked from the pre-warmed server, the reference's started cold
+    # the protected run's trainers were forked from the preset's server, the reference's from one without
+    # shardsafe's runtime
     events = [json.loads(ln) for ln in open(tmp_path / "run" / "events.jsonl")]
     assert any(e["kind"] == "prewarm_ready" for e in events)
     assert out["prewarm"]["preload"] and out["prewarm"]["seconds"] > 0
-    assert not any(e["kind"] == "prewarm_ready" for e in map(json.loads, open(tmp_path / "reference" / "events.jsonl")))
+    ref_ready = [e for e in map(json.loads, open(tmp_path / "reference" / "events.jsonl"))
+                 if e["kind"] == "prewarm_ready"]
+    assert len(ref_ready) == 1 and ref_ready[0]["preload"] == list(without_runtime(tuple(out["prewarm"]["preload"])))
+    assert set(out["prewarm"]["preload"]) & set(RUNTIME_MODULES) and not set(ref_ready[0]["preload"]) & set(
+        RUNTIME_MODULES), (out["prewarm"], ref_ready)
     assert "start cold" not in r.stderr, r.stderr[-3000:]
     # `shardsafe tor project --from` the demo's own run dir takes the costs `tor report` measures there (issue 20)
     rep = subprocess.run([sys.executable, "-m", "shardsafe.cli", "tor", "report", str(tmp_path), "--json"],

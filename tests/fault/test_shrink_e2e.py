@@ -130,18 +130,24 @@ def test_zero3_under_shardsafe_launch_shrinks_from_memory_and_grows_back_bit_exa
 
 
 def test_zero1_a_rank_killed_before_the_first_commit_at_the_smaller_size_restores_again(tmp_path):
-    """ZeRO-1, a second failure inside the shrink: node3 is lost at step 4 (version 3 committed, or 4 when its commit
-    beat the kill); in the attempt at D' = 3, rank 1 is SIGKILLed at the first step it runs (4 or 5: both are
-    armed), before any version of the new size commits, so the next attempt (still at 3: no node came back) must
+    """ZeRO-1, two more failures inside the shrink: node3 is lost at step 4 (version 3 committed, or 4 when its commit
+    beat the kill); in the first attempt at D' = 3, rank 1 is SIGKILLed halfway through writing the re-partitioned
+    state into its live tensors (kill-restore-apply); in the second, at the first step it runs (4 or 5: both are
+    armed), before any version of the new size commits. Each next attempt (still at 3: no node came back) must
     re-partition the same version again from the old size's copies (the survivors' and node3's rebuilt from parity),
-    which the first D' attempt may not have dropped. Then node3 returns and the job grows back."""
-    out = shrink_demo(tmp_path, "--zero-stage", "1",
-                      "--inject", "kill-node:node3@4;kill-rank:1@4&kill-rank:1@5;add-node:node3@6")
+    which no D' attempt may have dropped. Then node3 returns and the job grows back."""
+    out = shrink_demo(tmp_path, "--zero-stage", "1", "--inject",
+                      "kill-node:node3@4;kill-restore-apply:1@0;kill-rank:1@4&kill-rank:1@5;add-node:node3@6")
     check_bit_exact_and_resumed(out, [4, 3, 4])
-    assert out["attempts"] == 4 and out["failures_injected"] == 2, out
+    assert out["attempts"] == 5 and out["failures_injected"] == 3, out
     v = out["restored_versions"]
     assert v[0] in (3, 4) and v[1] == v[0] and out["restore_tiers"][:2] == ["parity", "parity"], out
     assert [s["dp"] for s in out["oracle"]["segments"]] == [4, 3, 4], out["oracle"]
+    # the kill hit the re-partition's apply: rank 1 of attempt 1 died there, and no rank of attempt 1 trained
+    evs = read_jsonl(os.path.join(out["run_dir"], "events.jsonl"))
+    assert [(e["rank"], e["fault"]) for e in evs if e.get("kind") == "fault_injected" and e.get("attempt") == 1] \
+        == [(1, "kill-restore-apply:1@0")], evs[-20:]
+    assert not [e for e in evs if e.get("kind") == "iteration" and e.get("attempt") == 1]
 
 
 def test_pipeline_pp2_shrinks_and_grows_back_with_the_stages_kept_bit_exact(tmp_path):

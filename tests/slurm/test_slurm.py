@@ -63,6 +63,23 @@ def _free_port_block(n: int) -> int:
     raise RuntimeError("no free port block for the local SLURM cluster")
 
 
+def submit(env: dict, tmp_path, run_dir):
+    """sbatch the script on 3 nodes; returns the job id and ``diag()``: the job's output and the end of every agent
+    log, for an assertion's message."""
+    out_file = tmp_path / "job.out"
+    sub = subprocess.run(["sbatch", "--parsable", "-N3", f"--output={out_file}", SBATCH], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+
+    def diag() -> str:
+        logs = ""
+        for f in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").exists() else []:
+            logs += f"\n==== {f.name}\n" + f.read_text(errors="replace")[-1500:]
+        return (out_file.read_text(errors="replace") if out_file.exists() else "(no job output)") + logs
+
+    return sub.stdout.strip().split(";")[0], diag
+
+
 def _ours(env_marker: str, conf: str) -> list[int]:
     """PIDs of processes of this cluster (daemons carry SLURM_CI_TAG, job processes its SLURM_CONF)."""
     out = []
@@ -151,17 +168,7 @@ def test_sbatch_rank_kill_and_node_loss_continue_in_the_allocation(cluster, tmp_
            "SS_INJECT": "kill-rank:1@4", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            # workers forked from a fork server per node (shardsafe.launch.prewarm); the reference below starts cold
            "SS_PRELOAD": ",".join(PRELOAD_DEEPSPEED)}
-    out_file = tmp_path / "job.out"
-    sub = subprocess.run(["sbatch", "--parsable", "-N3", f"--output={out_file}", SBATCH], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
-    assert sub.returncode == 0, sub.stderr
-    jid = sub.stdout.strip().split(";")[0]
-
-    def diag() -> str:
-        logs = ""
-        for f in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").exists() else []:
-            logs += f"\n==== {f.name}\n" + f.read_text(errors="replace")[-1500:]
-        return (out_file.read_text(errors="replace") if out_file.exists() else "(no job output)") + logs
+    jid, diag = submit(env, tmp_path, run_dir)
 
     events = run_dir / "events.jsonl"
     downed, deadline, info = False, time.time() + 600, {}
@@ -403,17 +410,7 @@ def test_sbatch_continues_on_the_nodes_left_when_no_spare_is_left(cluster, tmp_p
            "SS_MEMORY_BUDGET_GB": "0.05", "SS_KEEP_ALIVE_S": "2", "SS_GRACE": "1", "SS_SPARES": "0",
            "SS_SHRINK_AFTER_S": "2", "SS_GLOBAL_BATCH": "6", "SS_MICRO_BATCH": "1", "SS_SCRIPT": trainer,
            "SS_SCRIPT_ARGS": "--steps 12 --step-s 0.5 --interval 2 --barrier", "OMP_NUM_THREADS": "1"}
-    out_file = tmp_path / "job.out"
-    sub = subprocess.run(["sbatch", "--parsable", "-N3", f"--output={out_file}", SBATCH], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
-    assert sub.returncode == 0, sub.stderr
-    jid = sub.stdout.strip().split(";")[0]
-
-    def diag() -> str:
-        logs = ""
-        for f in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").exists() else []:
-            logs += f"\n==== {f.name}\n" + f.read_text(errors="replace")[-1500:]
-        return (out_file.read_text(errors="replace") if out_file.exists() else "(no job output)") + logs
+    jid, diag = submit(env, tmp_path, run_dir)
 
     downed, deadline, info, nodes = "", time.time() + 300, {}, []
     while time.time() < deadline:

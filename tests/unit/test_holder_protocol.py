@@ -141,6 +141,7 @@ def assert_no_traceback(h: Holder):
 def settled(h: Holder) -> tuple[int, int]:
     """(threads, fds) of the holder once they stop changing (a closed client's thread is still ending)."""
     last, since = None, time.monotonic()
+    t_last = since
     while time.monotonic() - since < 5:
         now = (h.threads(), h.nfds())
         if now == last and time.monotonic() - t_last > 0.3:

@@ -368,7 +368,13 @@ def test_a_deferred_assembly_writes_nothing_until_filled_then_the_same_bytes_int
     live = {n: torch.full_like(want.tensors[n], float("nan")) for n in flat}
     live[flat[0]] = torch.full((want.tensors[flat[0]].numel() + 1,), 7.0)   # does not fit: left alone
     before = {n: t.clone() for n, t in live.items()}
-    filled = d.fill(got.tensors, live)
+    seen = []   # the fault hook (kill-restore-apply) runs once, with half of the live tensors written
+
+    def halfway():
+        seen.append([n for n in flat[1:] if not torch.isnan(live[n]).all()])   # NaN until written
+
+    filled = d.fill(got.tensors, live, halfway=halfway)
+    assert len(seen) == 1 and 0 < len(seen[0]) < len(flat) - 1, (seen, len(flat))
     assert sorted(filled) == sorted(want.tensors)
     assert all(torch.equal(filled[n], want.tensors[n]) for n in want.tensors)
     assert all(filled[n] is live[n] for n in flat[1:]) and filled[flat[0]] is not live[flat[0]]
