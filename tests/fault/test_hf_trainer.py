@@ -70,6 +70,25 @@ def test_hf_trainer_killed_mid_run_resumes_at_the_snapshot_bit_exact(tmp_path, h
                                                            cmp.state_mismatches)
 
 
+def killed_at_5_resumes_as_its_reference(tmp_path, extra: list[str]):
+    """The script with ``extra`` unprotected (the reference), then protected with rank 1 SIGKILLed before step 5:
+    restored 3 or 4, continued right after it, every loss and the final state bit-identical. Returns the run."""
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    assert hf_job(ref, max_restarts=0, protected=False, extra=extra).ok, trainer_logs(str(ref))[-3000:]
+    run = tmp_path / "run"
+    run.mkdir()
+    res = hf_job(run, inject="kill-rank:1@5", extra=extra)
+    assert res.ok and res.attempts == 2, (res, trainer_logs(str(run))[-4000:])
+    got = restores(run)
+    assert got[0] == -1 and got[1] in (3, 4), got
+    resumed_without_start_over(run, got[1], STEPS)
+    cmp = compare_runs(str(run), str(ref), 2, STEPS)
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
+                                                           cmp.state_mismatches)
+    return run
+
+
 HF_OWN_OPTIMIZERS = [
     # (TrainingArguments.optim, ZeRO stage, who steps the schedule)
     ("adamw_torch_fused", 2, "hf"),   # transformers 5's default, with HF's linear warmup schedule
@@ -90,21 +109,9 @@ def test_hf_trainer_building_its_own_optimizer_resumes_bit_exact(tmp_path, optim
     in the snapshot and put back before step v+1. The final state includes what DeepSpeed and HF report (module and
     optimizer ``state_dict``, counters, HF's scheduler ``state_dict``)."""
     extra = ["--optim", optim, "--zero-stage", str(stage)] + (["--ds-scheduler"] if schedule == "deepspeed" else [])
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    assert hf_job(ref, max_restarts=0, protected=False, extra=extra).ok, trainer_logs(str(ref))[-3000:]
-    run = tmp_path / "run"
-    run.mkdir()
-    res = hf_job(run, inject="kill-rank:1@5", extra=extra)
-    assert res.ok and res.attempts == 2, (res, trainer_logs(str(run))[-4000:])
-    got = restores(run)
-    assert got[0] == -1 and got[1] in (3, 4), got
-    resumed_without_start_over(run, got[1], STEPS)
+    run = killed_at_5_resumes_as_its_reference(tmp_path, extra)
     logs = trainer_logs(str(run))
     assert "NOT restored" not in logs, logs[-3000:]
-    cmp = compare_runs(str(run), str(ref), 2, STEPS)
-    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
-                                                           cmp.state_mismatches)
     from shardsafe.payload.manifest import load_tensors
     final = load_tensors(os.path.join(str(run), "final_rank0"))
     assert any(k.startswith("fw/optimizer/") for k in final) and any(k.startswith("fw/module/") for k in final)
@@ -115,20 +122,7 @@ def test_hf_trainer_with_gradient_accumulation_resumes_bit_exact(tmp_path):
     """gradient_accumulation_steps=2: an optimizer step is two micro-batches, so the restored step v skips
     ``(v % updates_per_epoch) * 2`` batches of its epoch (24 samples: 1 step per epoch at 2 ranks x 4 x 2 would
     be too few; 48 samples make 3 steps per epoch). Reference: the same script without the block."""
-    gas = ["--gas", "2", "--samples", "48"]
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    assert hf_job(ref, max_restarts=0, protected=False, extra=gas).ok, trainer_logs(str(ref))[-3000:]
-    run = tmp_path / "run"
-    run.mkdir()
-    res = hf_job(run, inject="kill-rank:1@5", extra=gas)
-    assert res.ok and res.attempts == 2, (res, trainer_logs(str(run))[-4000:])
-    got = restores(run)
-    assert got[0] == -1 and got[1] in (3, 4), got
-    resumed_without_start_over(run, got[1], STEPS)
-    cmp = compare_runs(str(run), str(ref), 2, STEPS)
-    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
-                                                           cmp.state_mismatches)
+    killed_at_5_resumes_as_its_reference(tmp_path, ["--gas", "2", "--samples", "48"])
 
 
 def test_hf_trainer_resuming_from_its_last_checkpoint_takes_the_newer_snapshot(tmp_path, hf_reference):
