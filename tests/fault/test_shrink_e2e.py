@@ -19,8 +19,9 @@ test_a_layout_that_cannot_shrink_waits_for_a_node_and_says_why.
 The pipeline layout (PipelineModule, PP = 2, D changes and PP stays) has DeepSpeed's universal checkpoint as its
 oracle too: ``ds_to_universal`` converts a PipelineEngine's ZeRO-1 checkpoint and ``load_universal`` loads it at
 another data-parallel size with the same stages. It runs in fp32 (ZeRO-1): with bf16 the demo's pipeline uses
-BF16_Optimizer, whose pipeline checkpoint ``ds_to_universal`` refuses ("param_shapes must contain dictionaries"), so
-that combination has no native oracle (its shrink and grow themselves run the same way).
+BF16_Optimizer, whose pipeline checkpoint ``ds_to_universal`` refuses ("param_shapes must contain dictionaries"); that
+combination's re-partition is checked against DeepSpeed's per-parameter accessors in
+tests/dist/test_ds_pipeline_bf16_reshard_oracle.py (its shrink and grow themselves run the same way).
 """
 from __future__ import annotations
 
