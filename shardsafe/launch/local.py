@@ -495,20 +495,29 @@ class LocalLauncher:
                                 "grow back", version, attempt)
                     return {"cause": GROW, "plan": grow, "attempt": attempt, "version": version, "rc": None}
             codes = [p.poll() for p in procs]
-            bad = [(r, rc) for r, rc in enumerate(codes) if rc not in (None, 0)]
-            if bad:
-                # Seen together in one poll (a busy launcher polls late), a rank killed by a signal is the
-                # cause and the ranks that exited with an error are its peers failing on the lost connection.
-                r, rc = min(bad, key=lambda b: (b[1] > 0, b[0]))
-                rec = {"cause": "rank_exit", "rank": r, "rc": rc, "attempt": attempt, "node": placed[r]}
-                if len(bad) > 1:
-                    rec["also"] = [{"rank": o, "rc": orc} for o, orc in bad if o != r]
-                return rec
+            exited = rank_exit(codes)
+            if exited is not None:
+                return {"cause": "rank_exit", **exited, "attempt": attempt, "node": placed[exited["rank"]]}
             if all(rc == 0 for rc in codes):
                 return None
             if time.monotonic() - started > c.attempt_timeout_s:
                 return {"cause": "hang", "attempt": attempt}
             time.sleep(0.05)
+
+
+def rank_exit(codes: list) -> dict[str, Any] | None:
+    """The failure among the trainers' exit codes (``Popen.poll()``: None while running): ``{"rank", "rc"}`` and,
+    when several failed, the others under ``also``; None while none failed. Seen together in one poll (a busy
+    launcher polls late), a rank killed by a signal is the cause: the ranks that exited with an error are its peers
+    failing on the lost connection. Among equals, the lowest rank."""
+    bad = [(r, rc) for r, rc in enumerate(codes) if rc not in (None, 0)]
+    if not bad:
+        return None
+    r, rc = min(bad, key=lambda b: (b[1] > 0, b[0]))
+    out: dict[str, Any] = {"rank": r, "rc": rc}
+    if len(bad) > 1:
+        out["also"] = [{"rank": o, "rc": orc} for o, orc in bad if o != r]
+    return out
 
 
 class _EventTail:

@@ -87,6 +87,45 @@ def test_unexplained_new_round_reports_the_previous_attempt():
 
 # ---- progress tail ----------------------------------------------------------------------------------------
 
+def test_the_local_launcher_names_the_rank_a_signal_killed_when_several_are_found_dead():
+    """A SIGKILLed rank's peers exit with rc 1 on the lost connection; a late poll sees them all dead at once. The
+    signal is the cause, whatever the ranks' order; the others are listed; an error exit alone is reported as is."""
+    from shardsafe.launch.local import rank_exit
+    assert rank_exit([None, 0, None]) is None
+    assert rank_exit([1, -9, None]) == {"rank": 1, "rc": -9, "also": [{"rank": 0, "rc": 1}]}
+    assert rank_exit([-9, 1]) == {"rank": 0, "rc": -9, "also": [{"rank": 1, "rc": 1}]}
+    assert rank_exit([0, 2, 1]) == {"rank": 1, "rc": 2, "also": [{"rank": 2, "rc": 1}]}
+    assert rank_exit([None, -15, -9]) == {"rank": 1, "rc": -15, "also": [{"rank": 2, "rc": -9}]}
+
+
+def test_the_local_launcher_serves_each_attempts_store_before_a_trainer_starts(tmp_path):
+    """The attempt's c10d store is bound by the launcher (no other process can take its port before rank 0 would
+    have bound it), a client connects to it, and the next attempt gets a new store."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from shardsafe.launch.local import LaunchConfig, LocalLauncher
+    launcher = LocalLauncher(LaunchConfig(job_id="store", run_dir=str(tmp_path)))
+    port = launcher._rendezvous_store()
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    client.set("k", "v")
+    assert launcher._store.get("k") == b"v"
+    port2 = launcher._rendezvous_store()
+    fresh = TCPStore("127.0.0.1", port2, is_master=False, timeout=timedelta(seconds=10))
+    assert fresh.check(["k"]) is False   # no key of the previous attempt
+
+
+def test_free_ports_are_drawn_below_the_ephemeral_range():
+    lo, _ = discovery._ephemeral_range()
+    ports = {discovery.free_port() for _ in range(5)}
+    if lo > 20000 + 1024:
+        assert all(20000 <= p < lo for p in ports), (lo, ports)
+    else:
+        print(f"ephemeral range starts at {lo}: free_port falls back to bind(0)")
+        assert all(0 < p < 65536 for p in ports)
+
+
 def test_progress_tail_per_attempt_and_torn_tail(tmp_path):
     p = tmp_path / "events.jsonl"
     p.write_text(json.dumps({"t": 1.0, "kind": "iteration", "attempt": 0, "iteration": 5, "seconds": 0.1}) + "\n"
