@@ -231,8 +231,8 @@ class _AgentHooks:
                         hung.append(int(r))
             except (psutil.Error, OSError):
                 pass
-        if hung:
-            self._publish({"type": "hung", "attempt": attempt, "ranks": sorted(hung)})
+        # Published even when empty: the controller names the stopped rank once every node's scan is in.
+        self._publish({"type": "hung", "attempt": attempt, "ranks": sorted(hung)})
         log.warning("[agent %s] controller: attempt %d is hung%s; SIGKILLing %d worker process(es)", self.opts.node,
                     attempt, f" (stopped ranks {sorted(hung)})" if hung else "", len(procs))
         for p in procs:

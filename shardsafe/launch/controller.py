@@ -222,7 +222,7 @@ class Controller:
         elif kind == "done":
             self._emit(self.book.done(a, ranks=fact.get("ranks", []), t=t))
         elif kind == "hung":
-            self.book.hung(a, fact.get("ranks", []))
+            self.book.hung(a, fact.get("ranks", []), node=fact.get("node"))
 
     def _read_notes(self, now: float) -> None:
         d = os.path.join(self.run_dir, CONTROL_DIR)

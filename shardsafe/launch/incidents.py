@@ -18,6 +18,10 @@ from typing import Any, Iterable
 # Evidence ranking: the most specific explanation of an incident wins.
 PRIORITY = {"fatal_error": 5, "node_loss": 4, "hang": 3, "rank_signal": 2, "rank_exit": 1, "membership_change": 0}
 
+HANG_NAMING_S = 10.0
+"""How much longer than the grace period a hang waits for every node's report of its stopped workers (the agents
+scan them when they kill the attempt; a loaded node reports late). Past it the hang is reported unnamed."""
+
 
 @dataclass
 class Evidence:
@@ -39,6 +43,7 @@ class _AttemptState:
     done: set[int] = field(default_factory=set)
     evidence: list[Evidence] = field(default_factory=list)
     hung: set[int] = field(default_factory=set)
+    scanned: set[str] = field(default_factory=set)   # nodes whose agents reported their stopped workers
     decided: bool = False
     ended: bool = False
 
@@ -91,10 +96,13 @@ class IncidentBook:
         st.evidence.append(ev)
         return []
 
-    def hung(self, attempt: int, ranks: Iterable[int]) -> None:
+    def hung(self, attempt: int, ranks: Iterable[int], node: str | None = None) -> None:
+        """A node's agent killed ``attempt``'s workers and found ``ranks`` stopped (possibly none)."""
         st = self.attempts.get(attempt)
         if st is not None:
             st.hung.update(int(r) for r in ranks)
+            if node is not None:
+                st.scanned.add(node)
 
     def done(self, attempt: int, *, ranks: Iterable[int], t: float) -> list[Emit]:
         st = self.attempts.get(attempt)
@@ -119,7 +127,10 @@ class IncidentBook:
         out: list[Emit] = []
         for a in sorted(self.attempts):
             st = self.attempts[a]
-            if not st.decided and not st.ended and st.evidence and now - min(e.arrived for e in st.evidence) >= self.grace_s:
+            if st.decided or st.ended or not st.evidence:
+                continue
+            waited = now - min(e.arrived for e in st.evidence)
+            if waited >= self.grace_s and not (self._naming_hang(st) and waited < self.grace_s + HANG_NAMING_S):
                 out += self._decide(st)
         return out
 
@@ -142,9 +153,18 @@ class IncidentBook:
         return len(self.attempts)
 
     # ---- decision ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _best(st: _AttemptState) -> Evidence:
+        return max(st.evidence, key=lambda e: (PRIORITY.get(e.cause, 0), -e.t))
+
+    def _naming_hang(self, st: _AttemptState) -> bool:
+        """A hang not yet named while a node of the attempt has not reported its stopped workers."""
+        best = self._best(st)
+        return best.cause == "hang" and best.rank is None and not st.hung and not st.nodes <= st.scanned
+
     def _decide(self, st: _AttemptState) -> list[Emit]:
         st.decided = True
-        best = max(st.evidence, key=lambda e: (PRIORITY.get(e.cause, 0), -e.t))
+        best = self._best(st)
         at = min(e.t for e in st.evidence)
         cause = "rank_exit" if best.cause == "rank_signal" else best.cause
         rank = best.rank

@@ -62,6 +62,36 @@ def test_hang_names_the_stopped_rank_and_last_progress():
     assert f["cause"] == "hang" and f["rank"] == 1 and f["t_fault"] == 40.0 and f["attempt"] == 3
 
 
+def test_a_hang_waits_for_every_nodes_report_of_its_stopped_workers():
+    """Agents scan for stopped workers when they kill a hung attempt; a loaded node reports after the grace period.
+    The hang is reported once the rank is known or every node said it found none, and at the latest
+    HANG_NAMING_S after the grace period, unnamed; dated at its first evidence in every case."""
+    from shardsafe.launch.incidents import HANG_NAMING_S
+
+    def book():
+        b = IncidentBook(world_size=2, max_restarts=3, grace_s=1.0)
+        b.started(0, node="n0", ranks=[0], t=0.0, now=0.0)
+        b.started(0, node="n1", ranks=[1], t=0.0, now=0.0)
+        b.evidence(Evidence(t=50.0, cause="hang", t_fault=40.0), 0, now=50.0)
+        return b
+
+    b = book()
+    b.hung(0, [], node="n0")
+    assert b.tick(53.0) == []                       # n1 has not reported yet
+    b.hung(0, [1], node="n1")
+    f = b.tick(53.5)[0][2]
+    assert (f["cause"], f["rank"], f["t_fault"]) == ("hang", 1, 40.0) and b.failures[0]["t"] == 50.0
+    b = book()
+    b.hung(0, [], node="n0")
+    b.hung(0, [], node="n1")                        # nothing stopped anywhere (a hang in a collective)
+    f = b.tick(51.0)[0][2]
+    assert (f["cause"], f["rank"]) == ("hang", None)
+    b = book()
+    assert b.tick(51.0 + HANG_NAMING_S - 0.1) == []
+    f = b.tick(51.0 + HANG_NAMING_S)[0][2]          # no report at all: unnamed, not lost
+    assert (f["cause"], f["rank"]) == ("hang", None) and b.failures[0]["t"] == 50.0
+
+
 def test_success_needs_every_rank_and_no_restart_after_max_restarts():
     b = IncidentBook(world_size=2, max_restarts=0, grace_s=0.0)
     b.started(0, node="n0", ranks=[0], t=0.0, now=0.0)
