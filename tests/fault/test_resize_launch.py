@@ -29,8 +29,10 @@ def launch(tmp_path, inject, *, steps=6, interval=2, step_s=0.1, **kw):
     cfg = LaunchConfig(job_id=f"rs{uuid.uuid4().hex[:8]}", run_dir=str(tmp_path), inject=inject,
                        memory_budget_gb=0.05, attempt_timeout_s=60, **kw)
     t0 = time.monotonic()
+    # --barrier: every rank has started (and written its placement) before any step, so a node the launcher kills at
+    # a step never takes a rank that had not started yet (a loaded machine starts them far apart)
     res = LocalLauncher(cfg).run([sys.executable, TRAINER, "--steps", str(steps), "--interval", str(interval),
-                                  "--step-s", str(step_s)])
+                                  "--step-s", str(step_s), "--barrier"])
     return res, time.monotonic() - t0
 
 
