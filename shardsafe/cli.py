@@ -151,7 +151,13 @@ def _status(a: argparse.Namespace, root: str, job: str) -> int:
 HOLDER_DIR_DEFAULT = "shardsafe-<uid> in $SHARDSAFE_HOLDER_DIR, else under $XDG_RUNTIME_DIR or /tmp"
 
 
-def build_parser() -> argparse.ArgumentParser:
+LIGHT_COMMANDS = ("holder", "status")
+"""Commands that start without the other commands' modules (demo, tor, launch import much more): every job starts
+a holder per node, and `status` is run by hand and by scripts."""
+
+
+def build_parser(light: bool = False) -> argparse.ArgumentParser:
+    """The whole command line; ``light``: only the :data:`LIGHT_COMMANDS` (what ``main`` builds for them)."""
     from shardsafe import __version__
     p = Parser(prog="shardsafe", description="In-memory, erasure-coded fault tolerance for DeepSpeed and Megatron "
                                              "pretraining. Every usage error is one line on stderr and exit code 2.")
@@ -195,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--holder-dir", default="", help=f"where the holders' sockets live (default: {HOLDER_DIR_DEFAULT})")
     s.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     s.set_defaults(func=cmd_status)
+    if light:
+        return p
 
     from shardsafe import demo, tor
     from shardsafe.launch import cli as launch_cli
@@ -248,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     from shardsafe.errors import ConfigError
     argv = list(sys.argv[1:] if argv is None else argv)
     argv, command = _split_command(argv)
-    parser = build_parser()
+    first = next((x for x in argv if not x.startswith("-")), None)
+    parser = build_parser(light=first in LIGHT_COMMANDS)
     a, extra = parser.parse_known_args(argv)
     if extra and getattr(a, "cmd", "") == "export":
         return usage_error("shardsafe export", f"unexpected {' '.join(extra)!r} after SRC DST: the job's command "

@@ -16,9 +16,11 @@ import uuid
 
 import pytest
 
-from shardsafe.launch.local import LaunchConfig, LocalLauncher
+from shardsafe.launch.local import LaunchConfig
 from shardsafe.tor import compute_tor
 from shardsafe.tor.events import check_event, read_events
+
+from . import helpers
 
 TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_size_trainer.py")
 
@@ -31,8 +33,10 @@ def launch(tmp_path, inject, *, steps=6, interval=2, step_s=0.1, **kw):
     t0 = time.monotonic()
     # --barrier: every rank has started (and written its placement) before any step, so a node the launcher kills at
     # a step never takes a rank that had not started yet (a loaded machine starts them far apart)
-    res = LocalLauncher(cfg).run([sys.executable, TRAINER, "--steps", str(steps), "--interval", str(interval),
-                                  "--step-s", str(step_s), "--barrier"])
+    # the ranks are forked from the package's shared server with torch.distributed imported (the barrier's), as
+    # every attempt of every test here starts them again
+    res = helpers.launch(cfg, [sys.executable, TRAINER, "--steps", str(steps), "--interval", str(interval),
+                               "--step-s", str(step_s), "--barrier"], preload=("torch.distributed",))
     return res, time.monotonic() - t0
 
 
