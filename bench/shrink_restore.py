@@ -350,19 +350,18 @@ def run_phase(a, root: str, nodes: list[str], params, *, repeats: int, expect: i
 
 def bound(params, nodes_from: list[str], nodes_to: list[str], rebuilt_by: dict | None = None) -> dict:
     """The model's traffic from the plan alone: per target, the bytes it needs, those its own node holds, and those
-    that must cross the network (once). A lost source counts as held where it is rebuilt (``rebuilt_by``: source
-    rank -> the target rank that decodes it)."""
+    that must cross the network (once). A lost source counts as held by every target that reads it: each decodes its
+    own part (``rebuilt_by``: source rank -> the target ranks that decode it)."""
     from adapters.deepspeed.reshard import deepspeed_plan
     nodes_from = list(nodes_from)
-    for k, t in (rebuilt_by or {}).items():
-        nodes_from[int(k)] = nodes_to[int(t)]
+    decoded = {int(k) for k in (rebuilt_by or {})}
     d, d2 = len(nodes_from), len(nodes_to)
     metas = [ds_meta(params, d, r, G * 4 // d) for r in range(d)]
     p = deepspeed_plan(metas, d2)
     out = []
     for t in range(d2):
         need = {s: p.elements_between(s, t) * STATE_BYTES_PER_ELEM for s in range(d)}
-        local = sum(b for s, b in need.items() if nodes_from[s] == nodes_to[t])
+        local = sum(b for s, b in need.items() if nodes_from[s] == nodes_to[t] or s in decoded)
         out.append({"need": sum(need.values()), "local": local, "remote": sum(need.values()) - local})
     return {"per_target": out, "remote_total": sum(o["remote"] for o in out), "args": (params, nodes_from, nodes_to)}
 

@@ -3,14 +3,15 @@
 :class:`~shardsafe.parity.exchange.ParityExchange` rebuilds a lost member among the members of its group, each
 running as the rank it was. When the job continues at another data-parallel size, the ranks that took the
 snapshots are gone: their snapshots and parity shares lie in the holders of the nodes that survived, read by
-whichever current rank runs there, and one current rank decodes the lost member's payload in its own memory.
+whichever current rank runs there, and the current ranks that need the lost member's payload decode it in their
+own memory, each the byte ranges it needs (:meth:`MemberRecovery.decode_range`).
 
 The code and the chunk layout are the exchange's, read back from a survivor's parity manifest (``group``,
 ``chunk_size``, ``code``): member i's payload padded to k chunks of ``chunk_size`` bytes
 (:func:`~shardsafe.parity.exchange.data_chunks`), the rotated codewords of :class:`~.topology.ParityGroup`, and the
-rebuild rule of :meth:`~.topology.ParityGroup.recovery_plan`. This module moves nothing: the caller sends each
-fragment :meth:`MemberRecovery.fragments` names from the rank that reads it to the rank that decodes, and
-:meth:`MemberRecovery.decode` rebuilds the payload from them. It never re-encodes the lost member's parity
+rebuild rule of :meth:`~.topology.ParityGroup.recovery_plan`. This module moves nothing: the caller sends the
+ranges of the fragments :meth:`MemberRecovery.chunks_of` names from the rank that reads them to the rank that decodes,
+and :meth:`MemberRecovery.decode_range` rebuilds that range from them. It never re-encodes the lost member's parity
 shares: the layout they protected is being left (the next snapshot at the new size is protected by its own).
 """
 from __future__ import annotations
@@ -24,20 +25,18 @@ import torch
 
 from ..errors import ParityError
 from .codec import CODE_ID, get_codec
-from .exchange import data_chunks
 from .topology import CodewordRecovery, ParityGroup
 
 
 @dataclass(frozen=True)
 class Fragment:
     """One fragment a rebuild reads: fragment ``fragment`` of codeword ``codeword``, held by member ``rank`` (its
-    data chunk ``slot``, or its parity slot ``slot`` when ``parity``), needed by the lost members ``takers``."""
+    data chunk ``slot``, or its parity slot ``slot`` when ``parity``)."""
     codeword: int
     fragment: int
     rank: int
     parity: bool
     slot: int
-    takers: tuple[int, ...]
 
 
 class MemberRecovery:
@@ -74,43 +73,42 @@ class MemberRecovery:
     def k(self) -> int:
         return self.group.k
 
-    def fragments(self) -> list[Fragment]:
-        """Every fragment the rebuild reads, in one order on every rank (by codeword, then fragment)."""
-        out = []
-        for cw in self._plan:
-            takers = tuple(sorted({t.rank for t in cw.targets if not t.is_parity}))
-            out += [Fragment(cw.codeword, f.fragment, f.rank, f.is_parity, f.slot, takers) for f in cw.sources]
-        return out
+    def chunks_of(self, rank: int) -> dict[int, tuple[int, int, tuple[Fragment, ...]]]:
+        """For each data chunk (slot) of lost member ``rank`` a codeword rebuilds: (the codeword, the chunk's fragment
+        index in it, the k fragments it is decoded from). The code works byte by byte, so any byte range of a
+        chunk is decoded from the same range of those fragments (:meth:`fragment_range`, :meth:`decode_range`).
 
-    def fragment_of(self, f: Fragment, mapping: Any) -> torch.Tensor:
-        """The ``chunk_size`` bytes of ``f`` in ``mapping``: the member's data slot (the exchange's padding rule: bytes
-        past the slot count as zeros) or its parity slot."""
-        cs = self.chunk_size
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")   # read, then sent
-            if f.parity:
-                return torch.frombuffer(mapping, dtype=torch.uint8, count=cs, offset=f.slot * cs)
-            return data_chunks(mapping, self.k, cs)[f.slot]
-
-    def decode(self, rank: int, received: Mapping[tuple[int, int], torch.Tensor]) -> torch.Tensor:
-        """Lost member ``rank``'s padded payload (k x chunk_size bytes) from the fragments it took
-        (``received[(codeword, fragment)]``, as :meth:`fragments` names them). The caller verifies it against the
-        member's manifest (its checksums survive it in the parity manifests) before anything uses it."""
+        Raises:
+            ParityError: ``rank`` is not among the lost members.
+        """
         if rank not in self.lost:
             raise ParityError(f"rank {rank} is not among the lost members {list(self.lost)} of parity group "
                               f"{self.group.index}")
-        cs = self.chunk_size
-        # not zeroed first: the decode writes every chunk it rebuilds, and only a chunk no codeword rebuilds is zeroed
-        out = torch.empty(self.k * cs, dtype=torch.uint8)
-        written = set()
+        out = {}
         for cw in self._plan:
-            mine = [t for t in cw.targets if t.rank == rank and not t.is_parity]
-            if not mine:
-                continue
-            avail = {f.fragment: np.asarray(received[(cw.codeword, f.fragment)].numpy()) for f in cw.sources}
-            outs = [out[t.slot * cs:(t.slot + 1) * cs].numpy() for t in mine]
-            self.codec.reconstruct(avail, [t.fragment for t in mine], out=outs)
-            written.update(t.slot for t in mine)
-        for slot in set(range(self.k)) - written:
-            out[slot * cs:(slot + 1) * cs].zero_()
+            for t in cw.targets:
+                if t.rank == rank and not t.is_parity:
+                    out[t.slot] = (cw.codeword, t.fragment, tuple(
+                        Fragment(cw.codeword, f.fragment, f.rank, f.is_parity, f.slot) for f in cw.sources))
         return out
+
+    def fragment_range(self, f: Fragment, mapping: Any, lo: int, hi: int) -> torch.Tensor:
+        """Bytes ``lo:hi`` of fragment ``f`` in ``mapping`` (a view; bytes past a data slot count as zeros, in a copy:
+        the rule of :func:`~shardsafe.parity.exchange.data_chunks`)."""
+        a, n = f.slot * self.chunk_size + lo, hi - lo
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")   # read, then sent
+            if f.parity or a + n <= len(mapping):
+                return torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=a)
+            out = torch.zeros(n, dtype=torch.uint8)
+            have = max(0, len(mapping) - a)
+            if have:
+                out[:have] = torch.frombuffer(mapping, dtype=torch.uint8, count=have, offset=a)
+            return out
+
+    def decode_range(self, rank: int, slot: int, received: Mapping[int, torch.Tensor], out: torch.Tensor) -> None:
+        """Decode one byte range of lost member ``rank``'s data chunk ``slot`` into ``out`` from the same range of
+        the fragments :meth:`chunks_of` names (``received[fragment index]``)."""
+        _, target, sources = self.chunks_of(rank)[slot]
+        avail = {f.fragment: np.asarray(received[f.fragment].numpy()) for f in sources}
+        self.codec.reconstruct(avail, [target], out=[out.numpy()])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 import xxhash
@@ -65,10 +65,12 @@ def build(*, version: int, rank: int, world_size: int, node: str, entries: list[
             "meta": dict(meta), "entries": entries, **(extra or {})}
 
 
-def verify(manifest: Mapping[str, Any], buf: memoryview, *, populate: bool = False) -> list[str]:
+def verify(manifest: Mapping[str, Any], buf: memoryview, *, populate: bool = False,
+           within: Sequence[tuple[int, int]] | None = None) -> list[str]:
     """Return a description of every segment whose bytes do not match its checksum (empty = good). Every
     segment is hashed (on the process's checksum threads, shardsafe/payload/checksum.py), also after a bad one.
-    ``populate``: ``buf`` is a fresh mapping; the hash threads fill its page tables, each for its segments."""
+    ``populate``: ``buf`` is a fresh mapping; the hash threads fill its page tables, each for its segments.
+    ``within``: only the segments inside these payload byte ranges (a part of the payload rebuilt alone)."""
     if manifest.get("format") != FORMAT:
         return [f"unknown manifest format {manifest.get('format')!r} (expected {FORMAT!r})"]
     bad, cb = [], manifest["chunk_bytes"]
@@ -81,7 +83,8 @@ def verify(manifest: Mapping[str, Any], buf: memoryview, *, populate: bool = Fal
         if len(sums) != len(ranges):
             bad.append(f"{e['name']}: {len(sums)} checksums for {len(ranges)} segments")
             continue
-        todo.extend((e["name"], i, a, b, want) for i, ((a, b), want) in enumerate(zip(ranges, sums)))
+        todo.extend((e["name"], i, a, b, want) for i, ((a, b), want) in enumerate(zip(ranges, sums))
+                    if within is None or any(lo <= a and b <= hi for lo, hi in within))
     got = checksum.shared().hash_ranges(buf, [(a, b) for _, _, a, b, _ in todo], populate=populate)
     for (name, i, a, b, want), have in zip(todo, got):
         if have != want:

@@ -3,10 +3,11 @@
 Two moves, both planned by every rank alike from facts every rank has (the survey, the gathered manifests, the
 resharder's reads), so no metadata travels with the bytes:
 
-* **rebuild**: for each lost source, the k fragments of every codeword its chunks are in go from the current ranks
-  that read them (the servers of the surviving members' data and parity) to the rank that decodes it, once per
-  decoding rank; it decodes (:class:`shardsafe.parity.recovery.MemberRecovery`, handed in) and verifies the payload
-  against the checksums that survived in its group's parity manifests;
+* **rebuild**: each target decodes the part of a lost source it reads (whole checksum segments), in parallel with
+  the others: the same byte ranges of the k fragments of every codeword its part is in go from the current ranks
+  that read them (the servers of the surviving members' data and parity) to it; it decodes them
+  (:class:`shardsafe.parity.recovery.MemberRecovery`, handed in; the code works byte by byte) and verifies its
+  segments against the checksums that survived in its group's parity manifests. No decoded byte is sent again;
 * **pieces**: for each (source, target) pair on different nodes, the pieces the target reads, each one message
   sent from where it lies in the source's mapped payload (or its rebuilt copy) by its server (or its rebuilder), and
   received into its place in one buffer per pair, back to back, each 64-byte aligned so that the target views it as
@@ -92,50 +93,102 @@ def as_bytes(buf: Any) -> torch.Tensor:
 
 # ---- rebuild ------------------------------------------------------------------------------------------------------
 
-def rebuild(choice: Choice, manifests: dict[int, dict], rebuilders: dict[int, int], recovery: Callable[..., Any],
-            opened: Opened, *, rank: int, group: Any) -> tuple[dict[int, torch.Tensor], list[str], int]:
-    """Decode every lost source of ``choice`` on its rebuilder. Every rank calls it. Returns (the payloads this rank
-    rebuilt and verified, its problems, bytes of fragments it received)."""
+def decode_plan(choice: Choice, manifests: dict[int, dict], slices: dict) -> dict[int, dict[int, list[tuple]]]:
+    """Who decodes what of each lost source: every target that reads from it decodes the bytes it reads, widened to
+    whole checksum segments (so that it can verify them) and merged into ranges. {source: {target rank: [(start,
+    end) payload offsets]}}; every rank computes the same plan from the manifests and the resharder's reads."""
+    plan: dict[int, dict[int, list[tuple]]] = {}
+    for sl in sorted(slices):
+        p = slices[sl]
+        for d, k in enumerate(p["keys"]):
+            if choice.sources[k].where != "rebuilt":
+                continue
+            man = manifests[k]
+            entries = {e["name"]: e for e in man["entries"]}
+            for t, r in enumerate(p["targets"]):
+                reads = p["reads"][t].get(d)
+                if not reads:
+                    continue
+                segs = set()
+                for name, _, _, a, n, _ in layout(man, reads)[0]:
+                    segs.update((s0, s1) for s0, s1 in mf.chunk_ranges(entries[name], man["chunk_bytes"])
+                                if n and s0 < a + n and a < s1)
+                merged: list[list[int]] = []
+                for s0, s1 in sorted(segs):
+                    if merged and merged[-1][1] == s0:
+                        merged[-1][1] = s1
+                    else:
+                        merged.append([s0, s1])
+                if merged:
+                    plan.setdefault(k, {})[r] = [(a, b) for a, b in merged]
+    return plan
+
+
+def rebuild(choice: Choice, manifests: dict[int, dict], plan: dict[int, dict[int, list[tuple]]],
+            recovery: Callable[..., Any], opened: Opened, *, rank: int,
+            group: Any) -> tuple[dict[int, torch.Tensor], list[str], int, int]:
+    """Decode the lost sources of ``choice`` as ``plan`` (:func:`decode_plan`) splits them: each target decodes the
+    ranges it reads, from the same ranges of the k fragments of each codeword (the code works byte by byte), and
+    verifies the segments it decoded against the checksums that survived in the group's parity manifests. Every rank
+    calls it. Returns (this rank's decoded sources, as whole-payload buffers of which only its ranges are written;
+    its problems; bytes of fragments it received; bytes it decoded)."""
     import torch.distributed as dist
     rebuilt: dict[int, torch.Tensor] = {}
     problems: list[str] = []
-    got = 0
+    got = decoded = 0
     for gi, g in enumerate(choice.groups):
         rec = recovery(group=g.group, chunk_size=g.chunk_size, code=g.code, lost=g.lost)
-        reqs, received = [], {}
-        for f in rec.fragments():
-            sender = g.parity_server[f.rank] if f.parity else choice.sources[f.rank].server
-            takers = sorted({rebuilders[t] for t in f.takers})
-            tag = _FRAG_TAG + (gi * 256 + f.codeword) * 256 + f.fragment
-            if sender == rank:
-                frag = rec.fragment_of(f, opened.parity_of(f.rank, choice.version)[1] if f.parity
-                                       else opened.source(choice.sources[f.rank], choice.version)[1])
-                for t in takers:
-                    if t == rank:
-                        received[(f.codeword, f.fragment)] = frag
-                    else:
-                        reqs.append(dist.isend(frag.contiguous(), t, group=group, tag=tag))
-            elif rank in takers:
-                buf = torch.empty(g.chunk_size, dtype=torch.uint8)
-                received[(f.codeword, f.fragment)] = buf
-                reqs.append(dist.irecv(buf, sender, group=group, tag=tag))
-                got += g.chunk_size
+        cs = g.chunk_size
+        reqs, todo = [], []
+        for k in sorted(g.lost):
+            chunks = rec.chunks_of(k)
+            for r, ranges in sorted(plan.get(k, {}).items()):
+                if r == rank:
+                    rebuilt[k] = torch.empty(rec.k * cs, dtype=torch.uint8)
+                for a, b in ranges:
+                    for j in range(a // cs, (b - 1) // cs + 1):
+                        lo, hi = max(a, j * cs) - j * cs, min(b, (j + 1) * cs) - j * cs
+                        if j not in chunks:   # past the data every codeword covers: the padding's zeros
+                            if r == rank:
+                                rebuilt[k][j * cs + lo: j * cs + hi].zero_()
+                            continue
+                        cw, _, sources = chunks[j]
+                        frags: dict[int, torch.Tensor] = {}
+                        for f in sources:
+                            sender = g.parity_server[f.rank] if f.parity else choice.sources[f.rank].server
+                            tag = _FRAG_TAG + (gi * 256 + cw) * 256 + f.fragment
+                            if sender == rank:
+                                where = (opened.parity_of(f.rank, choice.version) if f.parity
+                                         else opened.source(choice.sources[f.rank], choice.version))[1]
+                                piece = rec.fragment_range(f, where, lo, hi)
+                                if r == rank:
+                                    frags[f.fragment] = piece
+                                else:
+                                    reqs.append(dist.isend(piece, r, group=group, tag=tag))
+                            elif r == rank:
+                                frags[f.fragment] = torch.empty(hi - lo, dtype=torch.uint8)
+                                reqs.append(dist.irecv(frags[f.fragment], sender, group=group, tag=tag))
+                                got += hi - lo
+                        if r == rank:
+                            todo.append((k, j, lo, hi, frags))
         for q in reqs:
             q.wait()
-        for lost in g.lost:
-            if rebuilders[lost] != rank:
-                continue
+        failed: set[int] = set()
+        for k, j, lo, hi, frags in todo:
             try:
-                payload = rec.decode(lost, received)
-                bad = mf.verify(manifests[lost], memoryview(payload.numpy()))
+                rec.decode_range(k, j, frags, rebuilt[k][j * cs + lo: j * cs + hi])
+                decoded += hi - lo
             except (ShardsafeError, ValueError, KeyError) as e:
-                bad = [f"{type(e).__name__}: {e}"]
+                failed.add(k)
+                problems.append(f"source rank {k} could not be decoded from parity: {type(e).__name__}: {e}")
+        for k in sorted(set(g.lost) & set(rebuilt)):
+            if k in failed:
+                continue
+            bad = mf.verify(manifests[k], memoryview(rebuilt[k].numpy()), within=plan[k][rank])
             if bad:
-                problems.append(f"source rank {lost} rebuilt from parity fails its checksums ({'; '.join(bad[:2])}): "
+                problems.append(f"source rank {k} rebuilt from parity fails its checksums ({'; '.join(bad[:2])}): "
                                 "a survivor's data or parity share is corrupt")
-            else:
-                rebuilt[lost] = payload
-    return rebuilt, problems, got
+    return rebuilt, problems, got, decoded
 
 
 # ---- the pieces ---------------------------------------------------------------------------------------------------
@@ -172,9 +225,10 @@ def move(choice: Choice, manifests: dict[int, dict], slices: dict, senders: dict
     import torch.distributed as dist
     traffic: dict[str, Any] = {"local_bytes": 0, "remote_bytes": 0, "sent_bytes": 0, "by_source": {}}
 
-    def here(k: int, target: int) -> bool:   # the target reads source k where it runs
+    def here(k: int, target: int) -> bool:   # the target reads source k where it runs (or decoded it)
         s = choice.sources[k]
-        return target == senders[k] or s.where == "disk" or (s.where == "holder" and nodes[target] == s.node)
+        return (target == senders[k] or s.where in ("disk", "rebuilt")
+                or (s.where == "holder" and nodes[target] == s.node))
 
     def payload(k: int) -> Any:
         return rebuilt[k].numpy() if k in rebuilt else opened.source(choice.sources[k], choice.version)[1]

@@ -14,7 +14,7 @@ one layout has, held on a node the job runs on or rebuildable from the survivors
    alone what each target reads from each source (:meth:`~.reshard.Resharder.reads`): the plan's pieces of the
    fp32 masters and moments, and the few small tensors it takes whole. A batch the new size cannot split, or a run
    whose fingerprint differs (another data-parallel size with the same global batch is the same run), is refused;
-3. **rebuild**: each lost source is decoded by the target that reads most of it (:mod:`.reshard_move`);
+3. **rebuild**: each target decodes the part of a lost source it reads, all targets at once (:mod:`.reshard_move`);
 4. **move**: each target reads what its own node holds from its holder and receives the rest, one message per
    (source, target) pair on different nodes: no byte crosses the network twice;
 5. **assemble**: the resharder builds the target's state from these pieces (:class:`~.reshard.Pieces`), its flat
@@ -45,7 +45,7 @@ from ..faults import PHASE_RESTORE_APPLY, PHASE_RESTORE_REBUILD, PHASE_RESTORE_V
 from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
 from .reshard import Deferred, ReshardError, reshard
-from .reshard_move import Opened, Refused, move, rebuild
+from .reshard_move import Opened, Refused, decode_plan, move, rebuild
 from .reshard_survey import Choice, choose, disk_choice, leads_node, survey
 from .state import StateAdapter
 
@@ -200,22 +200,23 @@ def _attempt(run: _Run, choice: Choice) -> tuple[Optional[Resized], frozenset[in
         if bad:
             return None, bad
         run.on_phase(PHASE_RESTORE_VERIFY, choice.version)
-        slices, rebuilders = _plans(run, choice, manifests)
+        slices = _plans(run, choice, manifests)
+        plan = decode_plan(choice, manifests, slices)
         t0 = time.perf_counter()
-        rebuilt, problems, fragment_bytes = {}, _fingerprint_problems(run, choice, manifests), 0
+        rebuilt, problems, fragment_bytes, decoded = {}, _fingerprint_problems(run, choice, manifests), 0, 0
         if choice.groups:
             if run.resize.recovery is None:
                 problems.append(f"source ranks {choice.lost} are lost and this restore has no parity decoder")
             else:
-                rebuilt, why, fragment_bytes = rebuild(choice, manifests, rebuilders, run.resize.recovery, opened,
-                                                       rank=run.rank, group=group)
+                rebuilt, why, fragment_bytes, decoded = rebuild(choice, manifests, plan, run.resize.recovery, opened,
+                                                                rank=run.rank, group=group)
                 problems += why
-                if run.rank in rebuilders.values():
+                if rebuilt:
                     run.on_phase(PHASE_RESTORE_REBUILD, choice.version)
         run.vote(choice, problems, "rebuild")
         run.phases["rebuild"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        senders = {k: rebuilders.get(k, s.server) for k, s in choice.sources.items()}
+        senders = {k: s.server for k, s in choice.sources.items()}
         light, traffic = move(choice, manifests, slices, senders, rebuilt, opened, rank=run.rank, nodes=run.nodes,
                               group=group, my_slice=run.my_slice)
         run.phases["move"] += time.perf_counter() - t0
@@ -247,7 +248,7 @@ def _attempt(run: _Run, choice: Choice) -> tuple[Optional[Resized], frozenset[in
     _fence(run, choice)
     d_old, d_new = len(mine["keys"]), len(mine["targets"])
     traffic.update(from_dp=d_old, to_dp=d_new, from_world=choice.world, fragment_bytes=fragment_bytes,
-                   rebuilt_sources=choice.lost, rebuilt_by={str(k): v for k, v in rebuilders.items()})
+                   rebuilt_sources=choice.lost, rebuilt_by={str(k): sorted(v) for k, v in plan.items()})
     log.info("[rank %d] re-partitioned version %d from %d to %d data-parallel ranks (%s): %d bytes read on this node, "
              "%d received from other nodes, %d sent, %d bytes of parity fragments received", run.rank, choice.version,
              d_old, d_new, choice.tier, traffic["local_bytes"], traffic["remote_bytes"], traffic["sent_bytes"],
@@ -257,7 +258,7 @@ def _attempt(run: _Run, choice: Choice) -> tuple[Optional[Resized], frozenset[in
                "ranks" + (f" after rebuilding source ranks {choice.lost} from parity" if choice.lost else ""))
     return Resized(choice.version, choice.tier, message, sum(t.numel() * t.element_size()
                                                              for t in tensors.values()),
-                   sum(manifests[k]["payload_nbytes"] for k in rebuilt), {k: round(v, 6) for k, v in run.phases.items()},
+                   decoded, {k: round(v, 6) for k, v in run.phases.items()},
                    dict(getattr(run.adapter, "restore_notes", {}) or {}), traffic, choice.lost), frozenset()
 
 
@@ -337,10 +338,9 @@ def _verify(run: _Run, choice: Choice, opened: Opened) -> tuple[dict[int, dict],
     return manifests, frozenset()
 
 
-def _plans(run: _Run, choice: Choice, manifests: dict[int, dict]) -> tuple[dict, dict[int, int]]:
+def _plans(run: _Run, choice: Choice, manifests: dict[int, dict]) -> dict:
     """Per model-parallel slice: its sources and targets in data-parallel order, their metadata and what each target
-    reads from each source (the resharder's, from the manifests alone); and who rebuilds each lost source: the
-    target that reads most of it, so that most of the decoded bytes stay where they are decoded."""
+    reads from each source (the resharder's, from the manifests alone)."""
     src: dict[tuple[int, int], dict[int, int]] = {}
     for s in choice.sources.values():
         src.setdefault(s.slice, {})[s.dp] = s.key
@@ -351,7 +351,7 @@ def _plans(run: _Run, choice: Choice, manifests: dict[int, dict]) -> tuple[dict,
         raise Refused(f"version {choice.version}: its model-parallel slices (tp, pp) {sorted(src)} are not this job's "
                       f"{sorted(dst)}: only the data-parallel size may change")
     resharder = run.adapter.resharder()
-    slices, rebuilders = {}, {}
+    slices = {}
     for sl in sorted(src):
         keys = [src[sl][d] for d in sorted(src[sl])]
         targets = [dst[sl][d] for d in sorted(dst[sl])]
@@ -365,11 +365,7 @@ def _plans(run: _Run, choice: Choice, manifests: dict[int, dict]) -> tuple[dict,
             raise Refused(f"version {choice.version} cannot be re-partitioned from {len(keys)} to {len(targets)} "
                           f"data-parallel ranks: {e}") from None
         slices[sl] = {"keys": keys, "targets": targets, "metas": metas, "reads": reads}
-        for d, k in enumerate(keys):
-            if choice.sources[k].where == "rebuilt":
-                need = [sum(c for _, _, c in reads[t].get(d, ()) if c > 0) for t in range(len(targets))]
-                rebuilders[k] = targets[max(range(len(targets)), key=lambda t: (need[t], -t))]
-    return slices, rebuilders
+    return slices
 
 
 def _fingerprint_problems(run: _Run, choice: Choice, manifests: dict[int, dict]) -> list[str]:

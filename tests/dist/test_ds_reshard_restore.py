@@ -268,8 +268,14 @@ def test_a_lost_node_continues_at_a_smaller_size_as_deepspeeds_universal_resume(
     # the committed version, re-partitioned from 4 to 3 ranks after rebuilding source rank 1 from parity
     assert [g["version"] for g in got] == [V] * D2 and [g["tier"] for g in got] == ["parity"] * D2, got
     assert all(g["lost"] == [1] and g["reshard"]["from_dp"] == D and g["reshard"]["to_dp"] == D2 for g in got), got
-    rebuilders = [r for r, g in enumerate(got) if g["rebuilt_bytes"] > 0]
-    assert len(rebuilders) == 1 and got[rebuilders[0]]["reshard"]["fragment_bytes"] > 0, got
+    # Source rank 1 is decoded where it is read: every target that reads from it decodes its own part (from the
+    # fragments it received) and reads that part locally; no decoded byte is sent on.
+    decoders = [r for r, g in enumerate(got) if g["rebuilt_bytes"] > 0]
+    readers = [r for r, g in enumerate(got) if "1" in g["reshard"]["by_source"]]
+    assert len(decoders) > 1 and decoders == readers, (decoders, readers)
+    assert all(got[r]["reshard"]["by_source"]["1"]["from_rank"] == r and got[r]["reshard"]["fragment_bytes"] > 0
+               for r in decoders), got
+    assert all(g["reshard"]["rebuilt_by"] == {"1": decoders} for g in got), got
     assert [g["gas"] for g in got] == [G * D // D2] * D2 and [g["micro_steps"] for g in got] == [V * G * D // D2] * D2
     _check_loaded(phases["out"], "shrunk", stage, D2)
     assert [g["losses"] for g in got] == [g["oracle_losses"] for g in got], got

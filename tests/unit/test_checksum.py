@@ -67,6 +67,9 @@ def test_verify_names_every_bad_segment_hashed_in_parallel():
     assert bad == [f"a segment 0 (bytes 0-{4 << 20}) fails its xxh3 checksum",
                    f"a segment 2 (bytes {8 << 20}-{12 << 20}) fails its xxh3 checksum",
                    f"b segment 0 (bytes {entries[1]['offset']}-{entries[1]['offset'] + 14}) fails its xxh3 checksum"]
+    # within: only the segments inside the ranges a split rebuild decoded (here "a"'s segments 1 and 2)
+    assert mf.verify(man, memoryview(buf), within=[(4 << 20, 12 << 20)]) == [bad[1]]
+    assert mf.verify(man, memoryview(buf), within=[(4 << 20, 8 << 20)]) == []
 
 
 def test_default_threads_divides_the_cores_among_local_ranks(monkeypatch):
