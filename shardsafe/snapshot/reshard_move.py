@@ -119,8 +119,7 @@ def decode_plan(choice: Choice, manifests: dict[int, dict], slices: dict) -> dic
                         merged[-1][1] = s1
                     else:
                         merged.append([s0, s1])
-                if merged:
-                    plan.setdefault(k, {})[r] = [(a, b) for a, b in merged]
+                plan.setdefault(k, {})[r] = [(a, b) for a, b in merged]   # also none: it reads the rebuilt copy
     return plan
 
 
