@@ -264,8 +264,12 @@ def move(choice: Choice, manifests: dict[int, dict], slices: dict, senders: dict
         if k in inbox:
             tensors = _unpack(man, *inbox[k])
         elif d in p["reads"][me]:
-            tensors = mf.views(man, payload(k))
-            n = sum(x[4] for x in layout(man, p["reads"][me][d])[0])
+            lay = layout(man, p["reads"][me][d])[0]
+            if k in rebuilt:   # only the pieces it decoded and verified: the rest of that buffer was never written
+                tensors = _unpack(man, rebuilt[k], [(*x[:5], x[3]) for x in lay])
+            else:
+                tensors = mf.views(man, payload(k))
+            n = sum(x[4] for x in lay)
             traffic["local_bytes"] += n
             traffic["by_source"][str(k)] = {"bytes": n, "from_rank": rank, "same_node": True}
         else:
@@ -275,8 +279,8 @@ def move(choice: Choice, manifests: dict[int, dict], slices: dict, senders: dict
 
 
 def _unpack(manifest: dict, msg: torch.Tensor, lay: list[tuple]) -> dict[str, Any]:
-    """A source's tensors from one received message: whole tensors as themselves, pieces in :class:`Pieces`, the
-    others as empty :class:`Pieces` (their shape and dtype)."""
+    """A source's tensors from one received message (or a rebuilt payload, ``lay`` at its own offsets): whole tensors
+    as themselves, pieces in :class:`Pieces`, the others as empty :class:`Pieces` (their shape and dtype)."""
     entries = {e["name"]: e for e in manifest["entries"]}
     out: dict[str, Any] = {n: Pieces(n, e["shape"], mf.dtype_from_name(e["dtype"])) for n, e in entries.items()}
     for name, start, count, _, n, at in lay:
