@@ -414,7 +414,7 @@ class Runtime(BaseRuntime):
         need = 0
         if self.client is not None:
             from .holder.segments import round_size
-            from .holder.server import MAX_SLOTS
+            from .holder.slots import MAX_SLOTS
             data = nbytes if self.exchange is None else max(nbytes, self.exchange.padded_nbytes(nbytes))
             share = 0 if self.exchange is None else self.exchange.group.m * self.exchange.group.chunk_size(data)
             need = MAX_SLOTS * (round_size(data) + (round_size(share) if share else 0))

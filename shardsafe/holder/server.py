@@ -28,11 +28,10 @@ from .protocol import FLUSH_DRAIN_S, HolderError, gib_up, req_int, req_ranks, re
 from .background import BackgroundWork
 from .serving import Serving
 from .segments import Segment, huge_pages_possible, round_size, shmem_huge_setting
-from .slots import KINDS, RankEntry, Slot
+from .slots import KINDS, MAX_SLOTS, RankEntry, Slot
 
 log = logging.getLogger(__name__)
 
-MAX_SLOTS = 2
 
 Key = tuple[str, int]
 """(scope, rank): whose slots these are."""

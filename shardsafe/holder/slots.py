@@ -10,6 +10,9 @@ from typing import Any
 
 from .segments import Segment
 
+MAX_SLOTS = 2
+"""Versions a holder keeps per rank (double buffering: the last committed one is never overwritten)."""
+
 KINDS = ("data", "parity", "manifest")
 
 

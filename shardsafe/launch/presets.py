@@ -16,7 +16,7 @@ PRELOAD_DEEPSPEED = ("torch", "deepspeed", "torch._dynamo", "deepspeed.runtime.z
                      "deepspeed.module_inject.auto_ep_layer", "torch.utils.cpp_extension",
                      "shardsafe.adapters.deepspeed.prewarm:remember_cpu_info",
                      "shardsafe.adapters.deepspeed.prewarm:probe_compatible_ops", "shardsafe.runtime",
-                     "shardsafe.adapters.deepspeed")
+                     "shardsafe.adapters.deepspeed.engine")
 """The heavy imports of a DeepSpeed ZeRO trainer before its first step (``python -X importtime`` shows them as most
 of its start): torch._dynamo comes with torch.optim's first step (torch >= 2.1); DeepSpeed >= 0.18's ZeRO and
 bf16 optimizers import the Muon optimizer, which compiles its kernels with torch.compile at import
@@ -29,8 +29,11 @@ each time: adapters/deepspeed/prewarm.py), and DeepSpeed's op-compatibility prob
 accelerator only: on a GPU it queries the device). shardsafe's own runtime last: the few dozen modules that
 ``initialize`` would otherwise import on every restart (they start no thread and open nothing at import)."""
 
-PRELOAD_MEGATRON = ("torch", "torch._dynamo", "megatron.core", "shardsafe.runtime", "shardsafe.adapters.megatron")
-"""The heavy imports of a megatron-core trainer (megatron.core alone is seconds of CPU), then shardsafe's runtime."""
+PRELOAD_MEGATRON = ("torch", "torch._dynamo", "megatron.core", "shardsafe.adapters.megatron.prewarm:import_tokenizers",
+                    "shardsafe.runtime", "shardsafe.adapters.megatron.core_api", "shardsafe.adapters.megatron.hooks")
+"""The heavy imports of a megatron-core trainer (megatron.core alone is seconds of CPU), Megatron-LM's tokenizers
+where its loop is installed (its ``initialize_megatron`` builds one on every start; that module imports
+transformers), then shardsafe's runtime."""
 
 PRELOAD_HF = (*PRELOAD_DEEPSPEED, "transformers", "transformers.trainer", "accelerate", "shardsafe.adapters.hf")
 """A Hugging Face ``Trainer`` (or Accelerate) program on DeepSpeed: the DeepSpeed preset, then transformers'
@@ -42,8 +45,8 @@ PRESETS: dict[str, tuple[str, ...]] = {"deepspeed": PRELOAD_DEEPSPEED, "megatron
                                        "hf": PRELOAD_HF, "none": ()}
 """``--preload NAME``: the preset for the framework the trainers run; ``none`` starts every trainer cold."""
 
-RUNTIME_MODULES = ("shardsafe.runtime", "shardsafe.adapters.deepspeed", "shardsafe.adapters.megatron",
-                   "shardsafe.adapters.hf")
+RUNTIME_MODULES = ("shardsafe.runtime", "shardsafe.adapters.deepspeed.engine", "shardsafe.adapters.megatron.core_api",
+                   "shardsafe.adapters.megatron.hooks", "shardsafe.adapters.hf")
 """shardsafe's runtime and framework adapters in the presets: what an unprotected run's server leaves out."""
 
 
