@@ -20,8 +20,11 @@ Per size, one job on 4 simulated nodes n0..n3, each phase a fresh set of rank pr
   B. D' = 3 on n0, n0, n1 after A on the 2-node layout n0, n0, n1, n1 (a GPU lost, its node kept: every source is
      held on a node that runs a rank, nothing is rebuilt): **shrink, no node lost**, and the same-size restore of
      that layout beside it;
-  C. D' = 3 on n0, n2, n3 after A with n1's holder SIGKILLed: **shrink with one node lost**, source rank 1 rebuilt
-     from the survivors' parity;
+  S. after A with n1's holder SIGKILLed, its like-for-like baseline: D = 4 on n0, n4, n2, n3, n4 a spare with an
+     empty holder, **same size with one node lost**: rank 1 rebuilt from parity by its own restore (each
+     repetition on a fresh spare);
+  C. D' = 3 on n0, n2, n3 after S: **shrink with one node lost**, source rank 1 rebuilt from the survivors'
+     parity by the targets that read it;
   D. (after C, unless --no-grow) C's ranks snapshot version 2 at D' = 3; n1 returns with an empty holder; D = 4
      on n0..n3: **grow** 3 -> 4.
 
@@ -455,6 +458,31 @@ def _tree_pss() -> int:
     return total
 
 
+SPARE = ["n0", "n4", "n2", "n3"]
+
+
+def spare_phases(a, holders: "Holders", params) -> list[dict]:
+    """The like-for-like baseline of the node-lost shrink: the job at its own size with n1's place taken by a spare
+    (n4, its holder empty), rank 1 rebuilt from parity by its own restore (the same-size path). A rebuilt copy stays
+    in the spare's holder, so each repeat runs on a fresh spare. Returns the phases' per-rank results, merged."""
+    merged: list[dict] = []
+    for _ in range(a.repeats):
+        holders.start("n4")
+        try:
+            got = run_phase(a, holders.root, SPARE, params, repeats=1, expect=1, same_size=True)
+        finally:
+            holders.kill("n4")
+        assert got[1]["tier"] == "parity" and got[1]["rebuilt_bytes"] > 0, got[1]
+        if not merged:
+            merged = got
+            continue
+        for m, g in zip(merged, got):
+            for k in ("restore_s", "memcpy_s", "phases"):
+                m[k] += g[k]
+            m["rss_peak_gib"] = max(m["rss_peak_gib"], g["rss_peak_gib"])
+    return merged
+
+
 def run_size(a, size: float) -> list[dict]:
     params = model_params(size * GIB, 4)
     watch = MemWatch()
@@ -486,9 +514,12 @@ def run_size(a, size: float) -> list[dict]:
         base = summarize("same-size 4->4", same, None, None, full)
         rows.append(base)
         holders.kill("n1")
+        spare = spare_phases(a, holders, params)
+        rows.append(summarize("same-size 4->4, n1 lost, spare", spare, base, None, SPARE))
         shr = ["n0", "n2", "n3"]   # the survivors in node order
         c = run_phase(a, holders.root, shr, params, repeats=a.repeats, expect=1, snapshot_after=0 if a.no_grow else 2)
         rows.append(summarize("shrink 4->3, node n1 lost", c, base, bound(params, full, shr), shr))
+        rows[-1]["vs_spare"] = rows[-1]["restore_s"] / rows[-2]["restore_s"]
         if not a.no_grow:
             holders.start("n1")   # back, with an empty holder
             d = run_phase(a, holders.root, full, params, repeats=a.repeats, expect=2)
@@ -552,6 +583,10 @@ def print_table(rows: list[dict], repeats: int) -> None:
               f"{r['vs_memcpy']:>6.2f}x {same:>6} | {ph.get('survey', ph.get('agree', 0)):>5.3f} "
               f"{ph.get('verify', 0):>6.3f} {ph.get('rebuild', 0):>7.3f} {ph.get('move', 0):>5.3f} "
               f"{r.get('net_floor_s', 0):>5.3f} {ph.get('assemble', 0):>6.3f} {ph.get('apply', 0):>5.3f} {rest:>5.3f}")
+    for r in rows:
+        if "vs_spare" in r:
+            print(f"{r['GiB_per_rank_at_4']:>4} | {r['case']:<29} | {r['vs_spare']:.2f}x the same-size restore with n1 "
+                  "lost on a spare (rank 1 rebuilt from parity by its own restore)")
     print("traffic, MiB per target rank: in (pieces received from other nodes) + parity fragments received / out")
     for r in rows:
         if "traffic" not in r:
