@@ -374,3 +374,33 @@ def test_jobs_share_a_fork_server_the_caller_owns(tmp_path):
     with pytest.raises(ValueError, match="not both"):
         LocalLauncher(LaunchConfig(nodes=1, nproc_per_node=1, job_id="y", run_dir=str(tmp_path / "y"),
                                    preload=("json",)), fork_server=server)
+
+
+def test_an_unprotected_runs_preset_imports_nothing_of_the_runtime():
+    """The function entries a reference's server keeps (``without_runtime``) live in modules whose import leaves
+    shardsafe's runtime and the adapters' runtime glue out: the Megatron adapter loads its public names lazily, so
+    its ``prewarm`` module comes alone. The runtime preset's own entries do import it."""
+    import json
+    from shardsafe.launch.presets import PRESETS, RUNTIME_MODULES, without_runtime
+    probe = ("import importlib, json, sys\n"
+             "for m in sys.argv[1:]: importlib.import_module(m)\n"
+             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('shardsafe'))))")
+    for name, preset in PRESETS.items():
+        plain = without_runtime(preset)
+        mods = sorted({e.partition(":")[0] for e in plain if e.startswith("shardsafe.")})
+        if not mods:
+            continue
+        got = json.loads(subprocess.run([sys.executable, "-c", probe, *mods], capture_output=True, text=True,
+                                        check=True).stdout)
+        assert not set(got) & {*RUNTIME_MODULES, "shardsafe.runtime"}, (name, mods, got)
+        assert set(preset) & set(RUNTIME_MODULES) and not set(plain) & set(RUNTIME_MODULES), (name, plain)
+
+
+def test_megatron_tokenizers_are_preloaded_only_where_megatron_lm_is_installed(monkeypatch):
+    """Without ``megatron.training`` (a megatron-core program) nothing is imported and the log line says why."""
+    import importlib.util
+
+    from shardsafe.adapters.megatron import prewarm as mp
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "megatron.training" else real(n, *a))
+    assert "megatron.training is not installed" in mp.import_tokenizers()
