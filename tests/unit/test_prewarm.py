@@ -29,6 +29,10 @@ PROBE = textwrap.dedent("""
     # never flushed nor closed: the interpreter's teardown writes it (the server's frozen heap must not stop that)
     leak = open(out + ".leak", "w")
     leak.write("written at teardown")
+    json.probe_leak = leak   # held by another module, as a library's log file is: alive until the very end
+    # a non-daemon thread still running when the script ends: the interpreter waits for it before atexit
+    import threading, time
+    threading.Thread(target=lambda: (time.sleep(0.3), open(out + ".thread", "w").write("joined"))).start()
     info = {
         "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__,
         "file": __file__ if "__file__" in globals() else None,
@@ -48,7 +52,10 @@ PROBE = textwrap.dedent("""
         json.dump(info, f)
     print("to stdout", flush=True)
     print("to stderr", file=sys.stderr, flush=True)
+    print("stdout never flushed by the script")   # a file, so block-buffered: flushed at exit
     how = sys.argv[1]
+    if how == "message":
+        sys.exit("bye from the trainer")
     if how == "raise":
         raise RuntimeError("boom from the trainer")
     if how == "kill":
@@ -104,7 +111,9 @@ def test_a_forked_trainer_looks_like_a_cold_one(tmp_path, server):
         results[how] = json.load(open(out))
         text = open(log).read()
         assert "to stdout" in text and "to stderr" in text and "atexit ran" in text, text
+        assert "stdout never flushed by the script" in text, text
         assert open(out + ".leak").read() == "written at teardown", how
+        assert open(out + ".thread").read() == "joined", how
     f, f2, c = results["forked"], results["forked2"], results["cold"]
     assert f["ppid"] == server.proc.pid and c["ppid"] == os.getpid()   # really forked, really cold
     for key in ("argv", "path0", "cwd", "name", "file", "rank", "only", "leader", "stdin", "sigint", "sigterm",
@@ -148,6 +157,11 @@ def test_module_form_exit_codes_signals_and_exceptions(tmp_path, server):
     p = _spawn(server, [sys.executable, script, "raise"], env={**server.env, "SHARDSAFE_TEST_OUT": str(tmp_path / "r.json")}, log=log)
     assert p.wait(timeout=60) == 1
     assert "RuntimeError: boom from the trainer" in open(log).read()
+    log = str(tmp_path / "message.log")
+    p = _spawn(server, [sys.executable, script, "message"], env={**server.env, "SHARDSAFE_TEST_OUT": str(tmp_path / "x.json")},
+               log=log)
+    assert p.wait(timeout=60) == 1   # sys.exit("...") as a cold interpreter ends it: the message, status 1
+    assert "bye from the trainer" in open(log).read() and "atexit ran" in open(log).read()
     p = _spawn(server, [sys.executable, script, "kill"], env={**server.env, "SHARDSAFE_TEST_OUT": str(tmp_path / "k.json")},
                      log=str(tmp_path / "k.log"))
     assert p.wait(timeout=60) == -signal.SIGKILL
