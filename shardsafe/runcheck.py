@@ -50,9 +50,9 @@ def resume_problems(run_dir: str, world: int, *, events_file: str = "events.json
 
     A deterministic run that silently starts over also ends bit-identical, so bit-exactness alone proves
     nothing about the restore. For every attempt after the first, on every rank: its first logged step is the
-    restored version + 1 (a fresh start, version -1, must then log step 1 only if nothing was ever sealed, and
-    counts as a problem once an earlier attempt had completed steps), i.e. no step at or before the restored
-    version ran twice.
+    restored version + 1, i.e. no step at or before the restored version ran twice. A fresh start (version -1)
+    after an attempt that died before anything was committed must begin at the run's first step; once an
+    earlier attempt had committed a snapshot, a fresh start is itself a problem.
 
     A program with several protected engines (shardsafe.runtime.engine_scope) tags its loss records with the
     engine's scope (``"engine"``, "" for the first) and numbers them across engines: ``offsets[scope]`` is the step
@@ -85,7 +85,9 @@ def resume_problems(run_dir: str, world: int, *, events_file: str = "events.json
                 problems.append(f"rank {r}: attempt {a}{which} started fresh although an earlier attempt committed "
                                 "snapshots")
             first = min(steps[(a, eng)]) - offsets.get(eng, 0)
-            if first != v + 1:
+            # a fresh start (an earlier attempt died before anything was committed) begins where the run began
+            start = min(min(s) for (_, e2), s in steps.items() if e2 == eng) - offsets.get(eng, 0)
+            if first != (v + 1 if v >= 0 else start):
                 problems.append(f"rank {r}: attempt {a}{which} restored version {v} but its first step was {first}")
     return problems
 

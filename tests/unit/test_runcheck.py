@@ -23,6 +23,20 @@ def test_one_engine_must_continue_after_its_restore(tmp_path):
     assert resume_problems(str(tmp_path), 1) == ["rank 0: attempt 1 restored version 1 but its first step was 1"]
 
 
+def test_a_fresh_start_after_an_attempt_that_died_before_committing_anything(tmp_path):
+    """Attempt 0 died before its first step (nothing committed): attempt 1 starts fresh at step 1, which is no
+    problem; one that started fresh but skipped steps, or started fresh after a commit, is."""
+    _write(tmp_path, [(1, 1, ""), (1, 2, ""), (2, 2, "")], [(1, -1, ""), (2, 1, "")])
+    assert resume_problems(str(tmp_path), 1) == []
+    _write(tmp_path, [(0, 1, ""), (0, 2, ""), (1, 2, ""), (1, 3, "")], [(0, -1, ""), (1, -1, "")])
+    assert resume_problems(str(tmp_path), 1) == ["rank 0: attempt 1 restored version -1 but its first step was 2"]
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "snapshot", "rank": 0, "attempt": 0, "version": 1, "committed": True}) + "\n")
+    assert resume_problems(str(tmp_path), 1) == [
+        "rank 0: attempt 1 started fresh although an earlier attempt committed snapshots",
+        "rank 0: attempt 1 restored version -1 but its first step was 2"]
+
+
 def test_each_engine_is_checked_against_its_own_restore(tmp_path):
     """Two engines numbered across the program (the second's step s is logged as 10 + s): attempt 1 restored
     the first engine's version 10 (nothing left to train) and the second's version 3."""
