@@ -9,6 +9,7 @@ with the failing rank's traceback. Tensors travel through ``save_tensors``/``loa
 """
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -57,8 +58,15 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 90.0,
         store_path = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_child, args=(r, world, store_path, tmp, fn, args, pg_timeout_s), daemon=True)
                  for r in range(world)]
-        for p in procs:
-            p.start()
+        # The children's garbage collections would write to the GC header of every object this pytest worker
+        # imported (torch, DeepSpeed, Megatron...), and each write copies a page the child shares with us: frozen,
+        # those objects are skipped (the gc module's recipe for fork without exec), as the fork servers do.
+        gc.freeze()
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            gc.unfreeze()
         deadline = time.monotonic() + timeout_s
         failed = None
         while any(p.is_alive() for p in procs):

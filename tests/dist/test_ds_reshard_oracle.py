@@ -4,7 +4,7 @@ The oracle is DeepSpeed's universal checkpoint: a real job at D (forked gloo ran
 examples/ds_pretrain_gpt.py with odd sizes so that every partition boundary and padding case occurs, DeepSpeed's
 default FusedAdam from the config, WarmupLR, gradient clipping) trains V steps, then takes shardsafe's snapshot
 (``DeepSpeedStateAdapter.capture``) AND DeepSpeed's ``save_checkpoint`` of the same step. The checkpoint goes
-through ``ds_to_universal`` (run as DeepSpeed documents it, ``--inject_missing_state`` for a non-Megatron client)
+through ``ds_to_universal`` (with the arguments DeepSpeed documents, ``--inject_missing_state`` for a non-Megatron client)
 and is loaded by a job at D' with ``"checkpoint": {"load_universal": true}``; the snapshot goes through
 ``shardsafe.snapshot.reshard.reshard`` and ``DeepSpeedStateAdapter.apply_resharded`` into another job at D'.
 
@@ -27,8 +27,6 @@ checked separately). Everything else the oracle engine holds comes from DeepSpee
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -166,6 +164,21 @@ def _continue_at_d2(rank, world, case, out, oracle):
             "refused": None if oracle else refused}
 
 
+def _ds_to_universal(rank, world, src, dst):
+    """``python -m deepspeed.checkpoint.ds_to_universal --input_folder SRC --output_folder DST
+    --inject_missing_state --num_extract_workers 1 --num_merge_workers 1``: its ``main`` with those arguments, in a
+    forked process that has DeepSpeed imported already (a cold interpreter would import it again)."""
+    import argparse
+    import contextlib
+    import io
+
+    from deepspeed.checkpoint.ds_to_universal import main
+    args = argparse.Namespace(input_folder=src, output_folder=dst, num_extract_workers=1, num_merge_workers=1,
+                              keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        main(args)
+
+
 def _ranks_differ(case):
     """ZeRO-1/2 record each rank's partition boundaries; ZeRO-3's and BF16_Optimizer's records are alike on every
     rank (equal partitions), so another rank's state cannot be told from one's own there."""
@@ -255,11 +268,8 @@ def test_reshard_equals_deepspeed_universal_checkpoint(case, tmp_path):
     run_ranks(d, _run_at_d, case, out, timeout_s=240, pg_timeout_s=30)
     t_run = time.monotonic() - t0
     # DeepSpeed's reshard: the documented conversion, then load_universal at D'
-    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                    "--input_folder", os.path.join(out, "ckpt", f"global_step{V}"),
-                    "--output_folder", os.path.join(out, "ckpt", f"global_step{V}_universal"),
-                    "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                   check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
+    run_ranks(1, _ds_to_universal, os.path.join(out, "ckpt", f"global_step{V}"),
+              os.path.join(out, "ckpt", f"global_step{V}_universal"), timeout_s=240, pg_timeout_s=30)
     t_conv = time.monotonic() - t0 - t_run
     # shardsafe's: the pure function over the D snapshots
     snaps = []

@@ -20,7 +20,7 @@ SCRIPT = os.path.join(ROOT, "examples", "ds_pretrain_gpt.py")
 # cold trainer pays its imports and first-step compilations itself: an 8-rank reference took 26.5 s cold and
 # 6.9 s forked on this 2-core machine, and the references were a third of the suite's time. The references that
 # pin "a forked trainer computes what a cold one does" stay cold (cold=True at their call sites): DeepSpeed
-# ZeRO-1/2/3 in fp32, bf16 and fp16 (test_deepspeed_resume.py), DeepSpeed's FusedAdam and CPUAdam kernels
+# ZeRO-1 in fp32, ZeRO-3 in bf16 and ZeRO-2 in fp16 (test_deepspeed_resume.py), DeepSpeed's FusedAdam and CPUAdam kernels
 # (test_deepspeed_optimizers.py), workers forked under torch elastic
 # (test_launch.py), Megatron's tp2_dp2 and Megatron-LM's loop (test_megatron_resume.py, where a cold plain run
 # also shows what a program without the flags imports), HF's Trainer (test_hf_trainer.py's module reference, which

@@ -256,30 +256,15 @@ def test_core_functions_restore_snapshot_close(tmp_path, megatron_reference):
 # ---- Megatron-LM's pretrain (megatron-core 0.17.1 from the side folder) -----------------------------
 
 @needs_lm
-def test_megatron_lm_pretrain_kill_and_resume(tmp_path, megatron_reference):
-    """Megatron-LM's own loop, TP2xDP2 bf16 DistOpt: rank 2 is SIGKILLed right before the optimizer step of
-    iteration 4 (inside Megatron-LM's train_step, through shardsafe's optimizer-step wrapper); the restart
-    restores inside setup_model_and_optimizer and iterations 4-6 and the final state match exactly."""
-    steps = 6
-    ref = lm_reference(megatron_reference)
-    res = run_megatron(tmp_path, lm_args(), script=MEGATRON_LM, env=lm_env(), inject="kill-rank:2@4")
-    assert res.ok and res.attempts == 2, (res, trainer_logs(str(tmp_path))[-3000:])
-    assert res.failures[0]["rank"] == 2 and res.failures[0]["rc"] == -9
-    got = restores(tmp_path)
-    assert got[0] == -1 and got[1] in (2, 3), got
-    ev = events(tmp_path)
-    assert any(e.get("kind") == "train_ready" and e.get("attempt") == 1 and e["iteration"] == got[1] + 1 for e in ev)
-    assert_resumed_after(tmp_path, 1, got[1])
-    assert_bit_identical(tmp_path, ref, steps=steps)
-
-
-@needs_lm
 def test_megatron_lm_unmodified_entry_protected_by_its_flags_alone(tmp_path, megatron_reference):
     """The entry script calls Megatron-LM's own ``pretrain`` as pretrain_gpt.py does and imports nothing of
     shardsafe (``--plain-entry``); ``--shardsafe`` on the command line is what protects it (adapters/autoload.py
     wraps pretrain when megatron.training loads). Without the flag, the same script runs plain Megatron-LM and
-    imports nothing of shardsafe beyond the hook; with it, a SIGKILL of rank 2 before iteration 4 resumes from
-    the snapshot and ends bit-identical to the plain run."""
+    imports nothing of shardsafe beyond the hook; with it, Megatron-LM's own loop (TP2xDP2 bf16 DistOpt) loses
+    rank 2 to a SIGKILL right before the optimizer step of iteration 4 (inside Megatron-LM's train_step, through
+    shardsafe's optimizer-step wrapper); the restart restores inside setup_model_and_optimizer, and iterations 4-6
+    and the final state match the plain run exactly. (The explicit entry, shardsafe.adapters.megatron.pretrain, is
+    killed and restored by the node-loss, final-snapshot and `shardsafe launch` tests below.)"""
     steps = 6
     ref = lm_reference(megatron_reference)   # cold: a fork server's child would have the server's modules
     hook_only = ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload", "shardsafe.env", "shardsafe.errors"]
@@ -294,8 +279,11 @@ def test_megatron_lm_unmodified_entry_protected_by_its_flags_alone(tmp_path, meg
     assert "Megatron-LM's pretrain is protected (automatic activation; SHARDSAFE_AUTO=0" in logs, logs[-3000:]
     with open(os.path.join(str(tmp_path), "modules_rank0.json")) as f:
         assert "shardsafe.adapters.megatron" in json.load(f)
+    assert res.failures[0]["rank"] == 2 and res.failures[0]["rc"] == -9
     got = restores(tmp_path)
     assert got[0] == -1 and got[1] in (2, 3), got
+    ev = events(tmp_path)
+    assert any(e.get("kind") == "train_ready" and e.get("attempt") == 1 and e["iteration"] == got[1] + 1 for e in ev)
     assert_resumed_after(tmp_path, 1, got[1])
     assert_bit_identical(tmp_path, ref, steps=steps)
 
