@@ -40,8 +40,11 @@ def test_second_node_loss_before_the_next_snapshot(tmp_path, reference):
     """node1 lost, rebuilt from parity; then node2 lost before another snapshot commits. With m=1 the
     second rebuild needs the parity shares node1 held: the first rebuild re-encoded them."""
     ref = reference(2, "bf16", 12, world=3)
+    # Version 5 must commit (its parity exchanged, the vote done) before node1 goes at step 7: steps after the 5th
+    # take half a second, else a loaded machine can still be exchanging version 5's parity when the node is lost.
     res = run_job(tmp_path, stage=2, dtype="bf16", steps=12, nodes=3, nproc=1,
-                  inject="kill-node:node1@7;kill-node:node2@7", extra=["--interval", "5"])
+                  inject="kill-node:node1@7;kill-node:node2@7",
+                  extra=["--interval", "5", "--step-sleep", "0.5", "--step-sleep-after", "5"])
     assert res.ok and res.attempts == 3, res
     assert [f["cause"] for f in res.failures] == ["node_loss", "node_loss"], res.failures
     # Snapshots at 5 and 10 only: both restores are of version 5, both rebuilt from parity.
