@@ -185,7 +185,7 @@ ss_start_agent() {
   local node=$1; shift
   # shellcheck disable=SC2086
   ss_run srun --overlap --no-kill -N1 -n1 -w "$node" --kill-on-bad-exit=0 --job-name="ss-agent-$node" \
-    --output="$SS_RUN_DIR/logs/agent_$node.log" $SS_SRUN_ARGS \
+    --output="$SS_RUN_DIR/logs/agent_$node.log" --open-mode=append $SS_SRUN_ARGS \
     "$SS_PYTHON" -m shardsafe.launch agent --node "$node" --control "$SS_CONTROL" \
     --nnodes "$SS_RUN_NODES:$SS_RUN_NODES" --nproc-per-node "$SS_NPROC_PER_NODE" --job-id "$SS_JOB_ID" \
     --rdzv-id "$SS_JOB_ID$([ "$SS_GEN" -gt 0 ] && echo ".g$SS_GEN")" --full-world-size "$SS_FULL_WORLD" \
