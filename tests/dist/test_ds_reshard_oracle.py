@@ -31,6 +31,7 @@ import os
 import pytest
 
 from ._fork_ranks import load_tensors, run_ranks, save_tensors
+from ._universal import ds_to_universal
 
 pytestmark = pytest.mark.slow
 
@@ -165,18 +166,7 @@ def _continue_at_d2(rank, world, case, out, oracle):
 
 
 def _ds_to_universal(rank, world, src, dst):
-    """``python -m deepspeed.checkpoint.ds_to_universal --input_folder SRC --output_folder DST
-    --inject_missing_state --num_extract_workers 1 --num_merge_workers 1``: its ``main`` with those arguments, in a
-    forked process that has DeepSpeed imported already (a cold interpreter would import it again)."""
-    import argparse
-    import contextlib
-    import io
-
-    from deepspeed.checkpoint.ds_to_universal import main
-    args = argparse.Namespace(input_folder=src, output_folder=dst, num_extract_workers=1, num_merge_workers=1,
-                              keep_temp_folder=False, strict=True, inject_missing_state=True)
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        main(args)
+    ds_to_universal(src, dst)
 
 
 def _ranks_differ(case):

@@ -36,6 +36,7 @@ from shardsafe.holder.paths import HolderPaths
 
 from ._node_holders import NodeHolders
 from ._fork_ranks import load_tensors, run_ranks, save_tensors
+from ._universal import ds_to_universal
 from .test_ds_reshard_oracle import MB, MODEL, SEED, _buffers_from_checkpoint, _diff, _save_capture, _train, \
     _zero3_group_hyperparameters
 
@@ -171,19 +172,10 @@ def _run_resized(rank, world, root, out, phase, nodes, tag, refuse):
 def _universal(rank, out, tag):
     """DeepSpeed's documented conversion (``ds_to_universal --inject_missing_state``, one worker) of the checkpoint
     ``tag`` of the stage this rank converts (rank i: the i-th stage), then a barrier: the oracles load them."""
-    import argparse
-    import contextlib
-    import io
-
     import torch.distributed as dist
-    from deepspeed.checkpoint.ds_to_universal import main
     if rank < len(STAGES):
         folder = os.path.join(out, f"z{STAGES[rank]}")
-        args = argparse.Namespace(input_folder=os.path.join(folder, tag), output_folder=os.path.join(folder,
-                                  f"{tag}_universal"), num_extract_workers=1, num_merge_workers=1,
-                                  keep_temp_folder=False, strict=True, inject_missing_state=True)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            main(args)
+        ds_to_universal(os.path.join(folder, tag), os.path.join(folder, f"{tag}_universal"))
     dist.barrier()
 
 
