@@ -104,7 +104,8 @@ def _plan_version(v: int, data: list[list[int]], parity: list[list[int]],
     return "parity", missing
 
 
-def _unrecoverable_message(data: list[list[int]], nodes: list[str] | None, exchange: Optional[ParityExchange]) -> str:
+def _unrecoverable_message(data: list[list[int]], nodes: list[str] | None, exchange: Optional[ParityExchange],
+                           advice: bool = True) -> str:
     newest = max(v for vs in data for v in vs)
     missing = [r for r, vs in enumerate(data) if newest not in vs]
     where = sorted({nodes[r] for r in missing}) if nodes else []
@@ -118,6 +119,8 @@ def _unrecoverable_message(data: list[list[int]], nodes: list[str] | None, excha
             gi, m, lost = worst[0]
             msg += (f" Parity group {gi} lost {len(lost)} members {lost} but parity_shards={m} covers {m}; "
                     f"rebuilding needs parity_shards >= {len(lost)}.")
+    if not advice:
+        return msg
     return (msg + " Resume from your last disk checkpoint (engine.load_checkpoint / Megatron --load) with a new "
                   "shardsafe job_id, or set shardsafe.resume=\"never\" to start from scratch.")
 
@@ -175,7 +178,9 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
 
     Raises RestoreError whenever any tier holds something for this job and nothing is restorable (more lost
     nodes than parity covers, every copy corrupt, snapshots of another layout): silently starting from
-    scratch would throw the whole run away. Nothing refused is deleted.
+    scratch would throw the whole run away. Nothing refused is deleted. The one exception: ranks lost before the
+    job's first commit (no holder holds a committed copy, no copy was refused): the job was not protected yet
+    and starts fresh, saying so at WARNING level.
     """
     emit = on_event or (lambda kind, **f: None)
     t0 = time.perf_counter()
@@ -202,12 +207,11 @@ def _same_size(adapter: StateAdapter, client, *, rank: int, coll: Collectives, e
                persist, on_phase, h2d: str, early, fingerprint, force: bool, size_checked: bool) -> RestoreResult:
     """The restore of snapshots taken at this job's size (``size_checked``: the copies held at other sizes were
     looked at already, and the newest restorable version is at this size)."""
-    mine_d, mine_p = _held_versions(client, rank, exchange)
-    # One all-gather says what every rank holds, at which world size its newest copy was taken, and the new
-    # timeline's id (rank 0's draw): each collective of a restore is paid by every restart, in the ring's
-    # latency at thousands of ranks.
-    everyone, extra = coll.gather_versions_and([mine_d, mine_p], [_world_size_seen(client, rank, mine_d),
-                                                                   _timeline_draw()])
+    mine_d, mine_p, world_seen, committed = _held(client, rank, exchange)
+    # One all-gather says what every rank holds, at which world size its newest copy was taken, whether its
+    # holder ever saw a commit, and the new timeline's id (rank 0's draw): each collective of a restore is paid
+    # by every restart, in the ring's latency at thousands of ranks.
+    everyone, extra = coll.gather_versions_and([mine_d, mine_p], [world_seen, _timeline_draw(), int(committed)])
     data, parity = [e[0] for e in everyone], [e[1] for e in everyone]
     timeline = int(extra[0][1])
     candidates = sorted({v for vs in data for v in vs}, reverse=True)
@@ -233,6 +237,8 @@ def _same_size(adapter: StateAdapter, client, *, rank: int, coll: Collectives, e
         # Memory could not serve (nothing held, or more losses than parity covers): the persistent tier.
         res, disk_refusals = (_restore_persistent(adapter, persist, rank=rank, coll=coll, live=live, h2d=h2d, st=st)
                               if persist is not None else (None, []))
+        if res is None and candidates and not (st.tried or disk_refusals or any(x[2] for x in extra)):
+            res = _never_committed(rank, candidates, data, nodes, exchange)
         if res is None and (candidates or disk_refusals):
             emit("restore_end", tier="none", version=-1, seconds=time.perf_counter() - t0, bytes=0)
             raise RestoreError(_refusal_message(st, data, nodes, exchange, persist, disk_refusals))
@@ -265,32 +271,40 @@ def _resized(adapter: StateAdapter, client, *, rank: int, coll: Collectives, res
                          reshard=out.reshard)
 
 
-def _held_versions(client: Optional[HolderClient], rank: int, exchange) -> tuple[list[int], list[int]]:
+def _held(client: Optional[HolderClient], rank: int, exchange) -> tuple[list[int], list[int], int, bool]:
+    """From one listing of this rank's slots: the sealed data and parity versions, the world size the newest data
+    copy was taken at (-1: none, or not recorded), and whether the holder holds a committed copy."""
     if client is None:
-        return [], []
+        return [], [], -1, False
     try:
-        return (client.sealed_versions(rank),
-                client.sealed_versions(rank, kind="parity") if exchange is not None else [])
+        info = client.list(rank).get(str(rank), {})
     except HolderFailure as e:
         log.warning("[rank %d] cannot list snapshots from the holder: %s", rank, e)
-        return [], []
+        return [], [], -1, False
+    sealed = {kind: sorted((s for s in info.get(kind, []) if s["state"] == "sealed"), key=lambda s: s["version"])
+              for kind in ("data", "parity")}
+    data = [s["version"] for s in sealed["data"]]
+    parity = [s["version"] for s in sealed["parity"]] if exchange is not None else []
+    world = int(sealed["data"][-1].get("world_size", -1)) if sealed["data"] else -1
+    return data, parity, world, any(s["committed"] for s in sealed["data"])
 
 
-def _world_size_seen(client: Optional[HolderClient], rank: int, mine: list[int]) -> int:
-    """The world size this rank's newest held copy was taken at (-1: none, or unreadable)."""
-    if client is None or not mine:
-        return -1
-    try:
-        man, mm = client.open(rank=rank, version=max(mine), populate=False)
-        mm.close()
-        return int(man.get("world_size", -1))
-    except (HolderFailure, OSError, ValueError):
-        return -1
+def _never_committed(rank: int, candidates: list[int], data, nodes, exchange) -> RestoreResult:
+    """No version is complete or rebuildable (lost ranks, not corrupt or foreign copies: those are refused), and no
+    holder of this job's ranks holds a committed copy: the versions held were sealed before the job's first commit,
+    when it was not protected yet (a node lost then takes copies that parity did not cover yet). Refusing would
+    stop a job that lost nothing protection ever promised: it starts fresh, as it would have without shardsafe,
+    and says so."""
+    why = _unrecoverable_message(data, nodes, exchange, advice=False)
+    msg = (f"starting fresh: no version of this job was ever committed, so it was not protected yet; the copies "
+           f"held (versions {sorted(candidates)}) were sealed before the first commit and are not restorable: {why}")
+    log.warning("[rank %d] %s", rank, msg)
+    return RestoreResult(message=msg, notes={"never_committed": sorted(candidates)})
 
 
 def _check_world_size(seen: list[int], world_size: int) -> None:
     """Snapshots of a job that ran at another world size are not 'lost ranks': say what changed. ``seen``: every
-    rank's :func:`_world_size_seen` (the same list on every rank, so every rank raises or none)."""
+    rank's world size from :func:`_held` (the same list on every rank, so every rank raises or none)."""
     sizes = {w for w in seen if w >= 0}
     if sizes and sizes != {world_size}:
         raise RestoreError(

@@ -9,6 +9,9 @@
   lost member and the newest version is restored, instead of an older one or a refusal.
 - Retention: the restored version is committed again on every rank, so the next snapshots cannot evict it
   before a newer version commits everywhere.
+- Before the first commit: a node lost while the first version was sealed on the other ranks only leaves
+  nothing restorable and nothing that was ever protected: the job starts fresh and says why. Once a version
+  was committed, the same loss is refused as before.
 """
 import logging
 
@@ -151,3 +154,39 @@ def test_the_restored_version_is_kept_until_a_newer_one_commits(holders):
     out = run_ranks(WORLD, _keep, holders, timeout_s=120, pg_timeout_s=10)
     assert [o["first"] for o in out] == [2, 2, 2] and all(2 in o["committed"] for o in out), out
     assert [o["second"] for o in out] == [2, 2, 2] and all(o["equal"] for o in out), out
+
+
+def _first_commit(rank, world, root, committed_first):
+    """Version 2 sealed on ranks 0 and 1 only, then node n2 lost with its holder's memory; parity off.
+    ``committed_first``: version 1 had been committed everywhere before."""
+    import torch.distributed as dist
+    client = HolderClient(HolderPaths(root, "pjob", f"n{rank}"), timeout_s=10).connect()
+    if committed_first:
+        _seal(client, rank, world, 1, Shard(rank, 1), timeline=9)
+    if rank in (0, 1):
+        _seal_uncommitted(client, rank, 2, Shard(rank, 2), timeline=9, world=world)
+    dist.barrier()
+    if rank == 2:
+        client.drop(rank=rank)   # the node is lost: its copies are gone
+    dist.barrier()
+    live = Shard(rank, 0)
+    try:
+        res = restore_from_holder(live, client, rank=rank, coll=Collectives(None, world),
+                                  nodes=[f"n{r}" for r in range(world)])
+    except RestoreError as e:
+        return {"error": str(e)}
+    return {"version": res.version, "message": res.message, "notes": res.notes,
+            "untouched": live.equals(Shard(rank, 0))}
+
+
+def test_a_node_lost_before_the_first_commit_starts_fresh_and_says_why(holders, caplog):
+    out = run_ranks(WORLD, _first_commit, holders, False, timeout_s=120, pg_timeout_s=10)
+    assert [o.get("version") for o in out] == [-1, -1, -1], out
+    assert all(o["untouched"] and o["notes"] == {"never_committed": [2]} for o in out), out
+    assert all("no version of this job was ever committed" in o["message"] and "ranks [2]" in o["message"]
+               and "nodes ['n2']" in o["message"] for o in out), out
+
+
+def test_a_node_lost_after_a_commit_is_still_refused(holders):
+    out = run_ranks(WORLD, _first_commit, holders, True, timeout_s=120, pg_timeout_s=10)
+    assert all("cannot restore from memory" in o.get("error", "") and "ranks [2]" in o["error"] for o in out), out
