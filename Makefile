@@ -32,12 +32,14 @@ demo: venv
 	$(BIN)/shardsafe demo
 
 # Most of the suite waits (rendezvous, restarts, timeouts): TEST_WORKERS files run side by side, each file on one
-# worker (its module fixtures run once). The base folder is short because a holder's socket path lives under a
-# test's tmp_path and Unix sockets take at most 107 bytes; it is removed when every test passed.
+# worker (its module fixtures run once), the longest first (tests/conftest.py; --no-loadscope-reorder keeps that
+# order). The base folder is short because a holder's socket path lives under a test's tmp_path and Unix sockets
+# take at most 107 bytes; it is removed when every test passed.
 TEST_WORKERS ?= 3
 test: venv
 	@base=$$(mktemp -d /tmp/sst-XXXXXX) && \
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --basetemp=$$base --durations=25 tests \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --basetemp=$$base \
+		--durations=25 tests \
 	&& rm -rf $$base
 
 # Everything Megatron once more on megatron-core 0.19.2, which imports triton unconditionally; not part

@@ -166,14 +166,17 @@ def holder_factory(tmp_path, tmp_path_factory):
 
 # ---- order: the longest files first ---------------------------------------------------------------------------
 
-# Under pytest-xdist (`make test`) each file runs on one worker; a long file collected last would run alone at the
-# end. These start first, longest first (a file's own tests keep their order); the rest follow in collection order.
-# tests/fault's files stay together: its package fixture (the shared fork servers) is set up once.
-_LONGEST_FIRST = ("slurm/test_slurm.py", "package/test_install.py", "fault/test_megatron_resume.py",
-                  "fault/test_hf_trainer.py", "fault/test_deepspeed_3d.py", "fault/test_shrink_e2e.py",
-                  "fault/test_export_megatron.py", "fault/test_demo.py", "fault/test_deepspeed_resume.py",
-                  "fault/test_resubmission.py", "fault/test_two_jobs.py", "fault/test_unchanged_programs.py",
-                  "fault/test_launch.py", "fault/test_deepspeed_optimizers.py")
+# Under pytest-xdist (`make test`) each file runs on one worker; a long file handed out last would run alone at the
+# end. These start first, longest first (their wall times in `make test`; a file's own tests keep their order); the
+# rest follow in collection order. `make test` passes --no-loadscope-reorder: by default xdist hands out the files
+# with the most tests first, which put the long files of few tests (the sbatch and shrink ones) at the end.
+_LONGEST_FIRST = ("fault/test_deepspeed_3d.py", "fault/test_shrink_e2e.py", "fault/test_megatron_resume.py",
+                  "slurm/test_slurm.py", "fault/test_export_megatron.py", "fault/test_deepspeed_resume.py",
+                  "fault/test_launch.py", "fault/test_demo.py", "fault/test_hf_trainer.py", "fault/test_two_jobs.py",
+                  "fault/test_unchanged_programs.py", "fault/test_node_loss.py", "dist/test_ds_reshard_oracle.py",
+                  "package/test_install.py", "fault/test_lightning.py", "fault/test_deepspeed_optimizers.py",
+                  "fault/test_resize_launch.py", "dist/test_megatron_state.py", "fault/test_export.py",
+                  "fault/test_resubmission.py", "dist/test_megatron_reshard_oracle.py", "fault/test_trust.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -5,9 +5,11 @@ import pytest
 from .helpers import PLAIN_DEEPSPEED, cached_reference, close_fork_servers, reference_preload, run_job
 
 
-@pytest.fixture(scope="package", autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def _shared_fork_servers():
-    """The fork servers the package's protected runs share (helpers.launch) end with the package."""
+    """The fork servers the package's runs share (helpers.launch) end with the session. Not with the package:
+    under pytest-xdist a worker leaves the package whenever its next file is elsewhere and comes back later,
+    and each return paid every server's imports again (18 DeepSpeed servers for 3 workers and 2 preloads)."""
     yield
     close_fork_servers()
 
