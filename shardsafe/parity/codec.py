@@ -258,6 +258,26 @@ class Codec(ABC):
 
         return self._rows_cache.get_or_make(key, make)
 
+    def combine(self, coeffs: np.ndarray, sources: Sequence[Any], out: Sequence[Any]) -> None:
+        """``out[r] = sum_i coeffs[r, i] * sources[i]`` over GF(2^8), for any number of sources: the step of a
+        repair that rebuilds a fragment from partial products (shardsafe.parity.repair), where each survivor
+        adds its own fragment times its coefficient to what the previous one sent (coefficient 1 on that).
+
+        Args:
+            coeffs: uint8 (len(out), len(sources)), e.g. columns of :meth:`coefficients`.
+            sources: 1-D arrays of equal length.
+            out: writable 1-D arrays of that length, none of them one of ``sources``.
+        """
+        coeffs = np.ascontiguousarray(coeffs, dtype=np.uint8)
+        src = [self._flat("combine", "sources", x, writable=False) for x in sources]
+        flat = [self._flat("combine", "out", x, writable=True) for x in out]
+        if coeffs.shape != (len(flat), len(src)):
+            raise InvalidFragment(f"combine: coeffs has shape {coeffs.shape}; expected ({len(flat)}, {len(src)}) "
+                                  "(one row per output, one column per source).")
+        self._same_length("combine", "sources and out", src + flat, list(range(len(src) + len(flat))))
+        if src and self._nbytes(src[0]):
+            self._apply(coeffs, src, flat)
+
     # --- backend hooks --------------------------------------------------------------------------
     @abstractmethod
     def _apply(self, coeffs: np.ndarray, sources: list[Any], outs: list[Any]) -> None:

@@ -8,13 +8,15 @@ it holds parity for, encodes one parity fragment per codeword (ISA-L on CPU) str
 member's data manifest (so a lost member's checksums survive it). A version is committed only when
 this succeeded on every rank.
 
-Rebuild (restore after node loss): survivors read their data and parity slots and send the k
-source fragments of every affected codeword to the lost members, who decode their chunks into a
-fresh data slot of their (new, empty) holder, verify them against the replicated checksums and
-seal them; the normal restore path then loads them. From the same fragments a lost member also
-re-encodes the parity shares it held, so the restored version is protected again at once (a
-second node loss before the next snapshot is covered); those slots are committed only when the
-restore of the version verified on every rank (``finish_rebuild``), else dropped.
+Rebuild (restore after node loss): survivors read their data and parity slots and form every lost
+fragment (data chunks and the parity shares the lost member held) as partial products reduced along
+the survivors (shardsafe.parity.repair), so a lost member receives each fragment once, finished, into
+a fresh data or parity slot of its (new, empty) holder; it verifies the data against the replicated
+checksums and seals both, and the normal restore path then loads them. Its parity shares back, the
+restored version is protected again at once (a second node loss before the next snapshot is
+covered); those slots are committed only when the restore of the version verified on every rank
+(``finish_rebuild``), else dropped. ``repair="gather"`` sends the k source fragments to the lost
+member instead, which decodes them (the baseline the rebuild bench measures against).
 
 All collectives here run on the parity group's own gloo group, from the snapshot worker thread
 (encode) or the main thread before training (rebuild); every member of a group takes the same
@@ -26,6 +28,7 @@ import itertools
 import json
 import logging
 import time
+import warnings
 from datetime import timedelta
 from typing import Any, Callable, Iterable
 
@@ -41,11 +44,13 @@ from ..hierarchy import MemberGroup
 from .codec import get_codec
 from .device import DevicePath
 from .host import HostTransport
+from .repair import chain_rebuild
 from .transport import ExchangeError, ParityTransport
 from .topology import ParityGroup, ParityGroups, RankPlace, build_parity_groups
 
 log = logging.getLogger(__name__)
 _MANIFEST_TAG = 1 << 20
+REPAIRS = ("chain", "gather")
 
 
 def gather_places(rank: int, world_size: int, node: str, dp: int, tp: int = 0, pp: int = 0, group=None) -> list[RankPlace]:
@@ -89,15 +94,21 @@ class ParityExchange:
         rank: this rank.
         timeout_s: timeout of the groups' collectives.
         backend: codec backend ("auto": ISA-L, else the numpy reference).
+        repair: how a lost member is rebuilt: "chain" (partial products reduced along the survivors,
+            shardsafe.parity.repair: the rebuilder receives one byte per byte it rebuilds) or "gather" (the k
+            source fragments sent to the rebuilder, which decodes them: k bytes per byte; kept as the baseline
+            bench/rebuild_bench.py measures against).
     """
 
     _built = itertools.count()   # exchanges this process built: each gets its own keys in the store
 
     def __init__(self, plan: ParityGroups, rank: int, *, timeout_s: float = 60.0, backend: str = "auto",
                  transport: str = "host", device: "torch.device | None" = None, store: Any = None,
-                 prefix: str = "shardsafe/parity"):
+                 prefix: str = "shardsafe/parity", repair: str = "chain"):
         import torch.distributed as dist
-        self.plan, self.rank = plan, rank
+        if repair not in REPAIRS:
+            raise ExchangeError(f"repair must be one of {REPAIRS}; got {repair!r}")
+        self.plan, self.rank, self.repair = plan, rank, repair
         self.group: ParityGroup = plan.group_of(rank)
         # Every exchange a process builds gets its own keys in the store (every rank builds the same ones, in order).
         self.timeout_s, self.prefix = timeout_s, f"{prefix}/{next(ParityExchange._built)}"
@@ -292,11 +303,53 @@ class ParityExchange:
         info = self._share_info(info, survivors[0], lost)
         cs = info["chunk_size"]
         plan = g.recovery_plan(lost)
+        if self.repair == "chain":
+            return self._chain_rebuild(version, client, plan, handles if me in survivors else None, cs, info)
         recv_bufs = self._transfer_sources(plan, handles if me in survivors else None, cs)
         self.on_phase(PHASE_RESTORE_REBUILD, version)
         if me not in lost:
             return True, 0, ""
         return self._decode_mine(version, client, plan, recv_bufs, cs, info)
+
+    def _chain_rebuild(self, version: int, client: HolderClient | None, plan, handles: list | None, cs: int,
+                       info: dict) -> tuple[bool, int, str]:
+        """The rebuild by partial-parallel repair (shardsafe.parity.repair): a lost member receives its data chunks
+        and parity shares finished, straight into the slots it then verifies and seals."""
+        g, me = self.group, self.rank
+        data = parity = None
+        why = ""
+        if handles is None:   # a lost member: the slots the fragments land in (parity best effort, as re-encoding)
+            try:
+                _, data = client.acquire(rank=me, version=version, nbytes=g.k * cs)
+            except Exception as e:   # budget, holder gone: this rank's rebuild fails and says why, the group goes on
+                why = f"rank {me}: no slot to rebuild into: {e}"
+            if data is not None:
+                try:
+                    _, parity = client.acquire(rank=me, version=version, nbytes=g.m * cs, kind="parity")
+                except Exception as e:
+                    log.warning("[rank %d] no slot for the parity shares of rebuilt version %d (%s): the group is "
+                                "protected again from the next committed snapshot", me, version, e)
+        else:
+            dv = data_chunks(handles[1], g.k, cs)
+            pv_t = _read_only(handles[0], g.m * cs)
+
+        def source(f):
+            return pv_t[f.slot * cs:(f.slot + 1) * cs] if f.is_parity else dv[f.slot]
+
+        def dest(t):
+            mm = parity if t.is_parity else data
+            return None if mm is None else torch.frombuffer(mm, dtype=torch.uint8, count=cs, offset=t.slot * cs)
+
+        chain_rebuild(self.pg, self.codec, plan, me, cs, source=source, dest=dest)
+        self.on_phase(PHASE_RESTORE_REBUILD, version)
+        if handles is not None:
+            return True, 0, ""
+        if data is None:
+            return False, 0, why
+        ok, nbytes, why = self._seal_rebuilt(version, client, data, info)
+        if ok and parity is not None:
+            self._seal_rebuilt_parity(version, client, parity, cs, info)
+        return ok, nbytes, why
 
     def _survivor_info(self, version: int, client: HolderClient, handles: list) -> tuple[dict[str, Any], str]:
         """A survivor opens its data and parity of ``version`` (into ``handles``) and checks its parity shares.
@@ -338,7 +391,7 @@ class ParityExchange:
         reqs, recv_bufs = [], {}
         if handles is not None:
             dv = data_chunks(handles[1], self.group.k, cs)
-            pv_t = torch.frombuffer(handles[0], dtype=torch.uint8, count=self.group.m * cs)
+            pv_t = _read_only(handles[0], self.group.m * cs)
         for cw in plan:
             takers = sorted({t.rank for t in cw.targets})   # lost members: their data chunks and parity shares
             for f in cw.sources:
@@ -360,7 +413,6 @@ class ParityExchange:
         """A lost member decodes its chunks into a new slot, verifies them against its replicated manifest,
         seals, and re-encodes its parity shares."""
         me = self.rank
-        my_man = info["manifests"][str(me)]
         try:
             _, wmm = client.acquire(rank=me, version=version, nbytes=self.group.k * cs)
         except Exception as e:   # budget, holder gone: this rank's rebuild fails and says why, the restore goes on
@@ -372,6 +424,15 @@ class ParityExchange:
             outs = [np.frombuffer(wmm, dtype=np.uint8, count=cs, offset=t.slot * cs) for t in mine]
             self.codec.reconstruct({f.fragment: b.numpy() for f, b in zip(cw.sources, recv_bufs[cw.codeword])},
                                    [t.fragment for t in mine], out=outs)
+        ok, nbytes, why = self._seal_rebuilt(version, client, wmm, info)
+        if ok:
+            self._reencode_parity(version, client, plan, recv_bufs, cs, info)
+        return ok, nbytes, why
+
+    def _seal_rebuilt(self, version: int, client: HolderClient, wmm: Any, info: dict) -> tuple[bool, int, str]:
+        """Verify a rebuilt payload against this member's replicated manifest and seal it (never if it fails)."""
+        me = self.rank
+        my_man = info["manifests"][str(me)]
         buf = memoryview(wmm)
         try:
             bad = mf.verify(my_man, buf)
@@ -382,8 +443,19 @@ class ParityExchange:
                               f"({'; '.join(bad[:3])}): a peer's data or parity share is corrupt; not loaded")
         client.seal(rank=me, version=version, manifest=my_man)
         self._rebuilt.append((version, "data"))
-        self._reencode_parity(version, client, plan, recv_bufs, cs, info)
         return True, my_man["payload_nbytes"], ""
+
+    def _seal_rebuilt_parity(self, version: int, client: HolderClient, pmm: Any, cs: int, info: dict) -> None:
+        """Checksum and seal the parity shares a rebuilt member holds again (best effort, as re-encoding is)."""
+        try:
+            sums = [mf.hash_bytes(memoryview(pmm)[j * cs:(j + 1) * cs]) for j in range(self.group.m)]
+            man = self._parity_manifest(version, cs, info["payload_max"], sums, info["manifests"])
+            client.seal(rank=self.rank, version=version, manifest=dict(man, rebuilt=True), kind="parity")
+            self._rebuilt.append((version, "parity"))
+        except Exception as e:   # the payload is restored already: re-protecting it is best effort
+            log.warning("[rank %d] rebuilt payload of version %d restored, but its parity shares could not be "
+                        "sealed (%s): the group is protected again from the next committed snapshot", self.rank,
+                        version, e)
 
     def _reencode_parity(self, version: int, client: HolderClient, plan, recv_bufs: dict, cs: int, info: dict) -> None:
         """Re-encode this (rebuilt) member's parity shares of ``version`` from the fragments it received.
@@ -400,13 +472,11 @@ class ParityExchange:
                     outs = [np.frombuffer(pmm, dtype=np.uint8, count=cs, offset=t.slot * cs) for t in mine]
                     self.codec.reconstruct({f.fragment: b.numpy() for f, b in zip(cw.sources, recv_bufs[cw.codeword])},
                                            [t.fragment for t in mine], out=outs)
-            sums = [mf.hash_bytes(memoryview(pmm)[j * cs:(j + 1) * cs]) for j in range(g.m)]
-            man = self._parity_manifest(version, cs, info["payload_max"], sums, info["manifests"])
-            client.seal(rank=me, version=version, manifest=dict(man, rebuilt=True), kind="parity")
-            self._rebuilt.append((version, "parity"))
         except Exception as e:   # the payload is restored already: re-protecting it is best effort
             log.warning("[rank %d] rebuilt payload of version %d restored, but its parity shares could not be "
                         "re-encoded (%s): the group is protected again from the next committed snapshot", me, version, e)
+            return
+        self._seal_rebuilt_parity(version, client, pmm, cs, info)
 
     def _parity_manifest(self, version: int, cs: int, pmax: int, sums: list[str], manifests: dict) -> dict:
         """The manifest sealed with this member's parity slot: its codewords, their checksums, and every
@@ -446,10 +516,18 @@ def data_chunks(mm: Any, k: int, cs: int) -> list[torch.Tensor]:
     for c in range(k):
         a, b = c * cs, (c + 1) * cs
         if b <= n:
-            out.append(torch.frombuffer(mm, dtype=torch.uint8, count=cs, offset=a))
+            out.append(_read_only(mm, cs, a))
             continue
         t = torch.zeros(cs, dtype=torch.uint8)
         if a < n:
-            t[: n - a] = torch.frombuffer(mm, dtype=torch.uint8, count=n - a, offset=a)
+            t[: n - a] = _read_only(mm, n - a, a)
         out.append(t)
     return out
+
+
+def _read_only(mm: Any, count: int, offset: int = 0) -> torch.Tensor:
+    """``count`` bytes of a (read-only) mapping as a uint8 tensor, which is only read and sent: torch's warning
+    about a buffer that is not writable would reach the user's log once per process for nothing."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mm, dtype=torch.uint8, count=count, offset=offset)

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from shardsafe.parity import repair as repair_mod
 from shardsafe.parity.exchange import ParityExchange, gather_places, plan_parity
 from shardsafe.holder.client import HolderClient
 from shardsafe.holder.paths import HolderPaths
@@ -12,12 +13,12 @@ from ._fork_ranks import run_ranks
 from ._shards import WORLD, Shard, flip
 
 
-def _scenario(rank, world, root, scenario):
+def _scenario(rank, world, root, scenario, repair="chain"):
     import torch.distributed as dist
     client = HolderClient(HolderPaths(root, "pjob", f"n{rank}"), timeout_s=10).connect()
     places = gather_places(rank, world, f"n{rank}", rank)
     m = 2 if scenario == "two_m2" else 1
-    ex = ParityExchange(plan_parity(places, group_size=0, parity_shards=m), rank, timeout_s=10)
+    ex = ParityExchange(plan_parity(places, group_size=0, parity_shards=m), rank, timeout_s=10, repair=repair)
     assert (ex.group.k, ex.group.m) == (3 - m, m)
     pipe = SnapshotPipeline(client, rank=rank, world_size=world, node=f"n{rank}", agreement=GlooAgreement(), parity=ex)
     # "uneven": payloads of 1.8, 2.4 and 3.0 MB, so rank 0's first data slot (2 MiB, sized before the
@@ -94,10 +95,20 @@ def test_one_node_lost_is_rebuilt_bit_exact(holders):
     assert out[1]["rebuilt"] > 0 and out[0]["rebuilt"] == 0
 
 
-def test_rebuilt_member_protects_the_version_again(holders):
-    """A rebuilt member also re-encodes its parity shares (equal to the lost ones) and commits them, so
-    a second node lost before the next snapshot is still rebuilt (with m=1 it needs them)."""
-    out = run_ranks(WORLD, _scenario, holders, "sequential", timeout_s=120, pg_timeout_s=10)
+@pytest.mark.parametrize("repair,slice_kib,window", [("chain", None, None), ("chain", 64, None), ("chain", 16, 1),
+                                                     ("gather", None, None)])
+def test_rebuilt_member_protects_the_version_again(holders, monkeypatch, repair, slice_kib, window):
+    """A rebuilt member also gets its parity shares back (equal to the lost ones) and commits them, so a second
+    node lost before the next snapshot is still rebuilt (with m=1 it needs them). Both repairs: the partial
+    products reduced along the survivors, and the k sources gathered on the rebuilder (the bench's baseline).
+    With 64 KiB slices a chain carries every fragment of these chunks (about 150 KB) in 3 messages, the last
+    one short, as it carries real payloads in 4 MiB slices; with 16 KiB slices and a window of 1 a survivor
+    waits on each send and posts each receive one slice ahead."""
+    if slice_kib:
+        monkeypatch.setattr(repair_mod, "SLICE", slice_kib << 10)   # the forked ranks inherit it
+    if window:
+        monkeypatch.setattr(repair_mod, "WINDOW", window)
+    out = run_ranks(WORLD, _scenario, holders, "sequential", repair, timeout_s=120, pg_timeout_s=10)
     assert [o["version"] for o in out] == [2, 2, 2] and all(o["equal"] for o in out), out
     assert out[1]["parity_same"] is True
     assert all(o["committed"] == {"data": [2], "parity": [2]} for o in out[1:2]), out
@@ -107,9 +118,10 @@ def test_rebuilt_member_protects_the_version_again(holders):
     assert second[2]["rebuilt"] > 0 and second[1]["rebuilt"] == 0
 
 
-def test_two_lost_members_re_encode_their_parity_m2(holders):
-    """m=2, two members lost at once: each rebuilds its payload and re-encodes its own two parity shares."""
-    out = run_ranks(WORLD, _scenario, holders, "two_m2", timeout_s=120, pg_timeout_s=10)
+@pytest.mark.parametrize("repair", ["chain", "gather"])
+def test_two_lost_members_re_encode_their_parity_m2(holders, repair):
+    """m=2, two members lost at once: each rebuilds its payload and gets its own two parity shares back."""
+    out = run_ranks(WORLD, _scenario, holders, "two_m2", repair, timeout_s=120, pg_timeout_s=10)
     assert [o["version"] for o in out] == [2, 2, 2] and all(o["equal"] for o in out), out
     assert out[1]["parity_same"] is True and out[2]["parity_same"] is True
     assert all(o["committed"] == {"data": [2], "parity": [2]} for o in out[1:]), out

@@ -467,3 +467,30 @@ def test_placement_and_codec_import_without_torch():
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("backend", ["reference", "isal"])
+@pytest.mark.parametrize("k,m,lost", [(3, 1, [1]), (7, 1, [0]), (4, 2, [2, 5])])
+def test_partial_products_summed_along_the_survivors_equal_reconstruct(backend, k, m, lost):
+    """The chain repair's arithmetic (shardsafe.parity.repair): the first survivor sends c_0 * s_0, each next one
+    adds c_j * s_j to what it received (coefficient 1 on it), and the last sum is the lost fragment, byte for byte
+    what reconstruct() rebuilds from all k sources at once; a wrong coefficient shape is refused."""
+    if backend == "isal":
+        _require_isal()
+    codec = get_codec(k=k, m=m, backend=backend)
+    rng = np.random.default_rng(k * 10 + m)
+    data = [rng.integers(0, 256, 1001, dtype=np.uint8) for _ in range(k)]
+    frags = dict(enumerate(data + codec.encode(data)))
+    sources = codec.fragments_needed(lost)
+    want = codec.reconstruct({i: frags[i] for i in sources}, lost)
+    coeffs = codec.coefficients(sources, lost)
+    for t, target in enumerate(lost):
+        acc = np.empty(1001, dtype=np.uint8)
+        codec.combine(coeffs[t:t + 1, :1], [frags[sources[0]]], [acc])
+        for j in range(1, k):
+            nxt = np.empty_like(acc)
+            codec.combine(np.array([[1, coeffs[t, j]]], dtype=np.uint8), [acc, frags[sources[j]]], [nxt])
+            acc = nxt
+        assert np.array_equal(acc, want[t]) and np.array_equal(acc, frags[target])
+    with pytest.raises(InvalidFragment, match="expected"):
+        codec.combine(coeffs, [frags[sources[0]]], [np.empty(1001, dtype=np.uint8)])
