@@ -55,19 +55,21 @@ def _alone_rank(rank: int, world: int, root: str, nbytes: int, m: int, reps: int
             "phases": [h.parity_phases for h in hist]}
 
 
-def run_alone(nodes: int, m: int, nbytes: int, reps: int = 9) -> dict:
-    """The pipeline with parity on ``nodes`` forked ranks, one holder each, no training."""
+def forked_ranks(nodes: int, job: str, budget_gb: float, target, *args, timeout_s: float = 600) -> list[dict]:
+    """Run ``target(rank, nodes, root, *args)`` on ``nodes`` forked ranks (gloo over a FileStore), one holder per
+    simulated node (``HolderPaths(root, job, f"n{rank}")``, ``budget_gb`` each). Returns each rank's result (a
+    JSON-able dict), by rank. bench/rebuild_bench.py runs its ranks through this too."""
     import multiprocessing as mp
     import subprocess
     import time
     from datetime import timedelta
     from shardsafe.holder.client import holder_command
     from shardsafe.holder.paths import HolderPaths
-    root = tempfile.mkdtemp(prefix="shardsafe-paritybench-alone-")
+    root = tempfile.mkdtemp(prefix=f"shardsafe-bench-{job}-")
     holders = []
     try:
         for r in range(nodes):
-            proc = subprocess.Popen(holder_command(HolderPaths(root, "alone", f"n{r}"), budget_gb=nbytes * 8 / 2**30 + 0.5),
+            proc = subprocess.Popen(holder_command(HolderPaths(root, job, f"n{r}"), budget_gb=budget_gb),
                                     stdout=subprocess.PIPE)
             if not proc.stdout.readline().startswith(b"holder ready"):
                 raise RuntimeError("holder did not start")
@@ -80,9 +82,9 @@ def run_alone(nodes: int, m: int, nbytes: int, reps: int = 9) -> dict:
             try:
                 store = torch.distributed.FileStore(os.path.join(root, "store"), nodes)
                 torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=nodes,
-                                                     timeout=timedelta(seconds=60))
+                                                     timeout=timedelta(seconds=timeout_s))
                 with open(os.path.join(root, f"r{rank}.json"), "w") as f:
-                    json.dump(_alone_rank(rank, nodes, root, nbytes, m, reps), f)
+                    json.dump(target(rank, nodes, root, *args), f)
             except BaseException as e:  # noqa: BLE001
                 code = 1
                 print(f"rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
@@ -92,20 +94,25 @@ def run_alone(nodes: int, m: int, nbytes: int, reps: int = 9) -> dict:
         procs = [ctx.Process(target=child, args=(r,)) for r in range(nodes)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + timeout_s
         for p in procs:
             p.join(max(1.0, deadline - time.monotonic()))
         if any(p.exitcode != 0 for p in procs):
             for p in procs:
                 if p.is_alive():
                     p.kill()
-            raise RuntimeError("the no-training run failed")
-        per = [json.load(open(os.path.join(root, f"r{r}.json"))) for r in range(nodes)]
+            raise RuntimeError("a rank failed (its error is above)")
+        return [json.load(open(os.path.join(root, f"r{r}.json"))) for r in range(nodes)]
     finally:
         for proc in holders:
             proc.kill()
             proc.wait()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def run_alone(nodes: int, m: int, nbytes: int, reps: int = 9) -> dict:
+    """The pipeline with parity on ``nodes`` forked ranks, one holder each, no training."""
+    per = forked_ranks(nodes, "alone", nbytes * 8 / 2**30 + 0.5, _alone_rank, nbytes, m, reps)
     med = statistics.median
     # Per snapshot, the slowest rank's time (the group commits when its slowest member is done).
     copy = [max(p["copy_s"][i] for p in per) for i in range(len(per[0]["copy_s"]))]

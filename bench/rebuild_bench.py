@@ -22,14 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from datetime import timedelta
+
+from parity_snapshot_bench import forked_ranks   # bench/ is this script's folder, first on sys.path
 
 LOST = 1
 
@@ -97,54 +94,6 @@ def _rank(rank: int, world: int, root: str, nbytes: int, m: int, repeats: int) -
     return out
 
 
-def run(nodes: int, m: int, nbytes: int, repeats: int) -> list[dict]:
-    import multiprocessing as mp
-    import torch
-    from shardsafe.holder.client import holder_command
-    from shardsafe.holder.paths import HolderPaths
-    root = tempfile.mkdtemp(prefix="shardsafe-rebuildbench-")
-    holders = []
-    try:
-        for r in range(nodes):
-            proc = subprocess.Popen(holder_command(HolderPaths(root, "rb", f"n{r}"), budget_gb=nbytes * 6 / 2**30 + 0.5),
-                                    stdout=subprocess.PIPE)
-            if not proc.stdout.readline().startswith(b"holder ready"):
-                raise RuntimeError("holder did not start")
-            holders.append(proc)
-
-        def child(rank: int) -> None:
-            torch.set_num_threads(1)
-            code = 0
-            try:
-                store = torch.distributed.FileStore(os.path.join(root, "store"), nodes)
-                torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=nodes,
-                                                     timeout=timedelta(seconds=600))
-                with open(os.path.join(root, f"r{rank}.json"), "w") as f:
-                    json.dump(_rank(rank, nodes, root, nbytes, m, repeats), f)
-            except BaseException as e:  # noqa: BLE001
-                code = 1
-                print(f"rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
-            finally:
-                os._exit(code)
-        ctx = mp.get_context("fork")
-        procs = [ctx.Process(target=child, args=(r,)) for r in range(nodes)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(1800)
-        if any(p.exitcode != 0 for p in procs):
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            raise RuntimeError("a rank failed (its error is above)")
-        return [json.load(open(os.path.join(root, f"r{r}.json"))) for r in range(nodes)]
-    finally:
-        for proc in holders:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(root, ignore_errors=True)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, default=4, help="simulated nodes, one rank each (default: 4)")
@@ -156,7 +105,8 @@ def main() -> int:
     med = statistics.median
     rows = []
     for mib in [int(x) for x in a.mib.split(",") if x]:
-        per = run(a.nodes, a.m, mib << 20, a.repeats)
+        per = forked_ranks(a.nodes, "rb", (mib << 20) * 6 / 2**30 + 0.5, _rank, mib << 20, a.m, a.repeats,
+                           timeout_s=1800)
         slowest = {r: [max(x[r][i] for x in per) for i in range(a.repeats)] for r in ("gather", "chain")}
         row = {"mib_per_rank": mib, "k": per[0]["k"], "m": a.m, "rebuilt_mib": round(per[LOST]["rebuilt_bytes"] / 2**20, 1),
                "gather_s": med(slowest["gather"]), "chain_s": med(slowest["chain"]),
