@@ -341,8 +341,11 @@ def register_cli(sub) -> None:
         "--nproc-per-node", type=whole(1, "processes"), default=1, metavar="N", help="trainer processes per node"))
     p.add_argument("--run-dir", default="", help="run directory: event log, logs, outputs (default: runs/JOB_ID, or "
                                            "runs/launch-<date>-<time> without --job-id)")
-    p.add_argument("--job-id", default="",
-                   help="names the job's holders and rendezvous (default: launch-<8 random hex digits>)")
+    # $SHARDSAFE_JOB_ID when set, as the trainers, `holder` and `status` take it: an id the user exported is not
+    # replaced by a random one, and `shardsafe export SRC DST -- shardsafe launch ...` replays under SRC's job id
+    p.add_argument("--job-id", default=env.get(env.JOB_ID),
+                   help="names the job's holders and rendezvous (default: $SHARDSAFE_JOB_ID, else launch-<8 random "
+                        "hex digits>)")
     p.add_argument("--holder-dir", default="", help=f"where the holders' sockets live (default: {HOLDER_DIR_DEFAULT})")
     # checked by ElasticConfig (launch.holders.budget_problem), which also knows this node's RAM
     p.add_argument("--memory-budget-gb", type=float, default=0.0, metavar="GB",

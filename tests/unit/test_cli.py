@@ -199,3 +199,14 @@ def test_torchrun_names_and_seconds_suffixes_with_the_former_spellings_hidden(mo
 def test_the_module_entry_points_say_usage_errors_alike(module, argv, said):
     r = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith(said) and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_launch_takes_the_job_id_from_the_environment(monkeypatch):
+    """`shardsafe launch` without --job-id replaced an exported SHARDSAFE_JOB_ID with a random id (the trainers,
+    `holder` and `status` take it): it keeps it now, and an explicit --job-id still wins."""
+    from shardsafe.cli import build_parser
+    monkeypatch.setenv("SHARDSAFE_JOB_ID", "mine")
+    assert build_parser().parse_args(["launch", "train.py"]).job_id == "mine"
+    assert build_parser().parse_args(["launch", "--job-id", "other", "train.py"]).job_id == "other"
+    monkeypatch.delenv("SHARDSAFE_JOB_ID")
+    assert build_parser().parse_args(["launch", "train.py"]).job_id == ""   # ElasticConfig draws launch-<hex>
