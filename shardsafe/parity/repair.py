@@ -7,11 +7,12 @@ bottleneck of every node-loss restore. Here the sum is formed on the way instead
 sends ``c_0 * s_0`` to the one holding ``s_1``, which adds ``c_1 * s_1`` and passes it on, and the last survivor
 sends the finished fragment to the rebuilder. Every link carries one byte per byte rebuilt, so the rebuilder
 receives what it rebuilds and nothing more, and the multiplications run on the k survivors side by side. Each
-codeword is its own chain and the chains of successive codewords overlap, so the chain's k hops cost about one
-codeword's transfer more than a single hop.
+slice of a fragment (SLICE bytes) is its own chain and the chains of successive slices overlap, so the chain's k
+hops cost about one slice's transfer more than a single hop.
 
-Every rank walks the same plan in the same order, posts every receive first, and waits only on a receive from
-an earlier position of the same chain: no cycle, so no deadlock, whatever the order the messages arrive in.
+Every rank walks the same chains in the same order. The rebuilder posts all its receives at once; a survivor
+posts WINDOW ahead and waits only on a receive from an earlier position of the same chain, or on its own oldest
+send, whose receiver has posted it or will before waiting on anything of this rank's: no cycle, so no deadlock.
 """
 from __future__ import annotations
 
