@@ -2,7 +2,8 @@ import os
 
 import pytest
 
-from .helpers import PLAIN_DEEPSPEED, cached_reference, close_fork_servers, reference_preload, run_job
+from .helpers import (PLAIN_DEEPSPEED, cached_reference, close_fork_servers, plain_config, plain_job, reference_preload,
+                      run_job, trainer_logs)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -34,3 +35,18 @@ def reference(tmp_path_factory):
         return cached_reference(cache, (stage, dtype, steps, tuple(extra), world), cold, run, shared)
 
     return get
+
+
+@pytest.fixture(scope="session")
+def plain_reference(tmp_path_factory):
+    """examples/ds_plain_gpt.py with its config without the block: plain DeepSpeed, nothing of shardsafe beyond the
+    hook, started cold (test_unchanged_programs.py checks what it imported). One run for the session's workers."""
+    shared = tmp_path_factory.getbasetemp().parent / "references" if os.environ.get("PYTEST_XDIST_WORKER") else None
+
+    def run(d=None):
+        d = d or tmp_path_factory.mktemp("plain-ref")
+        res = plain_job(d, plain_config(d / "ds.json", block=False), max_restarts=0, protected=False)
+        assert res.ok, trainer_logs(str(d))[-3000:]
+        return d
+
+    return cached_reference({}, ("ds_plain_gpt",), True, run, shared)

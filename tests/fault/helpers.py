@@ -13,6 +13,10 @@ from shardsafe.runcheck import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "ds_pretrain_gpt.py")
+# An unchanged DeepSpeed program (it imports nothing of shardsafe): its config's "shardsafe" block alone protects it.
+PLAIN = os.path.join(ROOT, "examples", "ds_plain_gpt.py")
+PLAIN_BASE = os.path.join(ROOT, "configs", "deepspeed", "plain_zero2_bf16.json")
+PLAIN_STEPS = 10
 
 
 # Unprotected runs (the references) fork their trainers from a server that imported the frameworks and nothing
@@ -81,6 +85,33 @@ def run_job(run_dir, *, stage, dtype, steps, nodes=2, nproc=1, inject="", extra=
     cmd = [sys.executable, SCRIPT, "--steps", str(steps), "--zero-stage", str(stage), "--dtype", dtype,
            "--out", str(run_dir), *extra] + ([] if shardsafe else ["--no-shardsafe"])
     return launch(cfg, cmd, preload=preload, watcher=watcher)
+
+
+def plain_config(path, *, block=True, **shardsafe):
+    """PLAIN's DeepSpeed config at ``path``: the block updated with ``shardsafe``, or without the block."""
+    import json
+    with open(PLAIN_BASE) as f:
+        cfg = json.load(f)
+    if block:
+        cfg["shardsafe"].update(shardsafe)
+    else:
+        del cfg["shardsafe"]
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return str(path)
+
+
+def plain_job(run_dir, cfg_path, *, inject="", max_restarts=1, ckpt="", save_every=0, config_as="path",
+              protected=True, client_state="step"):
+    """PLAIN on 2 simulated nodes x 1 rank under the local launcher; an unprotected run starts its trainers cold
+    (what a program without the block imports is checked on it)."""
+    cfg = LaunchConfig(nodes=2, nproc_per_node=1, job_id=f"p{uuid.uuid4().hex[:8]}", run_dir=str(run_dir),
+                       inject=inject, max_restarts=max_restarts, memory_budget_gb=0.5, start_holders=protected,
+                       holder_dir=os.path.join(str(run_dir), "holders"), attempt_timeout_s=300)
+    cmd = [sys.executable, PLAIN, "--config", cfg_path, "--config-as", config_as, "--steps", str(PLAIN_STEPS),
+           "--out", str(run_dir), "--client-state", client_state] + \
+        (["--ckpt-dir", ckpt, "--save-every", str(save_every)] if ckpt else [])
+    return launch(cfg, cmd, preload=PRELOAD_DEEPSPEED if protected else ())
 
 
 # One fork server per preload and trainer environment for the whole tests/fault package, as successive jobs on

@@ -8,61 +8,18 @@ block, and proof that the restarted attempt continued from the restored version 
 """
 import json
 import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import uuid
 
 import pytest
 
-from shardsafe.launch import PRELOAD_DEEPSPEED, LaunchConfig
-from shardsafe.launch.discovery import free_port
 from shardsafe.runcheck import compare_runs, losses_by_attempt, read_jsonl
 
-from .helpers import ROOT, launch, restores, trainer_logs
+from .helpers import PLAIN_STEPS as STEPS, plain_config as config, plain_job, restores, trainer_logs
 
 pytestmark = pytest.mark.slow
-PLAIN = os.path.join(ROOT, "examples", "ds_plain_gpt.py")
-BASE = os.path.join(ROOT, "configs", "deepspeed", "plain_zero2_bf16.json")
-STEPS = 10
 # The hook: the activation (imported at interpreter start) and, once the program calls deepspeed.initialize, the
 # reader that looks for the block in its config (adapters/ds_config.py, standard library only).
 HOOK_ONLY = ["shardsafe", "shardsafe.adapters", "shardsafe.adapters.autoload", "shardsafe.adapters.ds_config",
              "shardsafe.env", "shardsafe.errors"]
-
-
-def config(path, *, block=True, **shardsafe):
-    with open(BASE) as f:
-        cfg = json.load(f)
-    if block:
-        cfg["shardsafe"].update(shardsafe)
-    else:
-        del cfg["shardsafe"]
-    with open(path, "w") as f:
-        json.dump(cfg, f)
-    return str(path)
-
-
-def plain_job(run_dir, cfg_path, *, inject="", max_restarts=1, ckpt="", save_every=0, config_as="path",
-              protected=True, client_state="step"):
-    cfg = LaunchConfig(nodes=2, nproc_per_node=1, job_id=f"p{uuid.uuid4().hex[:8]}", run_dir=str(run_dir),
-                       inject=inject, max_restarts=max_restarts, memory_budget_gb=0.5, start_holders=protected,
-                       holder_dir=str(run_dir / "holders"), attempt_timeout_s=300)
-    cmd = [sys.executable, PLAIN, "--config", cfg_path, "--config-as", config_as, "--steps", str(STEPS),
-           "--out", str(run_dir), "--client-state", client_state] + \
-        (["--ckpt-dir", ckpt, "--save-every", str(save_every)] if ckpt else [])
-    return launch(cfg, cmd, preload=PRELOAD_DEEPSPEED if protected else ())
-
-
-@pytest.fixture(scope="module")
-def plain_reference(tmp_path_factory):
-    """The same script, its config without the block: plain DeepSpeed, and nothing of shardsafe beyond the hook."""
-    d = tmp_path_factory.mktemp("plain-ref")
-    res = plain_job(d, config(d / "ds.json", block=False), max_restarts=0, protected=False)
-    assert res.ok, trainer_logs(str(d))[-3000:]
-    return d
 
 
 def modules(run_dir, rank):
@@ -184,43 +141,3 @@ def test_a_newer_disk_checkpoint_wins_over_the_snapshot(tmp_path):
         assert min(losses_by_attempt(str(tmp_path), r)[1]) == 7
 
 
-def test_plain_torchrun_job_killed_and_resubmitted_by_the_same_command(tmp_path, plain_reference):
-    """What a user of plain torchrun does: the job dies (a rank SIGKILLed; torchrun's in-place restart is not
-    used: with gloo on this CPU machine it can hang in connectFullMesh), and the same command is submitted
-    again. The trainers start the node's holder themselves; the second submission restores from it."""
-    cfg_path = config(tmp_path / "ds.json", parity_group_size=1)   # one node: no parity group possible
-    port = free_port()
-    # short: DIR/shardsafe-UID/cmd-<16 hex>/NODE.sock must fit AF_UNIX's 108 bytes (pytest's tmp_path is long)
-    holders = tempfile.mkdtemp(prefix="ss-")
-
-    def torchrun(attempt, inject=""):
-        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2",
-               "--master-port", str(port), PLAIN, "--config", cfg_path, "--steps", str(STEPS), "--out", str(tmp_path)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDSAFE_") and k not in ("SLURM_JOB_ID",)}
-        env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", SHARDSAFE_HOLDER_DIR=holders,
-                   SHARDSAFE_RUN_DIR=str(tmp_path), SHARDSAFE_ATTEMPT=str(attempt))
-        if inject:
-            env["SHARDSAFE_INJECT"] = inject
-        with open(tmp_path / "torchrun.log", "ab") as log:
-            return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-
-    procs = []
-    try:
-        procs.append(torchrun(0, inject="kill-rank:1@5"))
-        assert procs[-1].wait(timeout=300) != 0
-        procs.append(torchrun(1))
-        assert procs[-1].wait(timeout=300) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        from .test_two_jobs import stop_job_holders
-        stop_job_holders(holders)
-        shutil.rmtree(holders, ignore_errors=True)
-    got = restores(tmp_path)
-    assert got[1] in (3, 4), got
-    _resumed_once(tmp_path, got[1])
-    cmp = compare_runs(str(tmp_path), str(plain_reference), 2, STEPS)
-    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
-                                                           cmp.state_mismatches)
