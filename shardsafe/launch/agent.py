@@ -309,8 +309,10 @@ def run_agent(opts: AgentOptions, script: list[str]) -> int:
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+    forks = _start_fork_server(opts) if opts.preload else None   # first: it may fork this process (one thread)
     hooks = _AgentHooks(opts)
-    forks = _start_fork_server(opts, hooks) if opts.preload else None
+    if forks is not None:
+        hooks.spare_pids.add(forks.proc.pid)
 
     hooks.peer_check_s = max(poll, opts.monitor_interval_s)
 
@@ -397,10 +399,12 @@ def forked_handler_class(base: type, forks: Any, who: str) -> type:
     return ForkedHandler
 
 
-def _start_fork_server(opts: AgentOptions, hooks: _AgentHooks):
+def _start_fork_server(opts: AgentOptions):
     """This node's fork server (shardsafe.launch.prewarm), plugged into torch elastic's worker start: its
     ``get_subprocess_handler`` hands out handlers whose ``_popen`` forks from the server when it can and
-    falls back to torch's own Popen when it cannot (the reason is logged once). None if it cannot start."""
+    falls back to torch's own Popen when it cannot (the reason is logged once). None if it cannot start.
+    An agent forked from the local launcher's server forks it from itself (shardsafe.launch.agentforks)."""
+    from .agentforks import fork_worker_server, why_not_here
     from .prewarm import ForkServer, PrewarmError
     try:
         from torch.distributed.elastic.multiprocessing import api as mp_api
@@ -415,15 +419,19 @@ def _start_fork_server(opts: AgentOptions, hooks: _AgentHooks):
         return None
     if opts.nproc_per_node > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")   # torchrun sets it for its workers; import with it
+    cold_why = why_not_here(opts.preload)
     try:
-        forks = ForkServer(opts.preload, env=dict(os.environ)).start()
+        if cold_why:
+            forks = ForkServer(opts.preload, env=dict(os.environ)).start()
+        else:
+            forks = fork_worker_server(opts.preload, env=dict(os.environ))
     except PrewarmError as e:
         log.warning("[agent %s] %s; workers start cold", opts.node, e)
         return None
-    hooks.spare_pids.add(forks.proc.pid)
 
     handler_class = forked_handler_class(SubprocessHandler, forks, f"[agent {opts.node}] workers")
     mp_api.get_subprocess_handler = lambda **kw: handler_class(**kw)
-    log.info("[agent %s] workers are forked from the fork server (pid %d, preloaded %s in %.2f s)", opts.node,
-             forks.proc.pid, ",".join(opts.preload), forks.ready_s)
+    log.info("[agent %s] workers are forked from the fork server (pid %d, preloaded %s in %.2f s; %s)", opts.node,
+             forks.proc.pid, ",".join(opts.preload), forks.ready_s,
+             f"a new interpreter: {cold_why}" if cold_why else "forked from this agent's image")
     return forks

@@ -184,7 +184,8 @@ class ElasticLauncher:
         from ..tor import EventLog
         self.events = EventLog(cfg.run_dir, source="launcher")
         self.holders: dict[str, subprocess.Popen] = {}
-        self.agents: dict[str, subprocess.Popen] = {}
+        self.agents: dict[str, Any] = {}   # node -> its agent (a Popen, or forked from agent_forks)
+        self.agent_forks: Any = None       # the fork server the agents are forked from (shardsafe.launch.agentforks)
         self.lost: set[str] = set()
         self.all_nodes: list[str] = []
         self._next_node = cfg.nodes
@@ -264,18 +265,28 @@ class ElasticLauncher:
             cmd += ["--preload", ",".join(c.preload)]
         if self.node_addr(node):
             cmd += ["--local-addr", self.node_addr(node)]
+        env = self._agent_env()
+        logf = open(os.path.join(c.run_dir, LOG_DIR, f"agent_{node}.log"), "ab")
+        cmd += ["--", *self._script]
+        p = None
+        if self.agent_forks is not None:
+            p = self.agent_forks.fork_or_cold(cmd, env=env, stdout=logf.fileno(), stderr=logf.fileno(), who="agents")
+        self.agents[node] = p or subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf,
+                                                  stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        logf.close()
+        if node not in self.all_nodes:
+            self.all_nodes.append(node)
+
+    def _agent_env(self) -> dict[str, str]:
+        """Every agent's environment (one for all: the agents' fork server imported with it)."""
         from .holders import holder_budget_env
+        c = self.cfg
         env = {**os.environ, **c.env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), names.INSTANCE: self.instance,
                **(holder_budget_env(c.memory_budget_gb) if c.start_holders else {})}
         env.pop(names.ATTEMPT, None)   # the agent numbers attempts
         env.pop(names.TRAINER, None)   # its workers are trainers, not processes of one (early_open.trainer_process)
-        logf = open(os.path.join(c.run_dir, LOG_DIR, f"agent_{node}.log"), "ab")
-        self.agents[node] = subprocess.Popen(cmd + ["--", *self._script], stdin=subprocess.DEVNULL, stdout=logf,
-                                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        logf.close()
-        if node not in self.all_nodes:
-            self.all_nodes.append(node)
+        return env
 
     def kill_node(self, node: str) -> None:
         """Node loss: SIGKILL the node's agent, its workers and its holder (its memory dies with it)."""
@@ -487,8 +498,13 @@ class ElasticLauncher:
                 self.controller = Controller(run_dir=c.run_dir, job_id=c.job_id, world_size=c.nodes * c.nproc_per_node,
                                              max_restarts=c.max_restarts, hang_timeout_s=c.hang_timeout_s,
                                              grace_s=c.grace_s, events=self.events)
+                from .agentforks import agent_server_ready, launch_agent_server
+                # its imports overlap the holders' start
+                self.agent_forks = launch_agent_server(c.preload, env=self._agent_env(),
+                                                       log_path=os.path.join(c.run_dir, LOG_DIR, "agents_prewarm.log"))
                 if c.start_holders and stop.received is None:
                     self.start_holders([f"node{i}" for i in range(c.nodes)])
+                self.agent_forks = agent_server_ready(self.agent_forks)
                 for i in range(c.nodes):
                     if stop.received is None:
                         self.start_agent(f"node{i}")
@@ -510,6 +526,8 @@ class ElasticLauncher:
                     if p.poll() is None:
                         _kill_tree(p.pid)
                         p.wait()
+                if self.agent_forks is not None:
+                    self.agent_forks.close()
                 ctl = self.controller
                 if ctl is not None:
                     ctl.poll()

@@ -69,6 +69,10 @@ log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0
 """How long the launcher waits for the server's imports (a cold shared file system can be slow)."""
 
+PRELOADED: set[str] = set()
+"""The preload entries this process (or the server it was forked from) imported or ran: a server forked from it
+(:mod:`.agentforks`) does not run a ``module:function`` entry again."""
+
 
 class PrewarmError(RuntimeError, ShardsafeError):
     """The fork server could not start or serve a request; the launcher starts trainers cold instead."""
@@ -370,6 +374,9 @@ def _preload(modules: Sequence[str]) -> list[str]:
     do that work themselves, as a cold start would)."""
     done = []
     for entry in modules:
+        if entry in PRELOADED:
+            done.append(entry)
+            continue
         m, _, fn = entry.partition(":")
         try:
             mod = importlib.import_module(m)
@@ -388,6 +395,7 @@ def _preload(modules: Sequence[str]) -> list[str]:
                 continue
             print(f"fork server: {entry}: {said}", file=sys.stderr, flush=True)
         done.append(entry)
+        PRELOADED.add(entry)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         raise PrewarmError(f"importing {', '.join(done)} initialized CUDA; a forked trainer could not use it. "
@@ -566,7 +574,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                                    "(module:function also calls function())")
     ap.add_argument("--fd", type=int, required=True, help="this end of the launcher's socket pair")
     a = ap.parse_args(argv)
-    req = serve([m.strip() for m in a.preload.split(",") if m.strip()], socket.socket(fileno=a.fd))
+    run_server([m.strip() for m in a.preload.split(",") if m.strip()], socket.socket(fileno=a.fd))
+
+
+def run_server(preload: Sequence[str], sock: socket.socket) -> None:
+    """Serve on ``sock`` until the launcher hangs up, then end this process; in a forked child, run the trainer."""
+    req = serve(preload, sock)
     if req is None:
         # The server itself owns nothing that needs an orderly interpreter shutdown (no files of its own, no
         # device, its children reaped), and tearing down torch's and DeepSpeed's modules is work that every job's
@@ -575,9 +588,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sys.stderr.flush()
         os._exit(0)
     # From here on this process is the trainer; exceptions and SystemExit end it like a cold interpreter.
-    del a
     _run_child(req)
 
 
 if __name__ == "__main__":
-    main()
+    # Run as the module shardsafe.launch.prewarm, not as __main__'s copy of it: a process forked from this server
+    # finds PRELOADED filled in where it imports it (agentforks).
+    from shardsafe.launch.prewarm import main as _main
+    _main()

@@ -126,6 +126,11 @@ def test_kill_rank_then_node_loss_with_ranks_moved_to_other_nodes(tmp_path, refe
     assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches, cmp.state_mismatches)
     rep, _ = check_tor(tmp_path, wall, 2)
     assert rep.breakdown["restore_parity"] > 0 and rep.breakdown["restore_memory"] > 0
+    # every agent, the spare's too, was forked from the launcher's server and forked its node's fork server from
+    # itself (shardsafe.launch.agentforks); the reference above started cold
+    for node in res.nodes:
+        text = (tmp_path / "logs" / f"agent_{node}.log").read_text()
+        assert "forked from this agent's image" in text, (node, text[-2000:])
 
 
 def test_hang_detected_by_the_progress_watchdog(tmp_path, reference):

@@ -418,3 +418,59 @@ def test_megatron_tokenizers_are_preloaded_only_where_megatron_lm_is_installed(m
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "megatron.training" else real(n, *a))
     assert "megatron.training is not installed" in mp.import_tokenizers()
+
+
+AGENT = textwrap.dedent("""
+    import json, os, sys
+    from shardsafe.launch.agentforks import fork_worker_server, why_not_here
+    pre, probe, out = json.loads(os.environ["PRE"]), os.environ["PROBE"], os.environ["OUT"]
+    res = {"why": why_not_here(pre)}
+    if res["why"]:
+        json.dump(res, open(out + ".agent.json", "w"))
+        sys.exit(0)
+    s = fork_worker_server(pre, env=dict(os.environ))
+    res["server_ppid"] = int(open(f"/proc/{s.proc.pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    for how in ("0", "raise", "message"):
+        with open(f"{out}.{how}.log", "ab") as f:
+            p = s.spawn([sys.executable, probe, how], env={**os.environ, "SHARDSAFE_TEST_OUT": f"{out}.{how}.json"},
+                        stdout=f.fileno(), stderr=f.fileno())
+        res[how] = p.wait(timeout=60)
+    proc = s.proc
+    s.close()
+    res["server_rc"] = proc.returncode
+    json.dump(res, open(out + ".agent.json", "w"))
+""")
+
+
+def test_an_agent_forked_from_a_server_forks_its_own_server_from_itself(tmp_path):
+    """shardsafe.launch.agentforks: a process forked from a server that preloaded the entries (the local launcher's
+    agent) forks its fork server from itself; that server's trainers look like cold ones (name, session,
+    argv, exit codes, the traceback of an uncaught exception, atexit), and a ``module:function`` entry ran once
+    for all of them, in the first server. A process started cold cannot, and says why."""
+    (tmp_path / "once_mod.py").write_text("import os\ndef mark():\n    open(os.environ['ONCE'], 'a').write('x')\n"
+                                          "    return 'marked'\n")
+    (tmp_path / "agent.py").write_text(AGENT)
+    pre = ["numpy", "numpy.random", "shardsafe.launch.agentforks", "once_mod:mark"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path), "ONCE": str(tmp_path / "once"),
+           "PRE": json.dumps(pre), "PROBE": _probe(tmp_path), "OUT": str(tmp_path / "w")}
+    outer = ForkServer(pre, env=env, log_path=str(tmp_path / "outer.log")).start(timeout_s=120)
+    try:
+        agent = _spawn(outer, [sys.executable, str(tmp_path / "agent.py")], env, str(tmp_path / "agent.log"))
+        assert agent.wait(timeout=120) == 0, (tmp_path / "agent.log").read_text()[-3000:]
+    finally:
+        outer.close()
+    res = json.load(open(tmp_path / "w.agent.json"))
+    assert res["why"] == "" and res["server_ppid"] == agent.pid and res["server_rc"] == 0, res
+    assert (res["0"], res["raise"], res["message"]) == (0, 1, 1), res
+    info = json.load(open(tmp_path / "w.0.json"))
+    assert info["name"] == "__main__" and info["leader"] and info["argv"] == [env["PROBE"], "0"], info
+    raised = (tmp_path / "w.raise.log").read_text()
+    assert "RuntimeError: boom from the trainer" in raised and "fork_worker_server" not in raised, raised
+    message = (tmp_path / "w.message.log").read_text()
+    assert "bye from the trainer" in message and "atexit ran" in message, message
+    assert (tmp_path / "once").read_text() == "x"   # in the outer server only
+    # started cold, the same agent forks nothing and says why
+    p = subprocess.run([sys.executable, str(tmp_path / "agent.py")], env={**env, "OUT": str(tmp_path / "c")},
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "did not preload numpy" in json.load(open(tmp_path / "c.agent.json"))["why"]
