@@ -240,14 +240,19 @@ def test_pipeline_export_equals_save_checkpoint_and_resumes_bit_exact(tmp_path, 
                   extra=[*PP2, "--shardsafe-json", json.dumps({"persist_dir": str(disk), "persist_every": 2})])
     assert res.ok, trainer_logs(str(prot))[-3000:]
 
-    out = tmp_path / "exported"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", SCRIPT,
-               "--steps", "6", "--zero-stage", str(stage), "--dtype", "bf16", *PP2]
+    # The job's command as a user runs it: plain torchrun (started cold) for ZeRO-1, `shardsafe launch --preload
+    # deepspeed` for stage 0 (forked trainers, their output in its run directory).
+    out, replay = tmp_path / "exported", tmp_path / "replay"
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"] if stage else
+                [sys.executable, "-m", "shardsafe.cli", "launch", "--nproc-per-node", "4", "--preload", "deepspeed",
+                 "--run-dir", str(replay), "--max-restarts", "0", "--"])
+    command = [*launcher, SCRIPT, "--steps", "6", "--zero-stage", str(stage), "--dtype", "bf16", *PP2]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     p = subprocess.run([sys.executable, "-m", "shardsafe.cli", "export", "--format", "deepspeed", str(disk / job),
                         str(out), "--", *command], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    assert "shardsafe: exported version 6" in p.stdout, p.stdout[-3000:]
+    said = p.stdout if stage else "".join(f.read_text(errors="replace") for f in sorted((replay / "logs").glob("agent_*")))
+    assert "shardsafe: exported version 6" in said, said[-3000:]
     tag = "global_step6"
     assert (out / "latest").read_text().strip() == tag
     want = sorted(f for f in os.listdir(vanilla / tag) if f.endswith(".pt"))

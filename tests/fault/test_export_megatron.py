@@ -104,17 +104,24 @@ def _checkpoint_items(ckpt_dir, scratch) -> dict:
     return {"items": items, "common": common}
 
 
-def _export_and_compare(tmp_path, args_file: str, *, plain_runs_to_the_end: bool = False) -> tuple:
+def _export_and_compare(tmp_path, args_file: str, *, plain_runs_to_the_end: bool = False,
+                        replay: str = "torchrun") -> tuple:
     """Plain run with ``--save`` at iteration AT, protected run, export of its flushed iteration AT, and
     the item-for-item comparison. ``plain_runs_to_the_end``: the plain run goes on to ITERS (Megatron
     saves at AT on its save interval, and at the end), so it is also the uninterrupted reference.
 
-    The export replays the command a user runs (``torchrun``, started cold). The plain run (one node x 4 ranks,
+    The export replays the command a user runs: ``torchrun``, started cold, or (``replay="launch"``)
+    ``shardsafe launch --preload megatron``, whose trainers are forked and write their output to its run
+    directory. The plain run (one node x 4 ranks,
     as that command) and the protected run (2 simulated nodes x 2 ranks, one holder each) go through the local
     launcher, their trainers forked from the package's fork servers (helpers.reference_preload; Megatron-LM's
     cold reference in test_megatron_resume.py pins that a forked trainer computes what a cold one does)."""
     vanilla, disk, exported = tmp_path / "vanilla", tmp_path / "persist", tmp_path / "exported"
-    base = _command(args_file) + ["--exit-interval", str(AT)]
+    replay_dir = tmp_path / "replay"
+    base = (_command(args_file) if replay == "torchrun" else
+            [sys.executable, "-m", "shardsafe.cli", "launch", "--nproc-per-node", "4", "--preload", "megatron",
+             "--run-dir", str(replay_dir), "--max-restarts", "0", "--", MEGATRON_LM,
+             f"@{args_file}", "--train-iters", str(ITERS)]) + ["--exit-interval", str(AT)]
     until = [] if plain_runs_to_the_end else ["--exit-interval", str(AT)]
     res = run_megatron(tmp_path / "plain", [f"@{args_file}", "--train-iters", str(ITERS), *until, "--save", str(vanilla),
                                             "--save-interval", str(AT)],
@@ -131,8 +138,10 @@ def _export_and_compare(tmp_path, args_file: str, *, plain_runs_to_the_end: bool
     p = subprocess.run([sys.executable, "-m", "shardsafe.cli", "export", "--format", "megatron", str(disk / job),
                         str(exported), "--", *base], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert f"shardsafe: exported iteration {AT} to {exported}" in p.stdout, p.stdout[-3000:]
-    assert "from the persistent tier" in p.stdout, p.stdout[-3000:]   # fresh holders: memory had nothing
+    out = p.stdout if replay == "torchrun" else "".join(
+        f.read_text(errors="replace") for f in sorted((replay_dir / "logs").glob("agent_*.log")))
+    assert f"shardsafe: exported iteration {AT} to {exported}" in out, out[-3000:]
+    assert "from the persistent tier" in out, out[-3000:]   # fresh holders: memory had nothing
     tag = f"iter_{AT:07d}"
     assert (exported / "latest_checkpointed_iteration.txt").read_text().strip() == str(AT)
     diffs, n_items = _compare_checkpoints(exported / tag, vanilla / tag, tmp_path)
@@ -175,7 +184,7 @@ def test_megatron_export_fp16_optimizer_equals_plain_save_and_continues_bit_exac
     args_file.write_text(open(LM_ARGS).read().replace("--use-distributed-optimizer", "")
                          .replace("--hidden-dropout 0.1", "--hidden-dropout 0.0")
                          .replace("--attention-dropout 0.1", "--attention-dropout 0.0"))
-    _, exported = _export_and_compare(tmp_path, str(args_file), plain_runs_to_the_end=True)
+    _, exported = _export_and_compare(tmp_path, str(args_file), plain_runs_to_the_end=True, replay="launch")
     # A vanilla Megatron-LM run (no shardsafe flags) forked from the package's fork server: it is not the
     # reference (the cold plain run is), so it may start warm.
     from_export = tmp_path / "from_export"
