@@ -1,6 +1,6 @@
 """Restore at a smaller (and larger) data-parallel size from memory against a same-size restore, 0.25 to 2 GiB per rank.
 
-    .venv/bin/python bench/shrink_restore.py [--sizes 0.25,0.5,1,2] [--repeats 3] [--no-grow] [--json]
+    .venv/bin/python bench/shrink_restore.py [--sizes 0.25,0.5,1,2] [--repeats 3] [--repairs chain,gather] [--json]
 
 The real path of issue 44: real holders (one per simulated node, subprocesses, shared memory), real gloo ranks
 (one process per rank), the snapshot pipeline with parity (parity_shards 1: RS(3, 1) over the 4 nodes), and
@@ -24,7 +24,7 @@ Per size, one job on 4 simulated nodes n0..n3, each phase a fresh set of rank pr
      empty holder, **same size with one node lost**: rank 1 rebuilt from parity by its own restore (each
      repetition on a fresh spare);
   C. D' = 3 on n0, n2, n3 after S: **shrink with one node lost**, source rank 1 rebuilt from the survivors'
-     parity by the targets that read it;
+     parity by the targets that read it, per --repairs: "gather" (k fragments to each target), then "chain";
   D. (after C, unless --no-grow) C's ranks snapshot version 2 at D' = 3; n1 returns with an empty holder; D = 4
      on n0..n3: **grow** 3 -> 4.
 
@@ -36,10 +36,10 @@ pair into pre-faulted buffers (``_net_floor``). A time is the slowest rank's (th
 phases come from ``RestoreResult.phases``; "assem." is its "assemble" phase (the resharder building the target
 state from the pieces, the checks' shapes first, then the flat tensors written into the live ones after the vote;
 a restore that reports no such phase: the time around ``DeepSpeedResharder.reshard``). Traffic: per rank the bytes read
-from its own node's holder, received from other nodes (pieces + parity fragments) and sent, as the restore reports
-them (``RestoreResult.reshard``); the model's bound comes from the plan and the placement alone: every byte a target
-needs that its node does not hold (a lost source: that its rebuilder's node does not hold) crosses the network once.
---profile DIR writes every rank's cProfile of every restore.
+from its own node's holder, received from other nodes (pieces + the parity rebuild's fragments or partial sums) and
+sent, as the restore reports them (``RestoreResult.reshard``); the model's bound comes from the plan and the placement
+alone: every byte a target needs that its node does not hold (a lost source: that its rebuilder's node does not hold)
+crosses the network once. --profile DIR writes every rank's cProfile of every restore.
 """
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def worker(a: argparse.Namespace) -> None:
         assert rt.pipeline.flush(), rt.pipeline.history[-1].error
         res["snapshot_committed"] = rt.pipeline.last_committed
     if a.repeats:
-        resize = None if a.same_size else Resize(places=rt.places, recovery=MemberRecovery)
+        resize = None if a.same_size else Resize(places=rt.places, recovery=MemberRecovery, repair=a.repair)
         # the floor's source: 256 MiB of pre-faulted private memory (beyond any cache), copied over and over into the
         # live tensors until every byte of them is written: the bytes a restore writes, without a second state
         src = torch.empty(FLOOR_SRC_BYTES // 4, dtype=torch.float32).fill_(0.25)
@@ -325,7 +325,7 @@ def _free_port() -> int:
 
 
 def run_phase(a, root: str, nodes: list[str], params, *, repeats: int, expect: int, same_size: bool = False,
-              snapshot_first: int = 0, snapshot_after: int = 0) -> list[dict]:
+              snapshot_first: int = 0, snapshot_after: int = 0, repair: str = "chain") -> list[dict]:
     out = tempfile.mkdtemp(prefix="shrink-phase-")
     port = _free_port()
     procs = []
@@ -335,7 +335,7 @@ def run_phase(a, root: str, nodes: list[str], params, *, repeats: int, expect: i
         argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--root", root,
                 "--nodes", ",".join(nodes), "--params", json.dumps(params), "--repeats", str(repeats),
                 "--expect-version", str(expect), "--version", str(snapshot_first or 1),
-                "--snapshot-after", str(snapshot_after), "--budget-gb", str(a.budget_gb)]
+                "--snapshot-after", str(snapshot_after), "--budget-gb", str(a.budget_gb), "--repair", repair]
         argv += ["--profile", a.profile, "--tag", "-".join(nodes)] if a.profile else []
         argv += ["--same-size"] if same_size else []
         argv += ["--snapshot-first"] if snapshot_first else []
@@ -400,28 +400,17 @@ def summarize(name: str, ranks: list[dict], base: dict | None, bnd: dict | None,
 
 
 class MemWatch:
-    """The lowest MemAvailable while a size runs: what the run took of the machine at its peak (holders' shared
-    memory and every rank's), against MemAvailable before it started."""
+    """What the run took of the machine at its peak while a size runs (holders' shared memory and every rank's)."""
 
     def __init__(self):
         import threading
-        self.start = self.low = self._avail()
         self.mine = 0
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
 
-    @staticmethod
-    def _avail() -> int:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-        return 0
-
     def _run(self) -> None:
         while not self._stop.wait(0.2):
-            self.low = min(self.low, self._avail())
             self.mine = max(self.mine, _tree_pss())
 
     def stop(self) -> float:
@@ -514,12 +503,16 @@ def run_size(a, size: float) -> list[dict]:
         base = summarize("same-size 4->4", same, None, None, full)
         rows.append(base)
         holders.kill("n1")
-        spare = spare_phases(a, holders, params)
-        rows.append(summarize("same-size 4->4, n1 lost, spare", spare, base, None, SPARE))
+        spare = summarize("same-size 4->4, n1 lost, spare", spare_phases(a, holders, params), base, None, SPARE)
+        rows.append(spare)
         shr = ["n0", "n2", "n3"]   # the survivors in node order
-        c = run_phase(a, holders.root, shr, params, repeats=a.repeats, expect=1, snapshot_after=0 if a.no_grow else 2)
-        rows.append(summarize("shrink 4->3, node n1 lost", c, base, bound(params, full, shr), shr))
-        rows[-1]["vs_spare"] = rows[-1]["restore_s"] / rows[-2]["restore_s"]
+        repairs = sorted(a.repairs.split(","), key=lambda r: r == "chain")   # the last one snapshots for the grow
+        for rp in repairs:
+            c = run_phase(a, holders.root, shr, params, repeats=a.repeats, expect=1, repair=rp,
+                          snapshot_after=2 if rp == repairs[-1] and not a.no_grow else 0)
+            name = "shrink 4->3, node n1 lost" if rp == "chain" else f"shrink 4->3, n1 lost, {rp}"
+            rows.append(summarize(name, c, base, bound(params, full, shr), shr))
+            rows[-1].update(repair=rp, vs_spare=rows[-1]["restore_s"] / spare["restore_s"])
         if not a.no_grow:
             holders.start("n1")   # back, with an empty holder
             d = run_phase(a, holders.root, full, params, repeats=a.repeats, expect=2)
@@ -544,10 +537,12 @@ def main() -> int:
     p.add_argument("--expect-version", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--version", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--snapshot-after", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--repair", default="chain", help=argparse.SUPPRESS)
     p.add_argument("--same-size", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--snapshot-first", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sizes", default="0.25,0.5,1,2", help="GiB of state per rank at D = 4, comma-separated")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repairs", default="chain,gather", help="the node-lost shrink's rebuilds: chain and/or gather")
     p.add_argument("--no-grow", action="store_true", help="skip the grow 3 -> 4 phase")
     p.add_argument("--budget-gb", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true")
@@ -587,7 +582,7 @@ def print_table(rows: list[dict], repeats: int) -> None:
         if "vs_spare" in r:
             print(f"{r['GiB_per_rank_at_4']:>4} | {r['case']:<29} | {r['vs_spare']:.2f}x the same-size restore with n1 "
                   "lost on a spare (rank 1 rebuilt from parity by its own restore)")
-    print("traffic, MiB per target rank: in (pieces received from other nodes) + parity fragments received / out")
+    print("traffic, MiB per target rank: in (pieces received from other nodes) + parity rebuild received / out")
     for r in rows:
         if "traffic" not in r:
             continue
@@ -596,7 +591,7 @@ def print_table(rows: list[dict], repeats: int) -> None:
         frags = sum(t["fragments_in"] for t in r["traffic"])
         state = r["state_bytes_per_rank"] * r["ranks"]
         print(f"{r['GiB_per_rank_at_4']:>4} | {r['case']:<29} | {per}; pieces {pieces / mib:.0f} MiB (bound "
-              f"{r['bound_remote_total'] / mib:.0f}) + fragments {frags / mib:.0f} MiB (source rebuilt: "
+              f"{r['bound_remote_total'] / mib:.0f}) + rebuild {frags / mib:.0f} MiB (source rebuilt: "
               f"{r['rebuilt_bytes'] / mib:.0f} MiB); total {(pieces + frags) / state:.2f}x the state")
 
 

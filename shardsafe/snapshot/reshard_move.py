@@ -4,9 +4,12 @@ Two moves, both planned by every rank alike from facts every rank has (the surve
 resharder's reads), so no metadata travels with the bytes:
 
 * **rebuild**: each target decodes the part of a lost source it reads (whole checksum segments), in parallel with
-  the others: the same byte ranges of the k fragments of every codeword its part is in go from the current ranks
-  that read them (the servers of the surviving members' data and parity) to it; it decodes them
-  (:class:`shardsafe.parity.recovery.MemberRecovery`, handed in; the code works byte by byte) and verifies its
+  the others, from the same byte ranges of the k fragments of every codeword its part is in, which the current
+  ranks that read them (the servers of the surviving members' data and parity) hold. By default their linear
+  combination is formed along those servers, each adding the products of all the fragments it reads to what the
+  previous one sent, and the target receives the finished bytes once (partial-parallel repair); ``repair="gather"``
+  sends it the k fragments to decode instead. Either way the code is tier 2's
+  (:class:`shardsafe.parity.recovery.MemberRecovery`, handed in; it works byte by byte), and the target verifies its
   segments against the checksums that survived in its group's parity manifests. No decoded byte is sent again;
 * **pieces**: for each (source, target) pair on different nodes, the pieces the target reads, each one message
   sent from where it lies in the source's mapped payload (or its rebuilt copy) by its server (or its rebuilder), and
@@ -14,7 +17,10 @@ resharder's reads), so no metadata travels with the bytes:
   its dtype in place. A target reads what its own node holds straight from its holder (or the persistent tier's
   file), and receives nothing for it.
 
-Both post every send before waiting on any receive, as the parity exchange and placement do.
+The pieces and the gathered rebuild post every send before waiting on any receive, as the parity exchange and
+placement do; the chains bound each server's memory to a window of slices (shardsafe.parity.repair). Every rank
+posts the same messages whatever fails on it (a fragment it cannot read goes as zeros), so no rank waits for ever
+on another: what failed comes back as a problem, and the restore's vote refuses the version on every rank.
 """
 from __future__ import annotations
 
@@ -30,7 +36,8 @@ from .reshard import Pieces
 from .reshard_survey import Choice, Source
 
 _TAG = 3 << 22          # tags of the pieces' messages (+ source rank) ...
-_FRAG_TAG = 5 << 22     # ... and of the rebuild's fragments (+ group, codeword, fragment)
+_FRAG_TAG = 5 << 22     # ... and of the rebuild's fragments (+ group, codeword, fragment) or chains (+ chain)
+REPAIRS = ("chain", "gather")
 _ALIGN = 64
 
 
@@ -124,21 +131,38 @@ def decode_plan(choice: Choice, manifests: dict[int, dict], slices: dict) -> dic
 
 
 def rebuild(choice: Choice, manifests: dict[int, dict], plan: dict[int, dict[int, list[tuple]]],
-            recovery: Callable[..., Any], opened: Opened, *, rank: int,
-            group: Any) -> tuple[dict[int, torch.Tensor], list[str], int, int]:
+            recovery: Callable[..., Any], opened: Opened, *, rank: int, group: Any,
+            repair: str = "chain") -> tuple[dict[int, torch.Tensor], list[str], int, int]:
     """Decode the lost sources of ``choice`` as ``plan`` (:func:`decode_plan`) splits them: each target decodes the
-    ranges it reads, from the same ranges of the k fragments of each codeword (the code works byte by byte), and
-    verifies the segments it decoded against the checksums that survived in the group's parity manifests. Every rank
-    calls it. Returns (this rank's decoded sources, as whole-payload buffers of which only its ranges are written;
-    its problems; bytes of fragments it received; bytes it decoded)."""
-    import torch.distributed as dist
+    ranges it reads (the code works byte by byte) and verifies the segments it decoded against the checksums that
+    survived in the group's parity manifests. ``repair``: "chain" forms each range's linear combination along the
+    ranks that read its k fragments, each adding all those it reads, the target last (partial-parallel repair,
+    ``recovery.chain_decode``: the target receives each byte it decodes once); "gather" sends the k fragments to
+    the target, which decodes them (``recovery.decode_range``). Every rank calls it. Returns (this rank's decoded
+    sources, as whole-payload buffers of which only its ranges are written; its problems; bytes of fragments or
+    partial sums it received; bytes it decoded)."""
+    if repair not in REPAIRS:
+        raise ValueError(f"repair must be one of {REPAIRS}; got {repair!r}")
     rebuilt: dict[int, torch.Tensor] = {}
     problems: list[str] = []
     got = decoded = 0
     for gi, g in enumerate(choice.groups):
         rec = recovery(group=g.group, chunk_size=g.chunk_size, code=g.code, lost=g.lost)
         cs = g.chunk_size
-        reqs, todo = [], []
+
+        def server(f: Any, g: Any = g) -> int:   # the current rank that reads f on its member's node
+            return g.parity_server[f.rank] if f.parity else choice.sources[f.rank].server
+
+        def read(f: Any, lo: int, hi: int, rec: Any = rec) -> torch.Tensor:
+            where = (opened.parity_of(f.rank, choice.version) if f.parity
+                     else opened.source(choice.sources[f.rank], choice.version))[1]
+            return rec.fragment_range(f, where, lo, hi)
+
+        def out(k: int, j: int, lo: int, hi: int, cs: int = cs) -> torch.Tensor:
+            return rebuilt[k][j * cs + lo: j * cs + hi]
+
+        # What each target decodes, in the order every rank lists it: (source, target, chunk, lo, hi) within the chunk
+        wanted = []
         for k in sorted(g.lost):
             chunks = rec.chunks_of(k)
             for r, ranges in sorted(plan.get(k, {}).items()):
@@ -151,43 +175,80 @@ def rebuild(choice: Choice, manifests: dict[int, dict], plan: dict[int, dict[int
                             if r == rank:
                                 rebuilt[k][j * cs + lo: j * cs + hi].zero_()
                             continue
-                        cw, _, sources = chunks[j]
-                        frags: dict[int, torch.Tensor] = {}
-                        for f in sources:
-                            sender = g.parity_server[f.rank] if f.parity else choice.sources[f.rank].server
-                            tag = _FRAG_TAG + (gi * 256 + cw) * 256 + f.fragment
-                            if sender == rank:
-                                where = (opened.parity_of(f.rank, choice.version) if f.parity
-                                         else opened.source(choice.sources[f.rank], choice.version))[1]
-                                piece = rec.fragment_range(f, where, lo, hi)
-                                if r == rank:
-                                    frags[f.fragment] = piece
-                                else:
-                                    reqs.append(dist.isend(piece, r, group=group, tag=tag))
-                            elif r == rank:
-                                frags[f.fragment] = torch.empty(hi - lo, dtype=torch.uint8)
-                                reqs.append(dist.irecv(frags[f.fragment], sender, group=group, tag=tag))
-                                got += hi - lo
-                        if r == rank:
-                            todo.append((k, j, lo, hi, frags))
-        for q in reqs:
-            q.wait()
-        failed: set[int] = set()
-        for k, j, lo, hi, frags in todo:
-            try:
-                rec.decode_range(k, j, frags, rebuilt[k][j * cs + lo: j * cs + hi])
-                decoded += hi - lo
-            except (ShardsafeError, ValueError, KeyError) as e:
-                failed.add(k)
-                problems.append(f"source rank {k} could not be decoded from parity: {type(e).__name__}: {e}")
+                        wanted.append((k, r, j, lo, hi))
+        if repair == "chain":
+            errors, n_got, n_decoded = rec.chain_decode(_Peers(group), rank, wanted, server=server, read=read,
+                                                        out=out, tag=_FRAG_TAG)
+        else:
+            errors, n_got, n_decoded = _gather(rec, gi, wanted, rank, group, server, read, out)
+        got += n_got
+        decoded += n_decoded
+        problems += [f"source rank {k} could not be decoded from parity: {type(e).__name__}: {e}"
+                     for k, e in sorted(errors.items())]
         for k in sorted(set(g.lost) & set(rebuilt)):
-            if k in failed:
+            if k in errors:
                 continue
             bad = mf.verify(manifests[k], memoryview(rebuilt[k].numpy()), within=plan[k][rank])
             if bad:
                 problems.append(f"source rank {k} rebuilt from parity fails its checksums ({'; '.join(bad[:2])}): "
                                 "a survivor's data or parity share is corrupt")
     return rebuilt, problems, got, decoded
+
+
+class _Peers:
+    """isend/irecv by global rank over the restore's group (None: the world), as the parity code takes them."""
+
+    def __init__(self, group: Any):
+        self.group = group
+
+    def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> Any:
+        import torch.distributed as dist
+        return dist.isend(t, dst, group=self.group, tag=tag)
+
+    def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> Any:
+        import torch.distributed as dist
+        return dist.irecv(t, src, group=self.group, tag=tag)
+
+
+def _gather(rec: Any, gi: int, wanted: list[tuple], rank: int, group: Any, server: Callable, read: Callable,
+            out: Callable) -> tuple[dict[int, Exception], int, int]:
+    """The k fragments of each range sent to its target, which decodes them: (the first failure by source, bytes of
+    fragments received, bytes decoded). A fragment its server cannot read goes as zeros (every rank posts the same
+    messages whatever fails: no peer waits for ever), and the target's checksums fail."""
+    import torch.distributed as dist
+    errors: dict[int, Exception] = {}
+    reqs, todo, got, decoded = [], [], 0, 0
+    for k, r, j, lo, hi in wanted:
+        cw, _, sources = rec.chunks_of(k)[j]
+        frags: dict[int, torch.Tensor] = {}
+        for f in sources:
+            sender = server(f)
+            tag = _FRAG_TAG + (gi * 256 + cw) * 256 + f.fragment
+            if sender == rank:
+                try:
+                    piece = read(f, lo, hi)
+                except Exception as e:   # noqa: BLE001 -- said as a decode that failed; the zeros still go
+                    errors.setdefault(k, e)
+                    piece = torch.zeros(hi - lo, dtype=torch.uint8)
+                if r == rank:
+                    frags[f.fragment] = piece
+                else:
+                    reqs.append(dist.isend(piece, r, group=group, tag=tag))
+            elif r == rank:
+                frags[f.fragment] = torch.empty(hi - lo, dtype=torch.uint8)
+                reqs.append(dist.irecv(frags[f.fragment], sender, group=group, tag=tag))
+                got += hi - lo
+        if r == rank:
+            todo.append((k, j, lo, hi, frags))
+    for q in reqs:
+        q.wait()
+    for k, j, lo, hi, frags in todo:
+        try:
+            rec.decode_range(k, j, frags, out(k, j, lo, hi))
+            decoded += hi - lo
+        except (ShardsafeError, ValueError, KeyError) as e:
+            errors.setdefault(k, e)
+    return errors, got, decoded
 
 
 # ---- the pieces ---------------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from ..faults import PHASE_RESTORE_APPLY, PHASE_RESTORE_REBUILD, PHASE_RESTORE_V
 from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
 from .reshard import Deferred, ReshardError, reshard
-from .reshard_move import Opened, Refused, decode_plan, move, rebuild
+from .reshard_move import REPAIRS, Opened, Refused, decode_plan, move, rebuild
 from .reshard_survey import Choice, choose, disk_choice, leads_node, survey
 from .state import StateAdapter
 
@@ -66,18 +66,26 @@ class Resize:
             in, never imported here); None: lost sources cannot be rebuilt.
         migrate: run before falling back to the same-size restore (the runtime's placement migration, which a restore
             at another size must not run: it would move the old ranks' payloads by their old rank numbers).
+        repair: how a target decodes its part of a lost source (:func:`.reshard_move.rebuild`): "chain", the partial
+            sums formed along the ranks that read the survivors (it receives each byte it decodes once), or
+            "gather", the k fragments sent to it (the baseline bench/shrink_restore.py measures beside it).
     """
     places: list[tuple[str, int, int, int]]
     recovery: Optional[Callable[..., Any]] = None
     migrate: Optional[Callable[[], Any]] = None
+    repair: str = "chain"
+
+    def __post_init__(self) -> None:   # said where it is set, not at the first node loss
+        if self.repair not in REPAIRS:
+            raise ValueError(f"Resize.repair must be one of {REPAIRS}; got {self.repair!r}")
 
 
 @dataclass
 class Resized:
     """What :func:`restore_resized` restored on this rank: the version, its tier, a one-line message, the bytes of
     this rank's state and of the payloads it rebuilt, the phases' seconds, the adapter's notes, the lost sources,
-    and ``reshard``: the sizes and this rank's traffic (read from its node, received from others, sent, parity
-    fragments received)."""
+    and ``reshard``: the sizes and this rank's traffic (read from its node, received from others, sent, and
+    ``fragment_bytes``: received for the parity rebuild, partial sums or fragments as ``Resize.repair`` says)."""
     version: int
     tier: str
     message: str
@@ -209,7 +217,7 @@ def _attempt(run: _Run, choice: Choice) -> tuple[Optional[Resized], frozenset[in
                 problems.append(f"source ranks {choice.lost} are lost and this restore has no parity decoder")
             else:
                 rebuilt, why, fragment_bytes, decoded = rebuild(choice, manifests, plan, run.resize.recovery, opened,
-                                                                rank=run.rank, group=group)
+                                                                rank=run.rank, group=group, repair=run.resize.repair)
                 problems += why
                 if rebuilt:
                     run.on_phase(PHASE_RESTORE_REBUILD, choice.version)
@@ -250,7 +258,7 @@ def _attempt(run: _Run, choice: Choice) -> tuple[Optional[Resized], frozenset[in
     traffic.update(from_dp=d_old, to_dp=d_new, from_world=choice.world, fragment_bytes=fragment_bytes,
                    rebuilt_sources=choice.lost, rebuilt_by={str(k): sorted(v) for k, v in plan.items()})
     log.info("[rank %d] re-partitioned version %d from %d to %d data-parallel ranks (%s): %d bytes read on this node, "
-             "%d received from other nodes, %d sent, %d bytes of parity fragments received", run.rank, choice.version,
+             "%d received from other nodes, %d sent, %d bytes of the parity rebuild received", run.rank, choice.version,
              d_old, d_new, choice.tier, traffic["local_bytes"], traffic["remote_bytes"], traffic["sent_bytes"],
              fragment_bytes)
     where = "the persistent tier" if choice.tier == "persistent" else "holder memory"
