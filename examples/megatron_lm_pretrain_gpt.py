@@ -27,7 +27,10 @@ from datetime import timedelta
 from functools import partial
 from typing import Any, Optional
 
-import torch
+if __name__ != "__mp_main__":
+    # Megatron's torch_dist writer starts a multiprocessing Manager with the spawn method, which imports this script
+    # as __mp_main__ and uses nothing of it: importing torch there cost about a second per save on every rank.
+    import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
@@ -36,8 +39,9 @@ if _HERE not in sys.path:
 LOSSES: list[tuple[int, float]] = []  # (iteration, lm loss) seen by this rank, for tests
 
 
-class MockGPTDataset(torch.utils.data.Dataset):
-    """Sample i: tokens fixed by (seed, i), so the data position is ``consumed_train_samples``."""
+class MockGPTDataset:
+    """Sample i: tokens fixed by (seed, i), so the data position is ``consumed_train_samples``. A map-style dataset
+    (``__len__``, ``__getitem__``), which is all torch's DataLoader asks of one."""
 
     def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
         self.n, self.s, self.v, self.seed = num_samples, seq_length, vocab_size, seed

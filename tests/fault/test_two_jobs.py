@@ -12,7 +12,8 @@ the other job's model. Here, 2 ranks per job:
   killed job is what a user of plain torchrun runs unchanged: examples/ds_plain_gpt.py, which imports nothing
   of shardsafe, protected by its DeepSpeed config's block alone (its trainers start the node's holder
   themselves); the other is the tiny DeepSpeed GPT (ZeRO-2, bf16) with the block passed as an argument;
-* ``shardsafe launch`` twice (no --job-id), one with a rank kill, both the tiny DeepSpeed GPT: the same checks.
+* ``shardsafe launch`` twice (no --job-id, trainers forked: ``--preload deepspeed``), one with a rank kill, both
+  the tiny DeepSpeed GPT: the same checks.
 """
 import json
 import os
@@ -25,6 +26,7 @@ import threading
 
 import pytest
 
+from shardsafe.launch import PRELOAD_DEEPSPEED
 from shardsafe.launch.elastic import ElasticConfig, ElasticLauncher
 from shardsafe.holder.client import HolderClient, HolderUnavailable
 from shardsafe.holder.paths import HolderPaths, private_dir
@@ -154,7 +156,7 @@ def test_two_shardsafe_launch_jobs_without_ids_one_with_a_rank_kill(tmp_path, re
     for j in SEEDS:
         cfg = ElasticConfig(nodes=WORLD, nproc_per_node=1, run_dir=str(run[j]), holder_dir=holder_dir,
                             inject=f"kill-rank:1@{KILL_AT}" if j == "a" else "", memory_budget_gb=0.5,
-                            max_restarts=2, timeout_s=400)
+                            max_restarts=2, timeout_s=400, preload=PRELOAD_DEEPSPEED)
         launchers[j] = ElasticLauncher(cfg)
     threads = [threading.Thread(target=lambda j=j: results.__setitem__(
         j, launchers[j].run(job_args(SEEDS[j], run[j])))) for j in SEEDS]
