@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import ShardsafeError
+from ..errors import ConfigError, ShardsafeError
 from ..payload import manifest as mf
 from .reshard import Pieces
 from .reshard_survey import Choice, Source
@@ -142,7 +142,7 @@ def rebuild(choice: Choice, manifests: dict[int, dict], plan: dict[int, dict[int
     sources, as whole-payload buffers of which only its ranges are written; its problems; bytes of fragments or
     partial sums it received; bytes it decoded)."""
     if repair not in REPAIRS:
-        raise ValueError(f"repair must be one of {REPAIRS}; got {repair!r}")
+        raise ConfigError(f"repair must be one of {REPAIRS}; got {repair!r}")
     rebuilt: dict[int, torch.Tensor] = {}
     problems: list[str] = []
     got = decoded = 0

@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional
 
 from .. import collectives
 from .. import fingerprint as fpr
+from ..errors import ConfigError
 from ..faults import PHASE_RESTORE_APPLY, PHASE_RESTORE_REBUILD, PHASE_RESTORE_VERIFY
 from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
@@ -77,7 +78,7 @@ class Resize:
 
     def __post_init__(self) -> None:   # said where it is set, not at the first node loss
         if self.repair not in REPAIRS:
-            raise ValueError(f"Resize.repair must be one of {REPAIRS}; got {self.repair!r}")
+            raise ConfigError(f"Resize.repair must be one of {REPAIRS}; got {self.repair!r}")
 
 
 @dataclass
