@@ -238,6 +238,11 @@ def cmd_shrink_plan(a: argparse.Namespace) -> int:
     from .shrink import job_shape, shrink_target
     shape = job_shape(nodes=a.nnodes, ranks_per_node=a.nproc_per_node, model_parallel=a.model_parallel,
                       global_batch=a.global_batch, micro_batch=a.micro_batch, command=_script(a) if a.script else ())
+    if shape.model_parallel != a.model_parallel:   # the scripts count replicas with SS_MODEL_PARALLEL
+        print(f"shardsafe control shrink-plan: the command's Megatron-LM flags make a model replica of "
+              f"{shape.model_parallel} ranks, the script counts {a.model_parallel}: set SS_MODEL_PARALLEL="
+              f"{shape.model_parallel}", file=sys.stderr)
+        return EXIT_FATAL
     shape = dataclasses.replace(shape, dp=a.from_dp or shape.dp)
     try:
         d = shrink_target(shape, a.nodes_left)
@@ -313,12 +318,15 @@ def _add_resize(p: argparse.ArgumentParser) -> None:
 
 def _add_batch(g) -> None:
     g.add_argument("--model-parallel", type=whole(1, "ranks"), default=1, metavar="N",
-                   help="ranks of one model replica (TP x PP x CP): a smaller size keeps replicas whole")
+                   help="ranks of one model replica (TP x PP x CP): a smaller size keeps replicas whole (default: 1, "
+                        "or TP x PP x CP from a Megatron-LM script's flags)")
     g.add_argument("--global-batch", type=whole(0, "samples"), default=0, metavar="N",
                    help="the global batch in samples, kept at every size by more gradient accumulation (default: 0, "
-                        "from the script's --deepspeed_config if it names one, else not known: no shrinking)")
+                        "from the script's --deepspeed_config if it names one, else from Megatron-LM's --micro-batch-size and "
+                        "--global-batch-size, else not known: no shrinking)")
     g.add_argument("--micro-batch", type=whole(0, "samples"), default=0, metavar="N",
-                   help="samples per rank and micro-batch, with --global-batch (default: 0, from the DeepSpeed config)")
+                   help="samples per rank and micro-batch, with --global-batch (default: 0, from the DeepSpeed config "
+                        "or the Megatron-LM flags)")
 
 
 def _add_script(p: argparse.ArgumentParser) -> None:

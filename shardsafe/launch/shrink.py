@@ -171,16 +171,57 @@ def read_ds_batch(path: str, dp: int) -> Optional[tuple[int, int]]:
     return batch_from_ds_config(cfg, dp) if isinstance(cfg, dict) else None
 
 
+MEGATRON_FLAGS = {"--tensor-model-parallel-size": "tp", "--pipeline-model-parallel-size": "pp",
+                  "--context-parallel-size": "cp", "--global-batch-size": "global", "--micro-batch-size": "micro"}
+"""Megatron-LM's flags that fix a job's model-parallel replica (TP x PP x CP) and its batch."""
+
+
+def megatron_layout_in(argv: Sequence[str]) -> dict[str, int]:
+    """What a Megatron-LM command says of its layout: {"tp", "pp", "cp", "global", "micro"} for the flags it
+    gives (``--flag N`` or ``--flag=N``), with a first argument ``@FILE`` read as more arguments, one or more per
+    line (as examples/megatron_lm_pretrain_gpt.py expands it); {} when it names none of them or a file cannot be
+    read (the launcher then goes by its own options)."""
+    argv = list(argv)
+    at = next((i for i, a in enumerate(argv) if a.startswith("@")), None)
+    if at is not None:
+        try:
+            with open(argv[at][1:]) as f:
+                argv[at:at + 1] = f.read().split()
+        except OSError:
+            return {}
+    out: dict[str, int] = {}
+    for i, a in enumerate(argv):
+        flag, eq, value = a.partition("=")
+        if flag in MEGATRON_FLAGS:
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            try:
+                out[MEGATRON_FLAGS[flag]] = int(value)
+            except ValueError:
+                return {}   # not a number: Megatron refuses it itself, with its own message
+    return out
+
+
 def job_shape(*, nodes: int, ranks_per_node: int, model_parallel: int = 1, global_batch: int = 0,
               micro_batch: int = 0, command: Sequence[str] = ()) -> Shape:
-    """The full-size job's :class:`Shape`. The batch comes from the arguments, else from the DeepSpeed config the
-    training ``command`` names (:func:`ds_config_in`), else it stays unknown (0: shrinking then waits for a spare).
+    """The full-size job's :class:`Shape`. The model-parallel size is the argument, else TP x PP x CP from a
+    Megatron-LM command's flags (:func:`megatron_layout_in`). The batch comes from the arguments, else from the
+    DeepSpeed config the training ``command`` names (:func:`ds_config_in`), else from its Megatron-LM flags
+    (``--micro-batch-size``, and ``--global-batch-size`` or Megatron's default of one micro-batch per replica),
+    else it stays unknown (0: shrinking then waits for a spare).
 
     Raises:
         ConfigError: the ranks do not split into whole model-parallel replicas, or only one of the batch sizes is
-            given, or they do not divide.
+            given, or they do not divide, or ``model_parallel`` contradicts the command's Megatron-LM flags.
     """
     world = nodes * ranks_per_node
+    mcore = megatron_layout_in(command)
+    replica = mcore.get("tp", 1) * mcore.get("pp", 1) * mcore.get("cp", 1)
+    if model_parallel == 1:
+        model_parallel = replica
+    elif replica != 1 and replica != model_parallel:
+        raise ConfigError(f"model_parallel is {model_parallel} but the command's Megatron-LM flags make a replica of "
+                          f"{replica} ranks (TP {mcore.get('tp', 1)} x PP {mcore.get('pp', 1)} x CP "
+                          f"{mcore.get('cp', 1)}): leave the launcher's model-parallel option out, or make it {replica}")
     if model_parallel < 1 or world % model_parallel:
         raise ConfigError(f"model_parallel {model_parallel} does not divide the job's {world} ranks ({nodes} node(s) x "
                           f"{ranks_per_node}): pass the ranks of one model replica (TP x PP), a divisor of {world}")
@@ -192,6 +233,8 @@ def job_shape(*, nodes: int, ranks_per_node: int, model_parallel: int = 1, globa
     if not global_batch:
         path = ds_config_in(command)
         found = read_ds_batch(path, dp) if path else None
+        if found is None and mcore.get("micro"):
+            found = (mcore.get("global") or mcore["micro"] * dp, mcore["micro"])
         if found is None:
             return Shape(dp=dp, model_parallel=model_parallel, ranks_per_node=ranks_per_node)
         global_batch, micro_batch = found

@@ -195,3 +195,10 @@ def test_shardsafe_launch_takes_the_resize_options_and_control_plans_a_shrink(tm
     assert a.func(a) == 0 and capsys.readouterr().out.split() == ["3", "3"]
     a = p.parse_args(["control", "shrink-plan", "--nnodes", "4", "--nodes-left", "3"])
     assert a.func(a) == 3 and "not known" in capsys.readouterr().err
+    # a Megatron-LM command: its batch flags are read; a replica size the script does not count is refused
+    lm = ["--", "pretrain_gpt.py", "--micro-batch-size", "2", "--global-batch-size", "24"]
+    a = p.parse_args(["control", "shrink-plan", "--nnodes", "4", "--nodes-left", "3", *lm])
+    assert a.func(a) == 0 and capsys.readouterr().out.split() == ["3", "3"]
+    a = p.parse_args(["control", "shrink-plan", "--nnodes", "4", "--nproc-per-node", "2", "--nodes-left", "3", *lm,
+                      "--tensor-model-parallel-size", "2"])
+    assert a.func(a) == 3 and "set SS_MODEL_PARALLEL=2" in capsys.readouterr().err

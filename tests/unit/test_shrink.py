@@ -4,8 +4,8 @@ import json
 import pytest
 
 from shardsafe.errors import ConfigError
-from shardsafe.launch.shrink import (Shape, batch_from_ds_config, ds_config_in, grow_target, job_shape, shrink_after_s,
-                                     shrink_target)
+from shardsafe.launch.shrink import (Shape, batch_from_ds_config, ds_config_in, grow_target, job_shape,
+                                     megatron_layout_in, shrink_after_s, shrink_target)
 
 
 def test_the_largest_size_that_fits_the_nodes_left_and_keeps_the_global_batch():
@@ -80,6 +80,31 @@ def test_the_batch_from_the_arguments_or_the_programs_deepspeed_config(tmp_path)
     assert unknown.global_batch == 0 and unknown.dp == 4
     tp2 = job_shape(nodes=2, ranks_per_node=4, model_parallel=2, global_batch=8, micro_batch=2)
     assert (tp2.dp, tp2.world, tp2.nodes_at(2)) == (4, 8, 1)
+
+
+def test_the_layout_and_batch_from_a_megatron_lm_command(tmp_path):
+    """A Megatron-LM command under the launcher: TP x PP x CP and the batch come from its flags (also from a first
+    @FILE argument), so a job shrinks without the launcher's --model-parallel / --global-batch options."""
+    args = tmp_path / "lm.args"
+    args.write_text("--num-layers 2\n--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2\n"
+                    "--micro-batch-size 2 --global-batch-size 24\n")
+    got = job_shape(nodes=4, ranks_per_node=4, command=["pretrain_gpt.py", f"@{args}", "--train-iters", "10"])
+    assert (got.model_parallel, got.dp, got.global_batch, got.micro_batch) == (4, 4, 24, 2)
+    assert megatron_layout_in(["x.py", "--tensor-model-parallel-size=2", "--context-parallel-size", "2"]) == \
+        {"tp": 2, "cp": 2}
+    # no --global-batch-size: Megatron's one micro-batch per replica at the full size
+    got = job_shape(nodes=2, ranks_per_node=2, command=["x.py", "--tensor-model-parallel-size", "2",
+                                                        "--micro-batch-size", "3"])
+    assert (got.model_parallel, got.dp, got.global_batch, got.micro_batch) == (2, 2, 6, 3)
+    # the launcher's options win for the batch; a model-parallel size that contradicts the flags is refused
+    assert job_shape(nodes=2, ranks_per_node=2, global_batch=8, micro_batch=1,
+                     command=["x.py", "--micro-batch-size", "3"]).global_batch == 8
+    assert job_shape(nodes=2, ranks_per_node=2, model_parallel=2, command=["x.py", "--tensor-model-parallel-size",
+                                                                           "2"]).model_parallel == 2
+    with pytest.raises(ConfigError, match="model_parallel is 4 but the command's Megatron-LM flags make a replica of 2"):
+        job_shape(nodes=2, ranks_per_node=4, model_parallel=4, command=["x.py", "--tensor-model-parallel-size", "2"])
+    assert megatron_layout_in(["x.py", "@/nonexistent/args"]) == {}
+    assert megatron_layout_in(["x.py", "--micro-batch-size", "two"]) == {}
 
 
 @pytest.mark.parametrize("kw, words", [
