@@ -254,6 +254,10 @@ def rendezvous_poll_s(nnodes: str, requested: float = -1.0) -> float:
     return min(1.0, max(0.01, 0.001 * n))
 
 
+BACKOFF_AFTER_S = 1.0
+"""A rendezvous wait polls at the tuned rate for this long, then backs off to torch's 1 s (:func:`tune_rendezvous_poll`)."""
+
+
 def tune_rendezvous_poll(poll_s: float) -> bool:
     """Make torch's c10d rendezvous re-read the store every ``poll_s`` instead of every second while it waits.
 
@@ -263,7 +267,7 @@ def tune_rendezvous_poll(poll_s: float) -> bool:
     reads the store again. After a failure every agent joins the next round; the round's completion is seen
     only at a read, so each restart pays up to a second or two of these (bench/RESULTS.md "Kill to the next
     iteration, per launcher"). Both become ``poll_s``: only the sleep whose argument is exactly 1 and the cache of
-    state holders created from now on. The random skew torch adds before a node's first join (``_delay(seconds=(0,
+    state holders created from now on. A wait longer than BACKOFF_AFTER_S backs off to torch's 1 s (1.5x per read). The random skew torch adds before a node's first join (``_delay(seconds=(0,
     0.3))`` while the state holder still shows round 0) spreads the first writes of many nodes; it also hits
     the first restart (the first completed round is round 0), where it adds up to 0.3 s. It is
     scaled by ``poll_s`` (seconds): 3 ms for 2 nodes at 10 ms, torch's 0.3 s from 1,000 nodes on. In this
@@ -284,11 +288,24 @@ def tune_rendezvous_poll(poll_s: float) -> bool:
     orig = getattr(orig, "__wrapped__", orig)
     init = getattr(init, "__wrapped__", init)
 
+    wait = {"since": -1e9, "last": -1e9, "delay": poll_s}
+
     def _delay(seconds):
         if isinstance(seconds, tuple):
             orig(tuple(x * min(1.0, poll_s) for x in seconds))
+        elif seconds != 1:
+            orig(seconds)
         else:
-            orig(poll_s if seconds == 1 else seconds)
+            # A round that forms at a restart forms within its first second, which polls at poll_s. A longer wait
+            # (a node still booting, a spare awaited) backs off by 1.5x per read to torch's 1 s: agents that poll a
+            # store 100 times a second for minutes take the CPU their own node's trainers and the store need.
+            now = time.monotonic()
+            if now - wait["last"] > BACKOFF_AFTER_S:   # reads of one wait follow each other within milliseconds
+                wait["since"], wait["delay"] = now, poll_s
+            elif now - wait["since"] > BACKOFF_AFTER_S:
+                wait["delay"] = min(1.0, max(poll_s, wait["delay"] * 1.5))
+            orig(wait["delay"])
+            wait["last"] = time.monotonic()
 
     def __init__(self, backend, settings, cache_duration=1):
         init(self, backend, settings, cache_duration=min(cache_duration, poll_s))

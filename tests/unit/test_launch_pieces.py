@@ -290,6 +290,35 @@ def test_the_rendezvous_wait_polls_at_the_tuned_rate_and_scales_the_first_rounds
     assert holder._cache_duration == 0.07   # torch's default 1 s cache of the round's state, shortened too
 
 
+def test_a_long_rendezvous_wait_backs_off_to_torchs_poll(monkeypatch):
+    """The first second of a wait polls at the tuned rate; then each read waits 1.5x longer, up to torch's 1 s; a
+    wait that starts after a pause (the next restart) polls fast again."""
+    import time as time_mod
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    monkeypatch.setattr(dr, "_delay", dr._delay)
+    monkeypatch.setattr(dr._BackendRendezvousStateHolder, "__init__", dr._BackendRendezvousStateHolder.__init__)
+    clock, slept = [1000.0], []
+
+    def sleep(s):
+        slept.append(s)
+        clock[0] += s + 0.001   # and a millisecond for the store read that follows
+    monkeypatch.setattr(time_mod, "sleep", sleep)
+    monkeypatch.setattr(time_mod, "monotonic", lambda: clock[0])
+    assert agent.tune_rendezvous_poll(0.01)
+    while sum(slept) < 30:
+        dr._delay(seconds=1)
+    fast = [s for s in slept if s == 0.01]
+    assert 0.9 <= sum(fast) <= 1.1, (len(fast), sum(fast))            # the first second at the tuned rate
+    grow = slept[len(fast):]
+    assert all(b == pytest.approx(min(1.0, a * 1.5)) for a, b in zip(grow, grow[1:])), grow[:20]
+    assert slept[-1] == 1.0 and len(grow) < 50, len(grow)              # then torch's own, within a few seconds
+    clock[0] += 60   # training; the next restart's wait
+    slept.clear()
+    dr._delay(seconds=1)
+    assert slept == [0.01]
+
+
 def _spec():
     from torch.distributed.elastic.agent.server.api import WorkerSpec
 
