@@ -3,16 +3,15 @@
 Every agent of ``shardsafe launch`` (:mod:`.elastic`) is a Python process that imports torch and torch elastic
 (about a second of CPU), and with ``--preload`` it starts its node's fork server (:mod:`.prewarm`), which imports
 the framework (seconds more). The local launcher starts an agent per simulated node at the job's start and again
-on every re-forming (a shrink, a grow): on one host those imports are most of the launcher's own CPU, and they
-compete with the trainers for the cores.
+on every re-forming (a shrink, a grow): on one host those imports compete with the trainers for the cores.
 
 So the launcher starts one fork server of its own that imports the agent's modules and the trainers' preload, and
-forks every agent from it (:func:`start_agent_server`); an agent found to be such a fork, still single-threaded,
-with every preload entry in its image, forks its node's fork server from itself (:func:`fork_worker_server`)
-instead of starting a new interpreter. What each process runs is unchanged: the agent is ``python -m
-shardsafe.launch agent ...`` as :mod:`.prewarm` forks a command, and its fork server serves the trainers as one
-started cold would (it imported the same modules, in an environment that differs only in per-rank variables).
-Either step falls back to the cold start, with a log line saying why.
+forks every agent from it (:func:`launch_agent_server`, :func:`agent_server_ready`); an agent found to be such a
+fork, still single-threaded, with every preload entry in its image, forks its node's fork server from itself
+(:func:`fork_worker_server`) instead of starting a new interpreter. What each process runs is unchanged: the agent
+is ``python -m shardsafe.launch agent ...`` as :mod:`.prewarm` forks a command, and its fork server serves the
+trainers as one started cold would (it imported the same modules, in an environment that differs only in per-rank
+variables). Either step falls back to the cold start, with a log line saying why.
 """
 from __future__ import annotations
 
