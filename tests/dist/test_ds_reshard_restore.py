@@ -149,9 +149,14 @@ def _run_resized(rank, world, root, out, phase, nodes, tag, refuse):
         if stage == 3:
             _zero3_group_hyperparameters(oracle, universal)
         _save_capture(os.path.join(out, f"{phase}_z{stage}_oracle_loaded{rank}"), ad)
+        # The CPU FusedAdam kernel's beta powers live in one static C++ object per process, shared by both engines:
+        # each continues from the chain as restored, as it would in a process of its own.
+        chain = powers.state() if powers is not None else None
         _reseed(rank)
         g["losses"] = _train(ours, K, rank, world, gas)
         _reseed(rank)
+        if chain is not None:
+            powers.restore(chain)
         g["oracle_losses"] = _train(oracle, K, rank, world, gas)
         assert ours.shardsafe.flush()
         g["committed"] = ours.shardsafe.runtime.pipeline.last_committed
