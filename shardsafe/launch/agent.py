@@ -316,9 +316,41 @@ def tune_rendezvous_poll(poll_s: float) -> bool:
     return True
 
 
+def cheap_rendezvous_event_names() -> bool:
+    """Let torch's rendezvous name its events without walking the stack.
+
+    torch's DynamicRendezvousHandler records an event at every step of a round (a join, a heartbeat, each write to
+    the store) named after the calling method, and computes that name before it checks whether anything records
+    events (by default nothing does): ``get_method_name()`` calls ``inspect.stack()`` twice, which looks up every
+    frame's source file and, for a frame of no module's file (runpy's and importlib's frozen frames, which every
+    agent forked from a warm image has), scans all of ``sys.modules``: milliseconds of CPU per event. On a node
+    whose CPUs are busy that stretched each step of a round to 0.4-1 s; the agents' compare-and-set writes then
+    kept meeting each other's heartbeats (every 2 s), heartbeats lapsed, live nodes were dropped as dead and joined
+    again, and a round of 4 agents took 12 s to minutes instead of 2 s. ``sys._getframe`` gives the same name
+    (the caller of ``_record``) in a microsecond. In this agent process only. Returns False if this torch has no
+    ``get_method_name``."""
+    try:
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    except ImportError:
+        return False
+    if not callable(getattr(dr, "get_method_name", None)):
+        return False
+
+    def get_method_name(depth: int = 2) -> str:
+        # inspect.stack()[depth] inside torch's function is this frame's sys._getframe(depth)
+        try:
+            return sys._getframe(depth).f_code.co_name
+        except ValueError:
+            return "no_method_name"
+
+    dr.get_method_name = get_method_name
+    return True
+
+
 def run_agent(opts: AgentOptions, script: list[str]) -> int:
     """Run torchrun's agent in this process with shardsafe's hooks; returns its exit code."""
     os.environ.update(opts.worker_env())
+    cheap_rendezvous_event_names()
     poll = rendezvous_poll_s(opts.nnodes, opts.rendezvous_poll_s)
     if poll != 1.0 and tune_rendezvous_poll(poll):
         log.info("[agent %s] rendezvous polls every %.2f s (torch's own: 1 s)", opts.node, poll)

@@ -319,6 +319,33 @@ def test_a_long_rendezvous_wait_backs_off_to_torchs_poll(monkeypatch):
     assert slept == [0.01]
 
 
+def test_rendezvous_events_are_named_without_walking_the_stack(monkeypatch):
+    """torch's rendezvous names each event after the method that records it (``get_method_name()`` inside
+    ``_record``, evaluated even when nothing records events); the agent's replacement gives the same names and
+    never calls inspect.stack (which cost milliseconds of CPU per step of a round)."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    assert "get_method_name()" in inspect.getsource(dr.DynamicRendezvousHandler._record)
+    torch_own = dr.get_method_name
+    monkeypatch.setattr(dr, "get_method_name", torch_own)   # restored after the test
+
+    def _record():
+        return dr.get_method_name()
+
+    def next_rendezvous():
+        return _record()
+
+    assert next_rendezvous() == "next_rendezvous"   # torch's own
+    assert agent.cheap_rendezvous_event_names()
+
+    def walked(*a, **k):
+        raise AssertionError("inspect.stack called")
+    monkeypatch.setattr(inspect, "stack", walked)
+    assert next_rendezvous() == "next_rendezvous" and dr.get_method_name(0) == "get_method_name"
+    assert dr.get_method_name(10 ** 6) == "no_method_name"
+
+
 def _spec():
     from torch.distributed.elastic.agent.server.api import WorkerSpec
 
