@@ -255,7 +255,8 @@ def rendezvous_poll_s(nnodes: str, requested: float = -1.0) -> float:
 
 
 BACKOFF_AFTER_S = 1.0
-"""A rendezvous wait polls at the tuned rate for this long, then backs off to torch's 1 s (:func:`tune_rendezvous_poll`)."""
+"""A rendezvous wait polls at the tuned rate for this long, then backs off to torch's 1 s
+(:func:`tune_rendezvous_poll`)."""
 
 
 def tune_rendezvous_poll(poll_s: float) -> bool:
@@ -267,8 +268,9 @@ def tune_rendezvous_poll(poll_s: float) -> bool:
     reads the store again. After a failure every agent joins the next round; the round's completion is seen
     only at a read, so each restart pays up to a second or two of these (bench/RESULTS.md "Kill to the next
     iteration, per launcher"). Both become ``poll_s``: only the sleep whose argument is exactly 1 and the cache of
-    state holders created from now on. A wait longer than BACKOFF_AFTER_S backs off to torch's 1 s (1.5x per read). The random skew torch adds before a node's first join (``_delay(seconds=(0,
-    0.3))`` while the state holder still shows round 0) spreads the first writes of many nodes; it also hits
+    state holders created from now on. A wait longer than BACKOFF_AFTER_S backs off to torch's 1 s (1.5x per
+    read). The random skew torch adds before a node's first join (``_delay(seconds=(0, 0.3))`` while the state
+    holder still shows round 0) spreads the first writes of many nodes; it also hits
     the first restart (the first completed round is round 0), where it adds up to 0.3 s. It is
     scaled by ``poll_s`` (seconds): 3 ms for 2 nodes at 10 ms, torch's 0.3 s from 1,000 nodes on. In this
     agent process only; workers are not touched. Returns False (and torch keeps its own polling) if this

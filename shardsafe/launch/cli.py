@@ -292,8 +292,8 @@ def _add_agent_timing(p: argparse.ArgumentParser) -> None:
                    help="missed heartbeats before a node counts as lost")
     p.add_argument("--rendezvous-poll-s", type=_poll_s, default=-1.0, metavar="S",
                    help="how often a waiting agent re-reads the rendezvous state; torch's own is 1 s, which every "
-                        "restart pays; after a wait's first second it backs off to 1 s (default -1: 1 ms per node of the job, "
-                        "between 10 ms and 1 s)")
+                        "restart pays; after a wait's first second it backs off to 1 s (default -1: 1 ms per node of "
+                        "the job, between 10 ms and 1 s)")
     p.add_argument("--preload", type=preload_arg, default=env.get(env.PRELOAD),
                    metavar="PRESET|MODULES",
                    help="a fork server per node imports these once and every worker (every start and restart) is "
@@ -323,8 +323,8 @@ def _add_batch(g) -> None:
                         "or TP x PP x CP from a Megatron-LM script's flags)")
     g.add_argument("--global-batch", type=whole(0, "samples"), default=0, metavar="N",
                    help="the global batch in samples, kept at every size by more gradient accumulation (default: 0, "
-                        "from the script's --deepspeed_config if it names one, else from Megatron-LM's --micro-batch-size and "
-                        "--global-batch-size, else not known: no shrinking)")
+                        "from the script's --deepspeed_config if it names one, else from Megatron-LM's "
+                        "--micro-batch-size and --global-batch-size, else not known: no shrinking)")
     g.add_argument("--micro-batch", type=whole(0, "samples"), default=0, metavar="N",
                    help="samples per rank and micro-batch, with --global-batch (default: 0, from the DeepSpeed config "
                         "or the Megatron-LM flags)")
