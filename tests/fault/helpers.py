@@ -164,6 +164,14 @@ def restores(run_dir):
     return out
 
 
+def committed_everywhere(run_dir, world: int, attempt: int = 0) -> int:
+    """The newest version every rank of ``attempt`` logged as committed (-1: none). A restore after that attempt
+    takes it, or the one after it when that one was sealed everywhere while its vote was still out."""
+    return min(max((int(e["version"]) for e in read_jsonl(os.path.join(str(run_dir), "events.jsonl"))
+                    if e.get("kind") == "snapshot" and e.get("rank") == r and int(e.get("attempt") or 0) == attempt
+                    and e.get("committed")), default=-1) for r in range(world))
+
+
 def early_opens(run_dir, what: str = "early_open"):
     """(attempt, rank) -> how the restore's early open (``what="early_verify"``: its verification) went ("used",
     "missed: why"; shardsafe.holder.early_open)."""

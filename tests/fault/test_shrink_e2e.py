@@ -37,6 +37,8 @@ from shardsafe import demo
 from shardsafe.demo import EXAMPLES, SHRINK_GAS, SHRINK_MICRO
 from shardsafe.runcheck import read_jsonl, resume_problems
 
+from .helpers import committed_everywhere
+
 pytestmark = pytest.mark.slow
 
 EXAMPLE = EXAMPLES / "ds_pretrain_gpt.py"
@@ -106,9 +108,7 @@ def test_zero3_under_shardsafe_launch_shrinks_from_memory_and_grows_back_bit_exa
     # the node dies once the launcher sees step 4, and the others may finish a step or so more before they block on
     # it: attempt 1 restores the newest version every rank committed in attempt 0 (or the one after it, sealed
     # everywhere while its vote was still out), at least 3
-    evs = read_jsonl(os.path.join(run_dir, "events.jsonl"))
-    committed = min(max((int(e["version"]) for e in evs if e.get("kind") == "snapshot" and e.get("rank") == r
-                         and int(e.get("attempt") or 0) == 0 and e.get("committed")), default=-1) for r in range(4))
+    committed = committed_everywhere(run_dir, 4)
     assert tiers[1][0] == "parity" and 3 <= tiers[1][1] and committed <= tiers[1][1] <= committed + 1 \
         and tiers[2][0] == "memory", (tiers, committed)
     assert resume_problems(run_dir, 4) == []
