@@ -35,8 +35,11 @@ demo: venv
 # worker (its module fixtures run once), the longest first (tests/conftest.py; --no-loadscope-reorder keeps that
 # order). The base folder is short because a holder's socket path lives under a test's tmp_path and Unix sockets
 # take at most 107 bytes; it is removed when every test passed.
+# The project's own modules are compiled first: where PYTHONDONTWRITEBYTECODE is set, every one of the suite's
+# thousand-odd processes (holders, trainers, agents) would compile them from source again.
 TEST_WORKERS ?= 3
 test: venv
+	@$(BIN)/python -m compileall -q shardsafe adapters kernels examples tests bench >/dev/null
 	@base=$$(mktemp -d /tmp/sst-XXXXXX) && \
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --basetemp=$$base \
 		--durations=25 tests \

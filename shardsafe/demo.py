@@ -302,13 +302,32 @@ def _oracle_run(a: argparse.Namespace, plan: "_Plan", seg: dict[str, Any], prev:
     if not save:
         return ""
     tag = f"global_step{seg['last']}"
-    conv = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                           os.path.join(ckpt, tag), "--output_folder", os.path.join(ckpt, f"{tag}_universal"),
-                           "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
-    if conv.returncode != 0:
-        raise OracleError(f"ds_to_universal of {tag} failed: {conv.stderr.strip()[-800:]}")
+    _to_universal(os.path.join(ckpt, tag), os.path.join(ckpt, f"{tag}_universal"), forks)
     return ckpt
+
+
+def _to_universal(src: str, dst: str, forks=None) -> None:
+    """DeepSpeed's ``ds_to_universal`` of checkpoint folder ``src`` into ``dst``, forked from the oracle's fork server
+    when there is one (it has DeepSpeed imported: seconds of CPU a fresh interpreter pays again), else a subprocess."""
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src, "--output_folder", dst,
+           "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    log, child = dst + ".log", None
+    if forks is not None:
+        with open(log, "wb") as f:
+            child = forks.fork_or_cold(cmd, env=forks.env, stdout=f.fileno(), stderr=f.fileno(), who="ds_to_universal")
+    if child is not None:
+        try:
+            rc = child.wait(600)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            raise
+        err = Path(log).read_text(errors="replace")
+    else:
+        conv = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              timeout=600)
+        rc, err = conv.returncode, conv.stderr
+    if rc != 0:
+        raise OracleError(f"ds_to_universal of {src} failed (exit {rc}): {err.strip()[-800:]}")
 
 
 def _compare_segments(run_dir: str, segs: list[dict[str, Any]], steps: int, mp: int = 1) -> list[str]:
