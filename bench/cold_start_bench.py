@@ -46,7 +46,8 @@ def one_run(holder_dir: str, out: str, optimizer: str, wrapper: str = "") -> flo
     script = [wrapper] if wrapper else []
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                         *script, os.path.join(ROOT, "examples", "ds_pretrain_gpt.py"), "--steps", "1", "--optimizer",
-                        optimizer, "--d-model", "128", "--seq", "32", "--out", out], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                        optimizer, "--d-model", "128", "--seq", "32", "--out", out],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     s = time.perf_counter() - t
     subprocess.run(["pkill", "-f", f"--job-id {job}"], capture_output=True)   # the detached holder it started
     if p.returncode != 0:
