@@ -222,6 +222,9 @@ def measure(a: argparse.Namespace, ranks: int, ev: list[dict], lines: list[dict]
            "restore_end_s": max((e["seconds"] for e in rend), default=None),
            "restore_vote_s": max(((e.get("phases") or {}).get("agree", 0.0) for e in rend), default=None),
            "restore_tier": sorted({e.get("tier") for e in rend}),
+           # what each rank restored (a rank kill leaves every copy in the holders: memory, nothing rebuilt)
+           "restore_by_rank": {e["rank"]: {k: e.get(k) for k in ("tier", "version", "lost_ranks", "repaired_ranks")}
+                               for e in rend},
            "placement_restore_s": max(x["try_restore_s"] for x in a1),
            "runtime_init_s": max(x["runtime_s"] for x in a1), "start_phases": start_phases,
            "start_collectives": min(a1, key=lambda x: x["rank"])["start_collectives"]}

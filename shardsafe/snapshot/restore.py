@@ -197,6 +197,7 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     emit("restore_end", tier=res.tier, version=res.version, seconds=res.seconds, bytes=res.nbytes,
          rebuilt_bytes=res.rebuilt_bytes, rebuild_seconds=res.rebuild_seconds, phases=res.phases,
          timeline=res.timeline, **({"repaired_ranks": res.repaired_ranks} if res.repaired_ranks else {}),
+         **({"lost_ranks": res.lost_ranks} if res.lost_ranks else {}),
          **({"from_dp": res.reshard["from_dp"], "to_dp": res.reshard["to_dp"], "reshard": res.reshard}
             if res.reshard else {}),
          **({"notes": res.notes} if res.notes else {}))

@@ -2,6 +2,7 @@
 connection measured on real gloo groups) and, slow, one real 4-rank run of the harness under shardsafe launch."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -41,14 +42,16 @@ def test_simulated_1024_ranks_vote_within_the_bound_and_restart_connects_log_pai
 
 @pytest.mark.slow
 def test_a_4_rank_run_measures_both_votes_a_kill_and_the_restart():
-    d, text = _run(["--ranks", "4", "--steps", "16", "--kill-at", "8", "--step-s", "0.2", "--warmup", "2"],
+    d, text = _run(["--ranks", "4", "--steps", "16", "--kill-at", "8", "--step-s", "0.2", "--warmup", "2", "--keep"],
                    timeout=240)
     assert d["ranks"] == [4] and d["launcher"] == "elastic"
     r = d["rows"][0]
+    text += f"\n(the job's run directory, with its events, is kept for a failure: {r['run_dir']})"
     assert d["vote_tree_s"][0] > 0 and d["vote_ring_s"][0] > 0
     assert r["samples"]["tree"] >= 4 * 4 and r["samples"]["ring"] >= 4 * 4
-    assert d["skipped_snapshots"] == [0] and r["restore_tier"] == ["memory"]
+    assert d["skipped_snapshots"] == [0] and r["restore_tier"] == ["memory"], (r["restore_by_rank"], text[-3000:])
     assert 0 < d["kill_to_next_iteration_s"][0] < 60
     assert [k for k, _, _ in r["start_collectives"]].count("gather_bytes") >= 1
     assert set(r["start_phases"]) >= {"init_process_group (store connect)", "placement + restore"}
     assert "kill -> next" in text
+    shutil.rmtree(r["run_dir"])
