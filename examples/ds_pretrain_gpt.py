@@ -252,7 +252,8 @@ def universal_fixups(engine, load_dir: str) -> None:
     """What DeepSpeed's universal-checkpoint load leaves out, put back the way a same-size load_checkpoint has it:
     the module buffers (data-parallel rank 0's module state, which ds_to_universal copies beside zero/) and
     ``micro_steps``, which no checkpoint carries (global_steps x this run's accumulation, as shardsafe's re-partition
-    counts it), and the CPU Adam kernels' beta powers."""
+    counts it), the CPU Adam kernels' beta powers, and a pipeline stage's own copies of its tied parameters
+    (:func:`save_tied_copies`)."""
     import glob
     with open(os.path.join(load_dir, "latest_universal")) as f:
         folder = os.path.join(load_dir, f.read().strip())
@@ -264,7 +265,11 @@ def universal_fixups(engine, load_dir: str) -> None:
                 if name in module:
                     buf.copy_(module[name])
     from deepspeed.runtime.pipe.engine import PipelineEngine
-    if not isinstance(engine, PipelineEngine):   # train_batch() never counts micro_steps: it stays 0 there
+    if isinstance(engine, PipelineEngine):
+        # the checkpoint ds_to_universal converted: "<tag>_universal" beside "<tag>"
+        n = load_tied_copies(engine, os.path.join(load_dir, os.path.basename(folder).removesuffix("_universal")))
+        print(f"[rank {engine.global_rank}] this stage's own copies of {n} tied parameter(s) put back", flush=True)
+    else:   # train_batch() never counts micro_steps: it stays 0 there
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
     # DeepSpeed's CPU Adam kernels (FusedAdam's CPU build, DeepSpeedCPUAdam) keep beta1^t, beta2^t in C++ as a
     # float32 product chain from the first step; a loaded process would start a new chain with pow(beta, t) and
@@ -276,6 +281,56 @@ def universal_fixups(engine, load_dir: str) -> None:
     if tracker is not None and steps:
         b1, b2 = basic.param_groups[0]["betas"]
         tracker.restore({"s0": 1, "step": max(steps), "beta1": b1, "beta2": b2})
+
+
+def _tied_copies_path(folder: str, engine) -> str:
+    return os.path.join(folder, f"tied_copies_stage{engine.stage_id}.pt")
+
+
+def _moment_keys(engine) -> list[str]:
+    """The optimizer's per-element state (Adam: exp_avg, exp_avg_sq), the same on every rank."""
+    basic = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    return sorted({k for st in basic.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() == 1})
+
+
+def save_tied_copies(engine, save_dir: str) -> None:
+    """Beside a pipeline's checkpoint: this stage's own copy of each tied parameter (module value, fp32 master,
+    optimizer moments). Each stage that shares a tied module updates its own copy, and in DeepSpeed's own training
+    the copies drift apart in the last bits (each stage's optimizer sees the parameter at another offset of its
+    flat partition); a universal checkpoint keeps one copy per name, so a load_universal alone would make the
+    stages equal where the run never had them equal. Collective over the stage's data-parallel group."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    if not isinstance(engine, PipelineEngine):
+        return
+    keys, out = _moment_keys(engine), {}
+    for name, p in engine.module.named_parameters():
+        if name.startswith("tied_modules."):
+            out[f"{name}/lp"] = p.detach().clone()
+            out[f"{name}/fp32"] = safe_get_full_fp32_param(p)
+            for k in keys:
+                out[f"{name}/{k}"] = safe_get_full_optimizer_state(p, k)
+    if out and engine.grid.get_data_parallel_rank() == 0:
+        torch.save(out, _tied_copies_path(os.path.join(save_dir, f"global_step{engine.global_steps}"), engine))
+
+
+def load_tied_copies(engine, folder: str) -> int:
+    """Put this stage's own tied copies (:func:`save_tied_copies`, in checkpoint ``folder``) back after a
+    load_universal, through DeepSpeed's own setters. Returns how many parameters it set."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    path = _tied_copies_path(folder, engine)
+    if not os.path.exists(path):
+        return 0
+    saved, n = torch.load(path, map_location="cpu", weights_only=True), 0
+    with torch.no_grad():
+        for name, p in engine.module.named_parameters():
+            if f"{name}/lp" in saved:
+                p.copy_(saved[f"{name}/lp"])
+                safe_set_full_fp32_param(p, saved[f"{name}/fp32"])
+                for k in _moment_keys(engine):
+                    safe_set_full_optimizer_state(p, saved[f"{name}/{k}"], k)
+                n += 1
+    return n
 
 
 def final_state(engine, schedulers: tuple = ()) -> dict[str, torch.Tensor]:
@@ -387,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("SHARDSAFE_RUN_DIR", ""), help="where losses and final state go")
     p.add_argument("--save-dir", default="", help="plain engine.save_checkpoint here at --save-at (vanilla DeepSpeed)")
     p.add_argument("--save-at", type=int, default=0, help="global step after which --save-dir is written")
+    p.add_argument("--save-tied-copies", action="store_true",
+                   help="with --save-dir under a pipeline: also each stage's own copy of its tied parameters, which a "
+                        "universal checkpoint merges into one and --load-universal puts back (the shrink demo's oracle)")
     p.add_argument("--load", default="", help="plain engine.load_checkpoint from here first (e.g. a `shardsafe export`); "
                                               "{rank} is replaced by the rank (node-local checkpoint directories)")
     p.add_argument("--load-from-attempt", type=int, default=0, help="--load only in restart attempts from this one on")
@@ -515,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
             engine.step()
         if a.save_dir and engine.global_steps == a.save_at:
             engine.save_checkpoint(a.save_dir)
+            if a.save_tied_copies:
+                save_tied_copies(engine, a.save_dir)
         if a.step_sleep and engine.global_steps > a.step_sleep_after:
             time.sleep(a.step_sleep)
         if events is not None:
