@@ -302,6 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write losses_rank{R}.jsonl and final_rank{R}.{bin,json} here (default SHARDSAFE_RUN_DIR)")
     p.add_argument("--core-api", choices=("protect", "functions"), default="protect",
                    help="with --shardsafe: protect() (default) or the restore()/snapshot()/close() calls")
+    p.add_argument("--save-dir", default="",
+                   help="Megatron-LM's own checkpoint (dist_checkpointing, fully reshardable optimizer) into this "
+                        "empty or new folder after iteration --save-at (examples/megatron_dist_ckpt.py)")
+    p.add_argument("--save-at", type=int, default=0, help="iteration after which --save-dir is written")
+    p.add_argument("--load-dir", default="",
+                   help="start from Megatron-LM's own checkpoint in this folder, saved at any data-parallel size")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="sleep per step (simulate a slower model)")
+    p.add_argument("--step-sleep-after", type=int, default=0, help="sleep only after this iteration")
     p.add_argument("--demo-rollback", type=int, default=0, metavar="K",
                    help="snapshot after step K, train on, roll back in process and replay; check bit-identity")
     return add_arguments(p)
@@ -377,6 +385,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                                        (run.tp * run.pp)),
                                      run.micro_batch_size, torch.distributed.get_world_size() // (run.tp * run.pp))
     tr = Trainer(run)
+    if args.load_dir:
+        import megatron_dist_ckpt
+        megatron_dist_ckpt.load(tr, args.load_dir)
+        print(f"[r{rank}] loaded Megatron's checkpoint {args.load_dir} at iteration {tr.iteration}", flush=True)
     prot = None
     if ss_cfg.enabled:
         from shardsafe.adapters.megatron import protect
@@ -423,6 +435,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      "grad_norm": float(g).hex() if g is not None else None,
                                      "loss_scale": out["loss_scale"], "attempt": _attempt()}) + "\n")
             losses.flush()
+        if args.save_dir and tr.iteration == args.save_at:
+            import megatron_dist_ckpt
+            if rank == 0:
+                os.makedirs(args.save_dir, exist_ok=True)
+            torch.distributed.barrier()
+            megatron_dist_ckpt.save(tr, args.save_dir)
+        if args.step_sleep and tr.iteration > args.step_sleep_after:
+            time.sleep(args.step_sleep)
         if events is not None:
             events.emit("iteration", iteration=tr.iteration,
                         seconds=max(0.0, time.perf_counter() - t0 - (prot.stall_total_s - stall0)))

@@ -204,9 +204,9 @@ def build_parser(light: bool = False) -> argparse.ArgumentParser:
     if light:
         return p
 
-    from shardsafe import demo, tor
+    from shardsafe import demo_cli, tor
     from shardsafe.launch import cli as launch_cli
-    demo.register_cli(sub)
+    demo_cli.register_cli(sub)
     tor.register_cli(sub)
     launch_cli.register_cli(sub)
     _register_export(sub)

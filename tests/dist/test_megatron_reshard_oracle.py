@@ -25,24 +25,10 @@ Compared, tensor for tensor (torch.equal) and value for value:
 Before the capture at D, data-parallel rank 1 draws one random number, so the ranks' RNG streams differ and the
 RNG rule is tested, not assumed (Megatron-LM gives every rank at D' data-parallel rank 0's).
 
-Megatron's load has bugs on this CPU path (torch Adam, no TE/Apex); the oracle works around them, and only it:
-* a fresh optimizer has no per-parameter state, and ``DistributedOptimizer.sharded_state_dict(is_loading=True)``
-  calls ``state_dict()``, which asserts ``len(steps) == 1`` over an empty set (0.16.1 distrib_optimizer.py:642):
-  the oracle first calls Megatron's own ``_init_optimizer_states_with_dummy_values()`` (what megatron-core 0.17
-  does for its fsdp_dtensor format; the dummy values are overwritten by the load);
-* ``load_parameter_state_from_fully_reshardable`` hands ``_set_main_param_and_optimizer_states`` the param and the
-  moments, which copies every key of the live state, ``step`` included, and raises ``KeyError: 'step'``
-  (distrib_optimizer.py:940): the oracle's copy takes the keys the checkpoint has (``step`` comes from the
-  param_groups, as Megatron's comment there says);
-* ``DistributedOptimizer.load_state_dict`` gives every parameter's state one shared ``step`` tensor (:825), which
-  torch Adam then advances once per parameter per step: the oracle gives each parameter its own copy.
-It also leaves the checkpoint's param_groups ``step`` in the live groups, which torch Adam does not read: the one
-metadata difference, checked to be the step and then ignored. And its fully reshardable *save* is wrong for a
-buffer of several buckets: ``get_parameter_state_dp_zero`` packs the buckets without their end padding while
-``sharded_param_state_fully_reshardable`` slices them at the padded buffer offsets, so every parameter after the
-first bucket is saved from the wrong elements (megatron-core 0.16.1 and 0.17.1; fixed upstream by NVIDIA/Megatron-LM
-PR 5077, "Fix bugs in re-sharding DistributedOptimizer state in torch_dist checkpoint"). The oracle puts the padding
-back, which gives that fix's offsets (the bucketed case fails without it; one bucket is unaffected).
+Megatron's checkpoint is examples/megatron_dist_ckpt.py's, which works around megatron-core's bugs on this CPU path
+(its docstring); its load leaves the checkpoint's param_groups ``step`` in the live groups, which torch Adam does not
+read: the one metadata difference, checked to be the step and then ignored. The multi-bucket save bug it fixes fails
+the bucketed case without the fix (one bucket is unaffected).
 Megatron-LM's writer forks worker processes and starts a multiprocessing manager; the harness's forked ranks are
 daemonic, which multiprocessing forbids to have children, so the saving ranks lift that flag (and stop the manager).
 """
@@ -71,6 +57,7 @@ import megatron.core.models.gpt  # noqa: E402,F401
 import megatron.core.optimizer  # noqa: E402,F401
 import megatron.core.pipeline_parallel  # noqa: E402,F401
 
+import megatron_dist_ckpt as dist_ckpt  # noqa: E402
 import megatron_pretrain_gpt as ex  # noqa: E402
 from _fork_ranks import load_tensors, run_ranks, save_tensors  # noqa: E402
 
@@ -108,38 +95,6 @@ def _start(case: str, world_dp: int, microbatches: int, seed: int) -> "ex.Traine
     return ex.Trainer(run)
 
 
-def _unwrapped(tr: "ex.Trainer"):
-    m = tr.model_chunks[0].module   # DDP -> (Float16Module ->) GPTModel, as Megatron-LM's unwrap_model
-    return getattr(m, "module", m)
-
-
-def _rng_state_object():
-    """Megatron-LM's ``get_rng_state(ckpt_format='torch_dist')`` without --data-parallel-random-init
-    (megatron/training/checkpointing.py): this rank's states, one ShardedObject per (PP, TP) coordinate."""
-    import random
-
-    import numpy as np
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.cuda.get_rng_state(),
-             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
-    return ShardedObject("rng_state", [state], (ps.get_pipeline_model_parallel_world_size(),
-                                                ps.get_tensor_model_parallel_world_size()),
-                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
-                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
-
-
-def _sharded_state_dict(tr: "ex.Trainer", loading: bool) -> dict:
-    model_sd = _unwrapped(tr).sharded_state_dict()
-    return {"model": model_sd,
-            "optimizer": tr.optimizer.sharded_state_dict(model_sd, is_loading=loading,
-                                                         metadata={"distrib_optim_sharding_type": "fully_reshardable"}),
-            "rng_state": _rng_state_object(), "opt_param_scheduler": tr.scheduler.state_dict(),
-            "iteration": tr.iteration, "consumed_train_samples": tr.counters["consumed_train_samples"]}
-
-
 def _loss(step: dict):
     return None if step["loss"] is None else float(step["loss"]).hex()   # None: not the last pipeline stage
 
@@ -150,83 +105,19 @@ def _capture(path: str, tr: "ex.Trainer", adapter) -> None:
     save_tensors(path, tensors, meta)
 
 
-def _fix_multi_bucket_save() -> None:
-    """Megatron-LM PR 5077 for megatron-core 0.16/0.17 (module docstring): the gathered world tensors with each
-    bucket at its offset in the padded buffer, where ``sharded_param_state_fully_reshardable`` slices them."""
-    from megatron.core.optimizer import DistributedOptimizer
-    packed = DistributedOptimizer.get_parameter_state_dp_zero
-
-    def padded(self, *args, **kwargs):
-        state = packed(self, *args, **kwargs)
-        for gbuf_idx, buffer in enumerate(self.buffers if state is not None else ()):
-            for world_tensors in state[gbuf_idx].values():
-                for key in ("param", "exp_avg", "exp_avg_sq"):
-                    flat, at = world_tensors[key], 0
-                    out = torch.zeros(buffer.numel, dtype=flat.dtype)
-                    for b in buffer.buckets:
-                        out[b.offset: b.offset + b.numel_unpadded] = flat[at: at + b.numel_unpadded]
-                        at += b.numel_unpadded
-                    world_tensors[key] = out
-        return state
-
-    DistributedOptimizer.get_parameter_state_dp_zero = padded
-
-
 def _run_at_d(rank: int, world: int, case: str, out: str) -> dict:
     import multiprocessing as mp
 
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     mp.current_process()._config["daemon"] = False   # Megatron's writer has child processes (module docstring)
     tr = _start(case, CASES[case]["d"], CASES[case]["g"], seed=1234)
-    _fix_multi_bucket_save()
     losses = [_loss(tr.train_step()) for _ in range(V)]
     if ps.get_data_parallel_rank() == 1:
         torch.rand(1)   # the data-parallel ranks' RNG streams now differ
     _capture(os.path.join(out, f"snap{rank}"), tr, tr.adapter())
     t0 = time.monotonic()
-    dist_checkpointing.save(_sharded_state_dict(tr, loading=False), os.path.join(out, "ckpt"))
-    for child in mp.active_children():   # the writer's manager process, ours to stop
-        child.terminate()
-        child.join()
-    torch.distributed.barrier()
+    dist_ckpt.save(tr, os.path.join(out, "ckpt"))
     return {"losses": losses, "save_s": time.monotonic() - t0}
-
-
-def _oracle_load(tr: "ex.Trainer", folder: str) -> None:
-    """Megatron-LM's ``load_checkpoint`` order, with the three step workarounds of the module docstring."""
-    import random
-
-    import numpy as np
-    from megatron.core import dist_checkpointing, tensor_parallel
-    from megatron.core.optimizer import DistributedOptimizer
-
-    def set_states(self, model_param, tensors):   # _set_main_param_and_optimizer_states without KeyError 'step'
-        gi, go = self.model_param_group_index_map[model_param]
-        main = self.optimizer.param_groups[gi]["params"][go]
-        dst = {"param": main, **self.optimizer.state[main]}
-        for key, value in tensors.items():
-            dst[key].copy_(value)
-
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
-    _fix_multi_bucket_save()   # the load builds its templates with the same function
-    for leaf in tr.optimizer.chained_optimizers:
-        leaf._init_optimizer_states_with_dummy_values()
-    state = dist_checkpointing.load(_sharded_state_dict(tr, loading=True), folder)
-    _unwrapped(tr).load_state_dict(state["model"])
-    tr.optimizer.load_state_dict(state["optimizer"])
-    for leaf in tr.optimizer.chained_optimizers:
-        for s in leaf.optimizer.state.values():
-            s["step"] = s["step"].clone()
-    tr.scheduler.load_state_dict(state["opt_param_scheduler"])
-    tr.iteration = state["iteration"]
-    tr.counters["consumed_train_samples"] = state["consumed_train_samples"]
-    rng = state["rng_state"][0]
-    random.setstate(rng["random_rng_state"])
-    np.random.set_state(rng["np_rng_state"])
-    torch.set_rng_state(rng["torch_rng_state"])
-    torch.cuda.set_rng_state(rng["cuda_rng_state"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(rng["rng_tracker_states"])
 
 
 def _continue_at_d2(rank: int, world: int, case: str, out: str, oracle: bool) -> dict:
@@ -236,7 +127,7 @@ def _continue_at_d2(rank: int, world: int, case: str, out: str, oracle: bool) ->
     who = "oracle" if oracle else "ours"
     t0 = time.monotonic()
     if oracle:
-        _oracle_load(tr, os.path.join(out, "ckpt"))
+        dist_ckpt.load(tr, os.path.join(out, "ckpt"))
     else:
         tensors, meta = load_tensors(os.path.join(out, f"target{rank}"))
         refused = _refusals(adapter, tensors, meta, out, rank, world)

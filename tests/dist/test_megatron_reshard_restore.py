@@ -42,8 +42,8 @@ from shardsafe.holder.client import HolderClient  # noqa: E402
 from shardsafe.holder.paths import HolderPaths  # noqa: E402
 
 from ._node_holders import NodeHolders  # noqa: E402
-from .test_megatron_reshard_oracle import (MB, _capture, _diff, _loss, _oracle_load, _sharded_state_dict,  # noqa: E402
-                                           ex, load_tensors, run_ranks)
+from .test_megatron_reshard_oracle import (MB, _capture, _diff, _loss, dist_ckpt, ex, load_tensors,  # noqa: E402
+                                           run_ranks)
 
 pytestmark = pytest.mark.slow
 
@@ -90,24 +90,11 @@ def _protect(tr: "ex.Trainer", root: str, node: str):
 
 
 def _save_megatron(tr: "ex.Trainer", folder: str) -> None:
-    """Megatron's dist_checkpointing save of this step (the oracle's input). Its writer has child processes, which
-    the harness's daemonic ranks may not have: the flag is lifted, and the manager it starts is ours to stop. The
-    writer's results queue lives in a multiprocessing manager that Megatron starts with "spawn", which re-imports
-    pytest's __main__ in a fresh interpreter (seconds per rank on a shared 2-core host): the same manager is started
-    here by fork instead, before Megatron asks for it (what crosses the queue, and what is written, is unchanged)."""
+    """Megatron's dist_checkpointing save of this step (the oracle's input; examples/megatron_dist_ckpt.py). Its
+    writer has child processes, which the harness's daemonic ranks may not have: the flag is lifted."""
     import multiprocessing as mp
-
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
     mp.current_process()._config["daemon"] = False
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
-    os.makedirs(folder, exist_ok=True)
-    dist_checkpointing.save(_sharded_state_dict(tr, loading=False), folder)
-    for child in mp.active_children():
-        child.terminate()
-        child.join()
-    torch.distributed.barrier()
+    dist_ckpt.save(tr, folder)
 
 
 def _run_full(rank: int, world: int, root: str, out: str) -> dict:
@@ -176,7 +163,7 @@ def _run_resized(rank: int, world: int, root: str, out: str, phase: str, nodes: 
         _save_megatron(ours, os.path.join(out, f"ckpt{version + K}"))
     t.append(time.monotonic())
     # The oracle last: its load sets every RNG to the checkpoint's, as ours' restore did before ours trained.
-    _oracle_load(oracle, os.path.join(out, f"ckpt{version}"))
+    dist_ckpt.load(oracle, os.path.join(out, f"ckpt{version}"))
     adapter = oracle.adapter()
     _capture(os.path.join(out, f"{phase}_oracle_loaded{rank}"), oracle, adapter)
     got["oracle_loaded"] = {"iteration": oracle.iteration, "consumed": oracle.counters["consumed_train_samples"],

@@ -1,16 +1,16 @@
-"""A DeepSpeed job continues on fewer nodes and grows back, end to end through `shardsafe launch` (issue 44).
+"""A job continues on fewer nodes and grows back, end to end through `shardsafe launch` (issue 44).
 
-The ZeRO-3 test runs `shardsafe launch` (torch elastic), the others `shardsafe demo --shrink` (shardsafe/demo.py, the
-local launcher); all use the demo's oracle. Each is a protected job of examples/ds_pretrain_gpt.py on 4
-simulated nodes (of one rank; the pipeline's of one rank per stage), no spare, DeepSpeed's default FusedAdam from
-the config (its CPU build), bf16, WarmupLR, gradient clipping, a global batch of 24 samples (micro-batch 2 x
-accumulation 3 x D = 4). A node is SIGKILLed with its holder; the launcher re-forms the job at D' = 3 (accumulation
-4), whose restore re-partitions the committed version, the lost rank rebuilt from parity; the node returns and the
-job grows back to 4 from the newest version taken at 3. The oracle is DeepSpeed's own reshard: plain runs of the
-same program chained through universal checkpoints (``ds_to_universal``, ``load_universal``) of the versions the
-protected job re-formed at. Every loss each stretch kept is compared (float.hex) and every rank's final state
-(torch.equal), and every restarted attempt must have continued from the version it restored (its first logged step
-is that version + 1).
+The ZeRO-3 test runs `shardsafe launch` (torch elastic), the others `shardsafe demo --shrink`
+(shardsafe/demo_shrink.py, the local launcher); all use the demo's oracle. Each DeepSpeed test is a protected job of
+examples/ds_pretrain_gpt.py on 4 simulated nodes (of one rank; the pipeline's of one rank per stage), no spare,
+DeepSpeed's default FusedAdam from the config (its CPU build), bf16, WarmupLR, gradient clipping, a global batch of
+24 samples (micro-batch 2 x accumulation 3 x D = 4). A node is SIGKILLed with its holder; the launcher re-forms the
+job at D' = 3 (accumulation 4), whose restore re-partitions the committed version, the lost rank rebuilt from
+parity; the node returns and the job grows back to 4 from the newest version taken at 3. The oracle is DeepSpeed's
+own reshard: plain runs of the same program chained through universal checkpoints (``ds_to_universal``,
+``load_universal``) of the versions the protected job re-formed at. Every loss each stretch kept is compared
+(float.hex) and every rank's final state (torch.equal), and every restarted attempt must have continued from the
+version it restored (its first logged step is that version + 1).
 
 ZeRO-2 runs in tests/fault/test_demo.py::test_demo_shrink_json. A layout that cannot shrink (the global batch
 divides at no smaller size) waits for a spare and says why: tests/fault/test_resize_launch.py::
@@ -19,9 +19,12 @@ test_a_layout_that_cannot_shrink_waits_for_a_node_and_says_why.
 The pipeline layout (PipelineModule, PP = 2, D changes and PP stays) has DeepSpeed's universal checkpoint as its
 oracle too: ``ds_to_universal`` converts a PipelineEngine's ZeRO-1 checkpoint and ``load_universal`` loads it at
 another data-parallel size with the same stages. It runs in fp32 (ZeRO-1): with bf16 the demo's pipeline uses
-BF16_Optimizer, whose pipeline checkpoint ``ds_to_universal`` refuses ("param_shapes must contain dictionaries"); that
-combination's re-partition is checked against DeepSpeed's per-parameter accessors in
+BF16_Optimizer, whose pipeline checkpoint ``ds_to_universal`` refuses ("param_shapes must contain dictionaries");
+that combination's re-partition is checked against DeepSpeed's per-parameter accessors in
 tests/dist/test_ds_pipeline_bf16_reshard_oracle.py (its shrink and grow themselves run the same way).
+
+Megatron's DistributedOptimizer with TP = 2 runs the same demo with Megatron's own reshard as the oracle: a
+dist_checkpointing save with the fully reshardable optimizer format at one size, loaded at the next.
 """
 from __future__ import annotations
 
@@ -33,8 +36,9 @@ import sys
 
 import pytest
 
-from shardsafe import demo
-from shardsafe.demo import EXAMPLES, SHRINK_GAS, SHRINK_MICRO
+from shardsafe import demo, demo_shrink
+from shardsafe.demo import EXAMPLES
+from shardsafe.demo_shrink import SHRINK_GAS, SHRINK_MICRO
 from shardsafe.runcheck import read_jsonl, resume_problems
 
 from .helpers import committed_everywhere
@@ -81,7 +85,7 @@ def test_zero3_under_shardsafe_launch_shrinks_from_memory_and_grows_back_bit_exa
     parity and re-partitions every parameter; node3 returns after step 6 and the job grows back at the next committed
     version, re-partitioning the D' = 3 copies in memory. Workers are forked from each node's fork server (``--preload
     deepspeed``, as the docs advise), the returning node's started anew. The oracle and the checks are the demo's
-    (shardsafe/demo.py: universal checkpoints of the versions the job re-formed at)."""
+    (shardsafe/demo_shrink.py: universal checkpoints of the versions the job re-formed at)."""
     run_dir, steps = str(tmp_path / "run"), 10
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     program = ["--steps", str(steps), "--zero-stage", "3", "--dtype", "bf16", "--optimizer", "fused-adamw"]
@@ -116,18 +120,18 @@ def test_zero3_under_shardsafe_launch_shrinks_from_memory_and_grows_back_bit_exa
     a = argparse.Namespace(engine="deepspeed", zero_stage=3, dtype="bf16", optimizer="fused-adamw", steps=steps, pp=1,
                            tp=1, nodes=4, nproc_per_node=1, kill_at=0, inject="", memory_budget_gb=1.0)
     plan = demo._resolve(a)
-    segs = demo._kept_segments(run_dir, sizes, steps)
+    segs = demo_shrink._kept_segments(run_dir, sizes, steps)
     assert [(s["dp"], s["first"]) for s in segs] == [(4, 0), (3, tiers[1][1]), (4, tiers[2][1])], segs
     prev = ""
-    forks = demo.oracle_fork_server(str(tmp_path))
+    forks = demo_shrink.oracle_fork_server(str(tmp_path))
     assert forks is not None
     try:
         for i, seg in enumerate(segs):
             seg["save"], seg["dir"] = i + 1 < len(segs), str(tmp_path / f"oracle{i}")
-            prev = demo._oracle_run(a, plan, seg, prev, seg["dir"], f"e2e{os.getpid()}", 4, forks=forks)
+            prev = demo_shrink._oracle_run(a, plan, seg, prev, seg["dir"], f"e2e{os.getpid()}", 4, forks=forks)
     finally:
         forks.close()
-    assert demo._compare_segments(run_dir, segs, steps) == []
+    assert demo_shrink._compare_segments(run_dir, segs, steps) == []
 
 
 def test_zero1_a_rank_killed_before_the_first_commit_at_the_smaller_size_restores_again(tmp_path):
@@ -154,7 +158,25 @@ def test_zero1_a_rank_killed_before_the_first_commit_at_the_smaller_size_restore
 def test_pipeline_pp2_shrinks_and_grows_back_with_the_stages_kept_bit_exact(tmp_path):
     """PipelineModule PP = 2 x D = 4 on 4 nodes of 2 ranks (one per stage; ZeRO-1, fp32, tied embedding):
     node3 is lost (a rank of each stage), the job continues at D' = 3 with both stages on every node left (each
-    stage's lost rank rebuilt from its own parity group), and grows back to 4."""
+    stage's lost rank rebuilt from its own parity group), and grows back to 4. The stages' copies of the tied
+    embedding drift apart in the last bits as DeepSpeed trains; the re-partition keeps each stage's own, and so does
+    the oracle (examples/ds_pretrain_gpt.py puts them back after load_universal, which has one copy per name)."""
     out = shrink_demo(tmp_path, "--engine", "deepspeed-3d", "--dtype", "fp32")
     check_bit_exact_and_resumed(out, [4, 3, 4])
     assert out["ranks"] == 8 and "PP2" in out["layout"], out
+
+
+def test_megatron_distopt_tp2_shrinks_and_grows_back_as_megatrons_reshardable_checkpoint(tmp_path):
+    """megatron-core's DistributedOptimizer, TP = 2 x D = 4 on 4 nodes of one TP pair each (examples/
+    megatron_pretrain_gpt.py: bf16, torch Adam, cosine LR with warmup, gradient clipping, dropout): node3 is lost
+    (data-parallel rank 3 of both TP ranks, each rebuilt from its own parity group), the job continues at D' = 3 with
+    4 micro-batches per rank instead of 3, and grows back to 4. The oracle is Megatron's own reshard: plain runs
+    chained through dist_checkpointing saves with the fully reshardable optimizer format
+    (examples/megatron_dist_ckpt.py), loaded at the next size; every RNG at D' is data-parallel rank 0's, as
+    Megatron-LM's load gives it."""
+    out = shrink_demo(tmp_path, "--engine", "megatron")
+    check_bit_exact_and_resumed(out, [4, 3, 4])
+    assert out["ranks"] == 8 and "TP2" in out["layout"] and "DistributedOptimizer" in out["layout"], out
+    assert out["oracle"]["kind"].startswith("Megatron dist_checkpointing"), out["oracle"]
+    oracle1 = "".join(open(tmp_path / "oracle1" / f"trainer_rank{r}.log", errors="replace").read() for r in range(6))
+    assert oracle1.count("loaded Megatron's checkpoint") == 6, oracle1[-3000:]

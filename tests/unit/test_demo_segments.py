@@ -1,7 +1,7 @@
-"""The shrink demo's oracle stretches (shardsafe/demo.py ``_kept_segments``) from a run's restore events."""
+"""The shrink demo's oracle stretches (shardsafe/demo_shrink.py ``_kept_segments``) from a run's restore events."""
 import json
 
-from shardsafe.demo import _kept_segments
+from shardsafe.demo_shrink import _kept_segments
 
 
 def _run(tmp_path, restores):

@@ -79,7 +79,8 @@ def test_the_import_graph_has_no_cycle_also_counting_imports_inside_functions():
 # Who may not import whom: each floor lists what lies above it. Entry points (cli, demo, export's command,
 # runcheck) and adapters sit on top; the accounting beside everything, read through
 # tor.events only.
-_ABOVE_CORE = ("shardsafe.adapters", "shardsafe.cli", "shardsafe.demo", "shardsafe.export", "shardsafe.runcheck")
+_ABOVE_CORE = ("shardsafe.adapters", "shardsafe.cli", "shardsafe.demo", "shardsafe.demo_cli", "shardsafe.demo_shrink",
+               "shardsafe.export", "shardsafe.runcheck")
 RULES = {
     "shardsafe.env": ("*", ("shardsafe.errors",)),   # where the environment is read: the bottom, under everything (the hook imports it)
     "shardsafe.kernels": ("*", ("shardsafe.errors", "shardsafe.kernels", "shardsafe.env")),   # only these
@@ -98,7 +99,8 @@ RULES = {
     "shardsafe.launch": ("not", ("shardsafe.runtime", "shardsafe.snapshot", "shardsafe.parity", *_ABOVE_CORE)),
     "shardsafe.tor": ("not", ("shardsafe.holder", "shardsafe.snapshot", "shardsafe.parity", "shardsafe.runtime",
                               "shardsafe.launch", *_ABOVE_CORE)),
-    "shardsafe.adapters": ("not", ("shardsafe.cli", "shardsafe.demo", "shardsafe.launch", "shardsafe.export.replay")),
+    "shardsafe.adapters": ("not", ("shardsafe.cli", "shardsafe.demo", "shardsafe.demo_cli", "shardsafe.demo_shrink",
+                                   "shardsafe.launch", "shardsafe.export.replay")),
 }
 
 
