@@ -4,7 +4,8 @@ torchrun hands its workers nothing a resubmission reproduces: with ``--standalon
 per launch, with ``--rdzv-backend c10d --rdzv-endpoint HOST:PORT`` (no ``--rdzv-id``) the workers' MASTER_PORT a
 fresh free port. The job id comes from the command instead (torchrun's own arguments, read from the agent's
 command line), so the second launch finds the first one's holder. Here the tiny DeepSpeed GPT (ZeRO-2, bf16,
-2 ranks on one node) runs under plain torchrun; once it has logged step KILL_AT the whole job is SIGKILLed --
+2 ranks on one node) runs under plain torchrun with the c10d form (test_two_jobs.py resubmits a ``--standalone``
+job); once it has logged step KILL_AT the whole job is SIGKILLed --
 the agent and each worker (torch elastic starts every worker in its own session), while the holder the
 trainers started keeps running (detached) -- and the same command is launched again. It must restore the
 newest version, continue at that version + 1 on every rank, and end bit-identical to an uninterrupted run.
@@ -67,12 +68,10 @@ def kill_job(agent):
     return workers
 
 
-@pytest.mark.parametrize("form", ["standalone", "c10d"])
-def test_plain_torchrun_job_killed_whole_and_resubmitted_by_the_same_command_resumes(tmp_path, reference, form):
+def test_plain_torchrun_job_killed_whole_and_resubmitted_by_the_same_command_resumes(tmp_path, reference):
     ref = reference(2, "bf16", STEPS, extra=("--seed", str(SEED)), world=WORLD)
     holders = tempfile.mkdtemp(prefix="ss-")   # short: the holder's socket path must fit AF_UNIX's 108 bytes
-    rdzv = (["--standalone"] if form == "standalone" else
-            ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"])
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
     # What the user types, the same both times; --step-sleep only slows steps 3.. so that the kill lands mid-run.
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", str(WORLD), *rdzv,
            SCRIPT, "--steps", str(STEPS), "--zero-stage", "2", "--dtype", "bf16", "--seed", str(SEED),
@@ -125,4 +124,4 @@ def test_plain_torchrun_job_killed_whole_and_resubmitted_by_the_same_command_res
     cmp = compare_runs(str(tmp_path), str(ref), WORLD, STEPS)
     assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
                                                            cmp.state_mismatches)
-    print(f"torchrun {form}: job id {jobs[0].pop()}; killed after step {logged} (committed {committed}), restored {v}")
+    print(f"torchrun c10d: job id {jobs[0].pop()}; killed after step {logged} (committed {committed}), restored {v}")

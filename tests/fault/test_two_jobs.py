@@ -6,7 +6,8 @@ start, and the first, resubmitted after a kill, restored the second one's final 
 the other job's model. Here, 2 ranks per job:
 
 * plain torchrun twice, no ids (the job id is derived from the launch command; shardsafe.jobid), one job
-  SIGKILLed at step 4 and resubmitted by the same torchrun command (torchrun's in-place restart can hang in
+  (``--standalone``: torchrun draws a new run id per launch) SIGKILLed at step 4 and resubmitted by the same
+  torchrun command (torchrun's in-place restart can hang in
   gloo on this CPU machine): both finish bit-exact against their uninterrupted references, the resubmitted
   job restores its own version v and its first step is v + 1 on every rank, the other job starts fresh. The
   killed job is what a user of plain torchrun runs unchanged: examples/ds_plain_gpt.py, which imports nothing
@@ -89,7 +90,6 @@ def test_two_plain_torchrun_jobs_without_ids_one_killed_and_resubmitted(tmp_path
     refs = {"a": plain_reference, "b": reference(2, "bf16", STEPS, extra=("--seed", str(SEEDS["b"])), world=WORLD)}
     steps = {"a": PLAIN_STEPS, "b": STEPS}
     run = {j: tmp_path / j for j in SEEDS}
-    port = {j: free_port() for j in SEEDS}
     for d in run.values():
         d.mkdir()
     # one node: no parity group possible
@@ -100,8 +100,10 @@ def test_two_plain_torchrun_jobs_without_ids_one_killed_and_resubmitted(tmp_path
     def torchrun(j, inject=""):
         # What a user types, the same both times for job a; only the fault injection differs (it is not a
         # setting of the job, and a resubmitted job has no fault to inject).
-        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", str(WORLD),
-               "--master-port", str(port[j]), *args[j]]
+        # job a as `torchrun --standalone` (a fresh run id per launch), job b with a fixed --master-port
+        rdzv = ["--standalone"] if j == "a" else ["--master-port", str(free_port())]
+        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", str(WORLD), *rdzv,
+               *args[j]]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "SHARDSAFE_HOLDER_DIR": holder_dir,
                "SHARDSAFE_RUN_DIR": str(run[j])}
         for v in ("SHARDSAFE_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SHARDSAFE_NODE", "SHARDSAFE_INJECT",
