@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=512)
     # Width and sequence are sized for the tests on CPU: bf16 matmuls on a CPU without AVX512-BF16 run about 8x slower
     # than fp32 ones, and at width 128 x 32 tokens they were most of the test suite's time.
-    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=32)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=16)
