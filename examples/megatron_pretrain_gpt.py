@@ -437,9 +437,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             losses.flush()
         if args.save_dir and tr.iteration == args.save_at:
             import megatron_dist_ckpt
-            if rank == 0:
-                os.makedirs(args.save_dir, exist_ok=True)
-            torch.distributed.barrier()
             megatron_dist_ckpt.save(tr, args.save_dir)
         if args.step_sleep and tr.iteration > args.step_sleep_after:
             time.sleep(args.step_sleep)
