@@ -321,13 +321,13 @@ def load_tied_copies(engine, folder: str) -> int:
     path = _tied_copies_path(folder, engine)
     if not os.path.exists(path):
         return 0
-    saved, n = torch.load(path, map_location="cpu", weights_only=True), 0
+    saved, keys, n = torch.load(path, map_location="cpu", weights_only=True), _moment_keys(engine), 0
     with torch.no_grad():
         for name, p in engine.module.named_parameters():
             if f"{name}/lp" in saved:
                 p.copy_(saved[f"{name}/lp"])
                 safe_set_full_fp32_param(p, saved[f"{name}/fp32"])
-                for k in _moment_keys(engine):
+                for k in keys:
                     safe_set_full_optimizer_state(p, saved[f"{name}/{k}"], k)
                 n += 1
     return n
