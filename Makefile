@@ -8,25 +8,34 @@ export OMP_NUM_THREADS := 1
 # DeepSpeed's JIT-built CPU ops live in the venv (scripts/build_deepspeed_ops.py builds them with it).
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: venv demo test test-slurm test-mcore019 clean
+.PHONY: venv venv-packages demo test test-slurm test-mcore019 clean
 
 $(BIN)/.ready: pyproject.toml setup.py Makefile kernels/csrc/copy_hash.c scripts/build_deepspeed_ops.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip wheel setuptools
 	# torch first: the CPU wheel on this machine; GPU clusters bring their own torch.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	# The package as pyproject.toml defines it (the same as `pip install shardsafe[...]`), editable: kernels/
-	# is built in place, the activation hook (.pth) goes into the venv. `test` brings hf and lightning.
-	$(BIN)/pip install -q -e '.[deepspeed,megatron,parity,plot,test]'
-	# Megatron-LM's training loop ships from megatron-core 0.17.1, which declares Python >= 3.12 but runs
-	# on 3.11: a side folder that the Megatron-LM tests and examples put first on PYTHONPATH.
-	test -d $(VENV)/mcore-0.17.1/megatron || $(BIN)/pip install -q --no-deps --ignore-requires-python \
-		--target $(VENV)/mcore-0.17.1 megatron-core==0.17.1 pyyaml==6.0.4
-	$(BIN)/python scripts/build_deepspeed_ops.py || echo "make venv: DeepSpeed's CPU ops were not built (above);" \
-		"the first trainer that loads one builds it, or fails saying why"
+	# DeepSpeed first (the pin from pyproject.toml's deepspeed extra): its three CPU ops then compile in the
+	# background on both cores (about two minutes here) while pip installs the rest on one.
+	$(BIN)/pip install -q "$$($(BIN)/python -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))\
+		['project']['optional-dependencies']['deepspeed'][0])")"
+	$(BIN)/python scripts/build_deepspeed_ops.py > $(VENV)/build_deepspeed_ops.log 2>&1 & ops=$$!; \
+	$(MAKE) --no-print-directory venv-packages; rc=$$?; \
+	wait $$ops || echo "make venv: DeepSpeed's CPU ops were not built (below); the first trainer that loads one" \
+		"builds it, or fails saying why"; \
+	cat $(VENV)/build_deepspeed_ops.log; exit $$rc
 	touch $@
 
 venv: $(BIN)/.ready
+
+# The package as pyproject.toml defines it (the same as `pip install shardsafe[...]`), editable: kernels/ is built
+# in place, the activation hook (.pth) goes into the venv. `test` brings hf and lightning.
+# Megatron-LM's training loop ships from megatron-core 0.17.1, which declares Python >= 3.12 but runs on 3.11:
+# a side folder that the Megatron-LM tests and examples put first on PYTHONPATH.
+venv-packages:
+	$(BIN)/pip install -q -e '.[deepspeed,megatron,parity,plot,test]'
+	test -d $(VENV)/mcore-0.17.1/megatron || $(BIN)/pip install -q --no-deps --ignore-requires-python \
+		--target $(VENV)/mcore-0.17.1 megatron-core==0.17.1 pyyaml==6.0.4
 
 demo: venv
 	$(BIN)/shardsafe demo

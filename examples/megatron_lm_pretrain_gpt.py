@@ -207,6 +207,8 @@ def main(argv: Optional[list[str]] = None, *, runtime_factory=None) -> list[tupl
         torch.use_deterministic_algorithms(True, warn_only=True)
         deterministic.fill_uninitialized_memory = True
 
+    if not plain and ("--save" in argv or "--shardsafe-export-dir" in argv):   # a save ahead (an export is one)
+        _fork_results_queue()
     from megatron.core.enums import ModelType
 
     _record(out_dir)
@@ -236,6 +238,20 @@ def main(argv: Optional[list[str]] = None, *, runtime_factory=None) -> list[tupl
     if out_dir and "model" in RUN:
         _save_final(out_dir)
     return list(LOSSES)
+
+
+def _fork_results_queue() -> None:
+    """Megatron's torch_dist writer keeps its results queue in a multiprocessing manager that it starts with "spawn",
+    which imports this script again in a fresh interpreter on every rank at its first save (seconds of CPU each on a
+    small host): the same manager is started here by fork instead, before Megatron asks for it. What crosses the
+    queue and what is written are unchanged; the manager stops at exit with its proxy's owner, this process."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if getattr(filesystem_async, "_results_queue", "absent") is None:   # 0.17-0.19: one module-level queue
+        import multiprocessing as mp
+        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
 
 
 def _plain_entry(model_type: Any) -> None:

@@ -229,7 +229,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
         ctl.poll()
         ctl.close()
         events.emit("job_end", ok=ok, **({} if ctl.job_end_request else {"cause": "terminated"}))
-    return 0
+    # job_end closes T_obs, and the batch script waits for this process before it ends: skip the interpreter's
+    # teardown of torch and the store (seconds on a loaded batch host) so that SLURM's record of the job ends
+    # when job_end says. Everything is written: the event log appends unbuffered, logging is flushed here.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def cmd_shrink_plan(a: argparse.Namespace) -> int:
@@ -372,9 +378,9 @@ def register_cli(sub) -> None:
     p.set_defaults(func=_guarded(cmd_launch, "shardsafe launch"))
 
     g = sub.add_parser("agent", help="one node's torchrun agent with shardsafe's hooks (used by launch and sbatch)",
-                       description="One node's torchrun agent (torch elastic's LocalElasticAgent) with job-wide attempt "
-                                   "numbers and reports to the job's controller; `shardsafe launch` and the sbatch "
-                                   "scripts start one per node.")
+                       description="One node's torchrun agent (torch elastic's LocalElasticAgent) with job-wide "
+                                   "attempt numbers and reports to the job's controller; `shardsafe launch` and the "
+                                   "sbatch scripts start one per node.")
     g.add_argument("--node", default="",
                    help="this node's name (default: $SHARDSAFE_NODE, else $SLURMD_NODENAME, else the host name)")
     g.add_argument("--control", required=True, type=_endpoint, metavar="HOST:PORT",
@@ -399,7 +405,8 @@ def register_cli(sub) -> None:
                    help="how long a rendezvous round may take to form")
     g.add_argument("--job-start-t", type=float, default=None, metavar="UNIX_TIME",
                    help="time.time() at the job's start, for the running TOR (default: the workers' first event)")
-    g.add_argument("--torchrun-args", default="", help="more torchrun arguments, one shell-quoted string (default: none)")
+    g.add_argument("--torchrun-args", default="",
+                   help="more torchrun arguments, one shell-quoted string (default: none)")
     g.add_argument("--rdzv-id", default="",
                    help="torchrun --rdzv-id (default: the job id); a job re-formed at another size uses a new one")
     g.add_argument("--full-world-size", type=whole(0, "ranks"), default=0, metavar="N",
