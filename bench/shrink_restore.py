@@ -552,6 +552,8 @@ def main() -> int:
     if a.worker:
         worker(a)
         return 0
+    if a.profile:
+        os.makedirs(a.profile, exist_ok=True)
     rows = []
     for s in a.sizes.split(","):
         size = float(s)

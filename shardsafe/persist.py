@@ -21,10 +21,9 @@ import json
 import logging
 import mmap
 import os
-import shutil
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 from .errors import ShardsafeError
 
@@ -117,7 +116,6 @@ class PersistentStore:
             common = self.complete_versions(world_size)
             floor = max(common) if common else -1
         gone = [v for v in (mine[:-keep] if keep > 0 else []) if floor is None or v < floor]
-        kept = set(mine) - set(gone)
         # a flush is never resumed (flushes of a rank go in version order): a torn one below this rank's newest
         # complete version stays torn
         torn = [v for v in self.versions() if v not in mine and mine and v < max(mine)
