@@ -15,7 +15,9 @@ resharder's reads), so no metadata travels with the bytes:
   sent from where it lies in the source's mapped payload (or its rebuilt copy) by its server (or its rebuilder), and
   received into its place in one buffer per pair, back to back, each 64-byte aligned so that the target views it as
   its dtype in place. A target reads what its own node holds straight from its holder (or the persistent tier's
-  file), and receives nothing for it.
+  file), and receives nothing for it. The messages are posted as soon as the plan is known (:class:`Move`) and
+  travel while the servers verify their sources and the targets rebuild: the network's time hides behind the
+  checksums' and the decode's, and no received byte is read before the votes on both passed.
 
 The pieces and the gathered rebuild post every send before waiting on any receive, as the parity exchange and
 placement do; the chains bound each server's memory to a window of slices (shardsafe.parity.repair). Every rank
@@ -276,67 +278,96 @@ class Light:
     tensors: dict
 
 
-def move(choice: Choice, manifests: dict[int, dict], slices: dict, senders: dict[int, int],
-         rebuilt: dict[int, torch.Tensor], opened: Opened, *, rank: int, nodes: Sequence[str], group: Any,
-         my_slice: tuple[int, int]) -> tuple[list[Light], dict]:
-    """Send what this rank serves to targets on other nodes, receive what it reads from them, and read what its
-    own node holds. Every rank calls it. Returns (this rank's view of its slice's sources, its traffic:
-    ``local_bytes`` read from its own node, ``remote_bytes`` received from others, ``sent_bytes``, by source)."""
-    import torch.distributed as dist
-    traffic: dict[str, Any] = {"local_bytes": 0, "remote_bytes": 0, "sent_bytes": 0, "by_source": {}}
+class Move:
+    """The pieces' messages of one attempt, posted at construction (every rank constructs it alike, once the plan is
+    known) and finished by :meth:`finish` after the verify and the rebuild, which run while the bytes travel: a
+    server sends from its mapping, a target receives into buffers of its own, and nothing is read from them before
+    both votes passed. :meth:`wait` must run before the attempt's mappings close, whatever happened (gloo reads and
+    writes these buffers until then)."""
 
-    def here(k: int, target: int) -> bool:   # the target reads source k where it runs (or decoded it)
-        s = choice.sources[k]
-        return (target == senders[k] or s.where in ("disk", "rebuilt")
-                or (s.where == "holder" and nodes[target] == s.node))
+    def __init__(self, choice: Choice, manifests: dict[int, dict], slices: dict, senders: dict[int, int],
+                 opened: Opened, *, rank: int, nodes: Sequence[str], group: Any):
+        import torch.distributed as dist
+        self.choice, self.manifests, self.slices, self.senders = choice, manifests, slices, senders
+        self.opened, self.rank, self.nodes = opened, rank, nodes
+        self.traffic: dict[str, Any] = {"local_bytes": 0, "remote_bytes": 0, "sent_bytes": 0, "by_source": {}}
+        self._recvs: list[Any] = []   # waited for before the resharder reads them
+        self._sends: list[Any] = []   # waited for at the end: the receivers take them as they post their receives
+        self._inbox: dict[int, tuple[torch.Tensor, list[tuple]]] = {}
+        for sl in sorted(slices):
+            p = slices[sl]
+            for d, k in enumerate(p["keys"]):
+                for t, r in enumerate(p["targets"]):
+                    reads = p["reads"][t].get(d)
+                    if not reads or self._here(k, r) or rank not in (r, senders[k]):
+                        continue
+                    lay, size = layout(manifests[k], reads)
+                    nbytes = sum(x[4] for x in lay)
+                    if senders[k] == rank:   # each piece sent from where it lies: no staging copy
+                        src = as_bytes(opened.source(choice.sources[k], choice.version)[1])
+                        self._sends += [dist.isend(src[a: a + n], r, group=group, tag=_TAG + k)
+                                        for _, _, _, a, n, _ in lay if n]
+                        self.traffic["sent_bytes"] += nbytes
+                    else:   # into its place in one buffer; one tag per pair: gloo matches them in order
+                        msg = torch.empty(size, dtype=torch.uint8)
+                        self._recvs += [dist.irecv(msg[at: at + n], senders[k], group=group, tag=_TAG + k)
+                                        for _, _, _, _, n, at in lay if n]
+                        self._inbox[k] = (msg, lay)
+                        near = nodes[senders[k]] == nodes[rank]
+                        self.traffic["local_bytes" if near else "remote_bytes"] += nbytes
+                        self.traffic["by_source"][str(k)] = {"bytes": nbytes, "from_rank": senders[k],
+                                                             "same_node": near}
 
-    def payload(k: int) -> Any:
-        return rebuilt[k].numpy() if k in rebuilt else opened.source(choice.sources[k], choice.version)[1]
+    def _here(self, k: int, target: int) -> bool:
+        """Whether the target reads source k where it runs (or decoded it): nothing travels for it."""
+        s = self.choice.sources[k]
+        return (target == self.senders[k] or s.where in ("disk", "rebuilt")
+                or (s.where == "holder" and self.nodes[target] == s.node))
 
-    reqs, inbox = [], {}
-    for sl in sorted(slices):
-        p = slices[sl]
+    def wait(self) -> None:
+        """Wait for every message posted; the first failure is raised once all have ended."""
+        reqs, first = self._recvs + self._sends, None
+        self._recvs, self._sends = [], []
+        for q in reqs:
+            try:
+                q.wait()
+            except Exception as e:   # noqa: BLE001 -- every buffer must be released by gloo before one is raised
+                first = first or e
+        if first is not None:
+            raise first
+
+    def finish(self, rebuilt: dict[int, torch.Tensor], my_slice: tuple[int, int]) -> tuple[list[Light], dict]:
+        """Once what it receives arrived: this rank's view of its slice's sources (received pieces, what its own
+        node holds, the parts it decoded), and its traffic: ``local_bytes`` read from its own node, ``remote_bytes``
+        received from others, ``sent_bytes``, by source. Its sends may still travel (:meth:`wait` ends them)."""
+        recvs, self._recvs = self._recvs, []
+        for i, q in enumerate(recvs):
+            try:
+                q.wait()
+            except Exception:
+                self._recvs = recvs[i + 1:]   # still to be waited for before the buffers go
+                raise
+        p = self.slices[my_slice]
+        me = p["targets"].index(self.rank)
+        light = []
         for d, k in enumerate(p["keys"]):
-            for t, r in enumerate(p["targets"]):
-                reads = p["reads"][t].get(d)
-                if not reads or here(k, r) or rank not in (r, senders[k]):
-                    continue
-                lay, size = layout(manifests[k], reads)
-                nbytes = sum(x[4] for x in lay)
-                if senders[k] == rank:   # each piece sent from where it lies: no staging copy
-                    src = as_bytes(payload(k))
-                    reqs += [dist.isend(src[a: a + n], r, group=group, tag=_TAG + k) for _, _, _, a, n, _ in lay if n]
-                    traffic["sent_bytes"] += nbytes
-                else:   # into its place in one buffer; one tag per pair: gloo matches them in order
-                    msg = torch.empty(size, dtype=torch.uint8)
-                    reqs += [dist.irecv(msg[at: at + n], senders[k], group=group, tag=_TAG + k)
-                             for _, _, _, _, n, at in lay if n]
-                    inbox[k] = (msg, lay)
-                    near = nodes[senders[k]] == nodes[rank]
-                    traffic["local_bytes" if near else "remote_bytes"] += nbytes
-                    traffic["by_source"][str(k)] = {"bytes": nbytes, "from_rank": senders[k], "same_node": near}
-    for q in reqs:
-        q.wait()
-    p = slices[my_slice]
-    me = p["targets"].index(rank)
-    light = []
-    for d, k in enumerate(p["keys"]):
-        man = manifests[k]
-        if k in inbox:
-            tensors = _unpack(man, *inbox[k])
-        elif d in p["reads"][me]:
-            lay = layout(man, p["reads"][me][d])[0]
-            if k in rebuilt:   # only the pieces it decoded and verified: the rest of that buffer was never written
-                tensors = _unpack(man, rebuilt[k], [(*x[:5], x[3]) for x in lay])
+            man = self.manifests[k]
+            if k in self._inbox:
+                tensors = _unpack(man, *self._inbox[k])
+            elif d in p["reads"][me]:
+                lay = layout(man, p["reads"][me][d])[0]
+                if k in rebuilt:   # only the pieces it decoded and verified: the rest of that buffer was never written
+                    tensors = _unpack(man, rebuilt[k], [(*x[:5], x[3]) for x in lay])
+                else:
+                    tensors = mf.views(man, self.opened.source(self.choice.sources[k], self.choice.version)[1])
+                n = sum(x[4] for x in lay)
+                self.traffic["local_bytes"] += n
+                self.traffic["by_source"][str(k)] = {"bytes": n, "from_rank": self.rank, "same_node": True}
             else:
-                tensors = mf.views(man, payload(k))
-            n = sum(x[4] for x in lay)
-            traffic["local_bytes"] += n
-            traffic["by_source"][str(k)] = {"bytes": n, "from_rank": rank, "same_node": True}
-        else:
-            tensors = {e["name"]: Pieces(e["name"], e["shape"], mf.dtype_from_name(e["dtype"])) for e in man["entries"]}
-        light.append(Light(man, p["metas"][d], tensors))
-    return light, traffic
+                tensors = {e["name"]: Pieces(e["name"], e["shape"], mf.dtype_from_name(e["dtype"]))
+                           for e in man["entries"]}
+            light.append(Light(man, p["metas"][d], tensors))
+        return light, self.traffic
 
 
 def _unpack(manifest: dict, msg: torch.Tensor, lay: list[tuple]) -> dict[str, Any]:

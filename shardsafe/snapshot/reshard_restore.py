@@ -6,23 +6,25 @@ the D old ranks (the **sources**) where they ran; :mod:`.reshard_survey` finds t
 one layout has, held on a node the job runs on or rebuildable from the survivors' parity, and which current rank
 **serves** each held source. Then every rank, from the same facts:
 
-1. **verify**: each server maps the sources it serves and checks every xxh3 segment (each parity share a rebuild
-   reads too), and one JSON gather hands every rank all the sources' manifests (a lost source's survives in its
-   group's parity manifests) and the verdicts. A held copy that fails its checksums is rebuilt from parity like a
-   lost one (once); anything else wrong refuses the version, and the next older one is tried;
+1. **manifests**: each server maps the sources it serves (and each parity share a rebuild reads), and one JSON
+   gather hands every rank all the sources' manifests (a lost source's survives in its group's parity manifests);
 2. **plan**: per model-parallel slice, the framework's resharder (``adapter.resharder()``) says from the manifests
    alone what each target reads from each source (:meth:`~.reshard.Resharder.reads`): the plan's pieces of the
    fp32 masters and moments, and the few small tensors it takes whole. A batch the new size cannot split, or a run
    whose fingerprint differs (another data-parallel size with the same global batch is the same run), is refused;
-3. **rebuild**: each target decodes the part of a lost source it reads, all targets at once (:mod:`.reshard_move`);
-4. **move**: each target reads what its own node holds from its holder and receives the rest, one message per
-   (source, target) pair on different nodes: no byte crosses the network twice;
-5. **assemble**: the resharder builds the target's state from these pieces (:class:`~.reshard.Pieces`), its flat
+3. **move**, posted: each target reads what its own node holds from its holder and receives the rest, one message
+   per piece of each (source, target) pair on different nodes (no byte crosses the network twice); the messages
+   travel during the next two steps, into buffers nothing reads before both votes passed;
+4. **verify**: each server checks every xxh3 segment of what it serves, and one gather hands every rank the
+   verdicts. A held copy that fails its checksums is rebuilt from parity like a lost one (once); anything else
+   wrong refuses the version, and the next older one is tried;
+5. **rebuild**: each target decodes the part of a lost source it reads, all targets at once (:mod:`.reshard_move`);
+6. **assemble**: the resharder builds the target's state from these pieces (:class:`~.reshard.Pieces`), its flat
    tensors deferred (:class:`~.reshard.Deferred`: shapes, and where each piece goes). Every rank checks that state
    against the live one (``adapter.resharded_problems``: shapes, dtypes, layouts, metadata), and only when every
    rank's fits does any write it: each flat tensor straight into the live tensor it replaces, each byte once, from
    the holder's mapping or the received message (never a partial state: a refusal leaves the live state untouched);
-6. **apply**: ``adapter.apply_resharded`` writes the rest (its copy of a flat tensor onto itself copies nothing).
+7. **apply**: ``adapter.apply_resharded`` writes the rest (its copy of a flat tensor onto itself copies nothing).
 
 Every refusal is reached by every rank alike (after a gather), so all go on to the same next candidate. When memory
 cannot serve, the persistent tier is tried the same way, read by every rank from the shared directory, if it holds
@@ -46,7 +48,7 @@ from ..faults import PHASE_RESTORE_APPLY, PHASE_RESTORE_REBUILD, PHASE_RESTORE_V
 from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
 from .reshard import Deferred, ReshardError, reshard
-from .reshard_move import REPAIRS, Opened, Refused, decode_plan, move, rebuild
+from .reshard_move import REPAIRS, Move, Opened, Refused, decode_plan, rebuild
 from .reshard_survey import Choice, choose, disk_choice, leads_node, survey
 from .state import StateAdapter
 
@@ -202,15 +204,23 @@ def _attempt(run: _Run, choice: Choice) -> tuple[Optional[Resized], frozenset[in
     noted in ``run.refusals``."""
     opened = Opened(run.client, run.persist)
     group = run.coll.group
+    pending: Optional[Move] = None
     try:
         t0 = time.perf_counter()
-        manifests, bad = _verify(run, choice, opened)
+        manifests, served, bad = _manifests(run, choice, opened)
+        if bad:
+            return None, bad
+        slices = _plans(run, choice, manifests)
+        plan = decode_plan(choice, manifests, slices)
+        # the pieces travel while the servers hash what they serve and the targets rebuild (nothing is read from
+        # them before both votes)
+        pending = Move(choice, manifests, slices, {k: s.server for k, s in choice.sources.items()}, opened,
+                       rank=run.rank, nodes=run.nodes, group=group)
+        bad = _verify(run, choice, opened, served)
         run.phases["verify"] += time.perf_counter() - t0
         if bad:
             return None, bad
         run.on_phase(PHASE_RESTORE_VERIFY, choice.version)
-        slices = _plans(run, choice, manifests)
-        plan = decode_plan(choice, manifests, slices)
         t0 = time.perf_counter()
         rebuilt, problems, fragment_bytes, decoded = {}, _fingerprint_problems(run, choice, manifests), 0, 0
         if choice.groups:
@@ -225,9 +235,7 @@ def _attempt(run: _Run, choice: Choice) -> tuple[Optional[Resized], frozenset[in
         run.vote(choice, problems, "rebuild")
         run.phases["rebuild"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        senders = {k: s.server for k, s in choice.sources.items()}
-        light, traffic = move(choice, manifests, slices, senders, rebuilt, opened, rank=run.rank, nodes=run.nodes,
-                              group=group, my_slice=run.my_slice)
+        light, traffic = pending.finish(rebuilt, run.my_slice)
         run.phases["move"] += time.perf_counter() - t0
         mine = slices[run.my_slice]
         target, problems, deferred = None, [], Deferred()
@@ -253,6 +261,11 @@ def _attempt(run: _Run, choice: Choice) -> tuple[Optional[Resized], frozenset[in
         run.refusals.append(str(e))
         return None, frozenset()
     finally:
+        if pending is not None:   # gloo reads the mappings and writes the buffers until its messages ended
+            try:
+                pending.wait()
+            except Exception as e:   # noqa: BLE001 -- what went wrong first is already on its way out
+                log.debug("[rank %d] the pieces' messages of an abandoned attempt failed: %s", run.rank, e)
         opened.close()
     _fence(run, choice)
     d_old, d_new = len(mine["keys"]), len(mine["targets"])
@@ -281,11 +294,14 @@ def _live(adapter: StateAdapter) -> dict:
         return {}
 
 
-def _verify(run: _Run, choice: Choice, opened: Opened) -> tuple[dict[int, dict], frozenset[int]]:
-    """Each server verifies what it serves (and each parity share a rebuild reads); every rank maps the sources
-    its node holds for its slice (a target reads those itself); one gather gives every rank every source's manifest
-    and every verdict. Returns (manifests, the held sources whose copies fail their checksums)."""
+def _manifests(run: _Run, choice: Choice, opened: Opened) -> tuple[dict[int, dict], dict, frozenset[int]]:
+    """Each server maps the sources it serves (and each parity share a rebuild reads), every rank maps the sources
+    its node holds for its slice (a target reads those itself), and one gather gives every rank every source's
+    manifest (a lost source's from its group's parity manifests). Returns (manifests, what this rank verifies next:
+    {"data": [source keys], "parity": [members]}, the held sources whose copies cannot be read or whose manifest
+    does not describe their payload: rebuilt from parity like lost ones)."""
     mine: dict[str, Any] = {"bad": {}, "why": [], "manifests": {}}
+    served: dict[str, list[int]] = {"data": [], "parity": []}
     for s in choice.sources.values():
         serve = s.server == run.rank
         reads_here = s.slice == run.my_slice and (s.where == "disk" or s.node == run.nodes[run.rank])
@@ -294,15 +310,13 @@ def _verify(run: _Run, choice: Choice, opened: Opened) -> tuple[dict[int, dict],
         try:
             man, mm = opened.source(s, choice.version)
             if serve:
-                buf = memoryview(mm)
-                try:
-                    bad = mf.verify(man, buf, populate=True)
-                finally:
-                    buf.release()
-                if bad:
-                    mine["bad"][str(s.key)] = "; ".join(bad[:2])
+                if man.get("format") != mf.FORMAT or int(man.get("payload_nbytes", -1)) > len(mm):
+                    mine["bad"][str(s.key)] = (f"its manifest (format {man.get('format')!r}, "
+                                               f"{man.get('payload_nbytes')} bytes) does not describe its "
+                                               f"{len(mm)}-byte payload")
                 else:
                     mine["manifests"][str(s.key)] = man
+                    served["data"].append(s.key)
         except (Refused, HolderFailure, OSError, ValueError, KeyError) as e:   # said in the gather every rank reaches
             if serve and not isinstance(e, Refused):   # unreadable where it is held: rebuilt like a lost one
                 mine["bad"][str(s.key)] = f"cannot read it: {type(e).__name__}: {e}"
@@ -313,38 +327,69 @@ def _verify(run: _Run, choice: Choice, opened: Opened) -> tuple[dict[int, dict],
             if server != run.rank:
                 continue
             try:
-                pman, pmm = opened.parity_of(member, choice.version)
-                buf = memoryview(pmm)
-                try:
-                    bad = mf.verify_any(pman, buf)
-                finally:
-                    buf.release()
-                if bad:
-                    mine["why"].append(f"rank {member}'s parity shares of version {choice.version} fail their "
-                                       f"checksums ({'; '.join(bad[:2])})")
+                pman, _ = opened.parity_of(member, choice.version)
+                served["parity"].append(member)
                 if g.manifests_from == run.rank and member == min(g.parity_server):
                     for lost in g.lost:
                         mine["manifests"][str(lost)] = pman["group_manifests"][str(lost)]
             except (HolderFailure, OSError, ValueError, KeyError) as e:
                 mine["why"].append(f"rank {member}'s parity shares of version {choice.version}: {e}")
     everyone = run.gather(mine)
-    bad = {int(k): v for r in everyone for k, v in r["bad"].items()}
-    why = [w for r in everyone for w in r["why"]]
+    bad = _bad_copies(run, choice, {int(k): v for r in everyone for k, v in r["bad"].items()}, "cannot be read")
     if bad:
-        said = "; ".join(f"rank {k}: {v}" for k, v in sorted(bad.items())[:2])
-        if any(choice.sources[k].where != "holder" for k in bad):   # no parity to repair them with
-            raise Refused(f"version {choice.version}: source ranks {sorted(bad)} fail their checksums ({said})")
-        if run.rank == 0:
-            log.warning("[rank 0] version %d: the copies of source ranks %s fail their checksums (%s); rebuilding them "
-                        "from parity", choice.version, sorted(bad), said)
-        return {}, frozenset(bad)
+        return {}, served, bad
+    why = [w for r in everyone for w in r["why"]]
     if why:
         raise Refused(f"version {choice.version} (world size {choice.world}): " + "; ".join(why[:3]))
     manifests = {int(k): v for r in everyone for k, v in r["manifests"].items()}
     missing = sorted(set(choice.sources) - set(manifests))
     if missing:
         raise Refused(f"version {choice.version}: no manifest of source ranks {missing} reached every rank")
-    return manifests, frozenset()
+    return manifests, served, frozenset()
+
+
+def _verify(run: _Run, choice: Choice, opened: Opened, served: dict) -> frozenset[int]:
+    """Each server checks every xxh3 segment of the sources it serves and of the parity shares a rebuild reads, and
+    one gather hands every rank every verdict. Returns the held sources whose copies fail their checksums."""
+    mine: dict[str, Any] = {"bad": {}, "why": []}
+    for key in served["data"]:
+        man, mm = opened.source(choice.sources[key], choice.version)
+        buf = memoryview(mm)
+        try:
+            bad = mf.verify(man, buf, populate=True)
+        finally:
+            buf.release()
+        if bad:
+            mine["bad"][str(key)] = "; ".join(bad[:2])
+    for member in served["parity"]:
+        pman, pmm = opened.parity_of(member, choice.version)
+        buf = memoryview(pmm)
+        try:
+            bad = mf.verify_any(pman, buf)
+        finally:
+            buf.release()
+        if bad:
+            mine["why"].append(f"rank {member}'s parity shares of version {choice.version} fail their "
+                               f"checksums ({'; '.join(bad[:2])})")
+    everyone = run.gather(mine)
+    bad = _bad_copies(run, choice, {int(k): v for r in everyone for k, v in r["bad"].items()}, "fail their checksums")
+    why = [w for r in everyone for w in r["why"]]
+    if why and not bad:
+        raise Refused(f"version {choice.version} (world size {choice.world}): " + "; ".join(why[:3]))
+    return bad
+
+
+def _bad_copies(run: _Run, choice: Choice, bad: dict[int, str], what: str) -> frozenset[int]:
+    """The held copies that cannot serve, said once; refused when one of them has no parity to be rebuilt from."""
+    if not bad:
+        return frozenset()
+    said = "; ".join(f"rank {k}: {v}" for k, v in sorted(bad.items())[:2])
+    if any(choice.sources[k].where != "holder" for k in bad):   # no parity to repair them with
+        raise Refused(f"version {choice.version}: source ranks {sorted(bad)} {what} ({said})")
+    if run.rank == 0:
+        log.warning("[rank 0] version %d: the copies of source ranks %s %s (%s); rebuilding them from parity",
+                    choice.version, sorted(bad), what, said)
+    return frozenset(bad)
 
 
 def _plans(run: _Run, choice: Choice, manifests: dict[int, dict]) -> dict:
