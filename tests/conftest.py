@@ -1,6 +1,7 @@
 """Shared test set-up: one thread per process, CPU DeepSpeed, a private holder directory per session,
 and no holder left running afterwards; ``holder_factory``: real holder processes for one test."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,6 +38,7 @@ def _no_leftover_holders():
             os.kill(int(pid), signal.SIGKILL)
         except (ProcessLookupError, ValueError):
             pass
+    shutil.rmtree(_HOLDER_ROOT, ignore_errors=True)
 
 
 # ---- real holder processes for one test ----------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Run the tiny DeepSpeed GPT under the local launcher (real processes, real SIGKILL) and compare."""
 import dataclasses
 import os
+import shutil
 import sys
 import tempfile
 import uuid
@@ -62,7 +63,6 @@ def cached_reference(cache: dict, key, cold: bool, run, shared=None):
                 return cache[(key, cold)]
         d = shared / name[cold]
         if d.exists():   # a worker that failed half-way: its folder is not a reference
-            import shutil
             shutil.rmtree(d)
         d.mkdir()
         run(d)
@@ -151,6 +151,8 @@ def launch(cfg: LaunchConfig, cmd, *, preload=(), watcher=None):
 def close_fork_servers() -> None:
     for server in _FORK_SERVERS:
         server.close()
+        if server.log_path:   # the folder made for its log
+            shutil.rmtree(os.path.dirname(server.log_path), ignore_errors=True)
     _FORK_SERVERS.clear()
 
 
