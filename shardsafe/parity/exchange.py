@@ -433,11 +433,7 @@ class ParityExchange:
         """Verify a rebuilt payload against this member's replicated manifest and seal it (never if it fails)."""
         me = self.rank
         my_man = info["manifests"][str(me)]
-        buf = memoryview(wmm)
-        try:
-            bad = mf.verify(my_man, buf)
-        finally:
-            buf.release()
+        bad = mf.verify_mapping(my_man, wmm)
         if bad:
             return False, 0, (f"rank {me}: payload of version {version} rebuilt from parity fails its checksums "
                               f"({'; '.join(bad[:3])}): a peer's data or parity share is corrupt; not loaded")

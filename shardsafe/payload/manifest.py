@@ -105,6 +105,17 @@ def verify_any(manifest: Mapping[str, Any], buf: memoryview) -> list[str]:
     return verify(manifest, buf)
 
 
+def verify_mapping(manifest: Mapping[str, Any], mapping: Any, *, populate: bool = False) -> list[str]:
+    """:func:`verify_any` over a mapping (or any buffer), its view released also when the check raises: a mapping
+    that still exports a view cannot be closed. ``populate``: as :func:`verify` (a data payload's fresh mapping)."""
+    buf = memoryview(mapping)
+    try:
+        return verify_any(manifest, buf) if manifest.get("kind") == "parity" else verify(manifest, buf,
+                                                                                          populate=populate)
+    finally:
+        buf.release()
+
+
 def check_matches(manifest: Mapping[str, Any], live: Mapping[str, torch.Tensor],
                   optional_prefixes: tuple[str, ...] = ()) -> None:
     """The snapshot must describe the live tensors (names, dtypes, shapes). Names under

@@ -354,20 +354,12 @@ def _verify(run: _Run, choice: Choice, opened: Opened, served: dict) -> frozense
     mine: dict[str, Any] = {"bad": {}, "why": []}
     for key in served["data"]:
         man, mm = opened.source(choice.sources[key], choice.version)
-        buf = memoryview(mm)
-        try:
-            bad = mf.verify(man, buf, populate=True)
-        finally:
-            buf.release()
+        bad = mf.verify_mapping(man, mm, populate=True)
         if bad:
             mine["bad"][str(key)] = "; ".join(bad[:2])
     for member in served["parity"]:
         pman, pmm = opened.parity_of(member, choice.version)
-        buf = memoryview(pmm)
-        try:
-            bad = mf.verify_any(pman, buf)
-        finally:
-            buf.release()
+        bad = mf.verify_mapping(pman, pmm)
         if bad:
             mine["why"].append(f"rank {member}'s parity shares of version {choice.version} fail their "
                                f"checksums ({'; '.join(bad[:2])})")

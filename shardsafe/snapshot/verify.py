@@ -41,11 +41,7 @@ def open_verified(opener: Callable[[], tuple], adapter: StateAdapter, live, *, p
         pin = PinnedMapping(mm, live, h2d)   # the layout matches: pin beside the verification
         bad = []
         if not verified:
-            buf = memoryview(mm)
-            try:
-                bad = mf.verify(manifest, buf, populate=populate and not populated)
-            finally:
-                buf.release()
+            bad = mf.verify_mapping(manifest, mm, populate=populate and not populated)
         corrupt = bool(bad)
         if not bad:
             bad = adapter_problems(adapter, manifest, mm)
