@@ -1,5 +1,6 @@
 """Shared test set-up: one thread per process, CPU DeepSpeed, a private holder directory per session,
 and no holder left running afterwards; ``holder_factory``: real holder processes for one test."""
+import atexit
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # turns. One build folder per venv keeps each checkout's builds.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 _HOLDER_ROOT = tempfile.mkdtemp(prefix="shardsafe-test-holders-")
+atexit.register(shutil.rmtree, _HOLDER_ROOT, True)   # every process that imports this (xdist's controller too)
 os.environ["SHARDSAFE_HOLDER_DIR"] = _HOLDER_ROOT
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -38,7 +40,6 @@ def _no_leftover_holders():
             os.kill(int(pid), signal.SIGKILL)
         except (ProcessLookupError, ValueError):
             pass
-    shutil.rmtree(_HOLDER_ROOT, ignore_errors=True)
 
 
 # ---- real holder processes for one test ----------------------------------------------------------------------
