@@ -19,7 +19,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # turns. One build folder per venv keeps each checkout's builds.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 _HOLDER_ROOT = tempfile.mkdtemp(prefix="shardsafe-test-holders-")
-atexit.register(shutil.rmtree, _HOLDER_ROOT, True)   # every process that imports this (xdist's controller too)
+_HOLDER_ROOT_PID = os.getpid()
+# removed at exit by the process that made it (xdist's controller too), never by a child forked from it
+atexit.register(lambda: os.getpid() == _HOLDER_ROOT_PID and shutil.rmtree(_HOLDER_ROOT, ignore_errors=True))
 os.environ["SHARDSAFE_HOLDER_DIR"] = _HOLDER_ROOT
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))

@@ -317,7 +317,7 @@ def _manifests(run: _Run, choice: Choice, opened: Opened) -> tuple[dict[int, dic
                 else:
                     mine["manifests"][str(s.key)] = man
                     served["data"].append(s.key)
-        except (Refused, HolderFailure, OSError, ValueError, KeyError) as e:   # said in the gather every rank reaches
+        except (Refused, HolderFailure, OSError, ValueError, KeyError, TypeError) as e:   # said in the gather all reach
             if serve and not isinstance(e, Refused):   # unreadable where it is held: rebuilt like a lost one
                 mine["bad"][str(s.key)] = f"cannot read it: {type(e).__name__}: {e}"
             else:
