@@ -10,8 +10,10 @@ nodes) and restore on a synthetic state of --mb MB per rank, a snapshot every st
 of sleep per step standing in for the accelerator. Snapshot versions alternate their commit vote between the
 hierarchy (shardsafe.hierarchy, even versions) and the agreement it replaced (gloo's ring all-reduce over a
 world group, odd versions): both designs in the same processes, under the same load, interleaved. Rank N-1 is
-SIGKILLed at step --kill-at (``--inject kill-rank:N-1@K``); the job restarts, restores from the holders and runs
-to --steps. Per N, from the event log and the trainers' lines:
+SIGKILLed at step --kill-at (``--inject kill-rank:N-1@K``); the job restarts (``--restart in-place``, the default:
+rank N-1 alone starts again and the others go on in their processes, shardsafe.inplace; ``--restart full``: every
+trainer starts again), restores from the holders and runs to --steps. Per N, from the event log and the trainers'
+lines:
 
 * commit vote: the median ``vote_s`` of the snapshot events per design (every rank and version, the first
   --warmup versions of each attempt left out: they connect gloo pairs), and per version the vote of the rank
@@ -121,7 +123,7 @@ def one_job(a: argparse.Namespace, ranks: int) -> dict:
         from shardsafe.launch.elastic import ElasticConfig, ElasticLauncher
         launcher = ElasticLauncher(ElasticConfig(nodes=nodes, nproc_per_node=per, run_dir=d, job_id=job, max_restarts=1,
                                                  inject=inject, memory_budget_gb=a.budget_gb, preload=PRELOAD,
-                                                 timeout_s=a.job_timeout_s))
+                                                 timeout_s=a.job_timeout_s, restart=a.restart))
     else:
         from shardsafe.launch import LaunchConfig, LocalLauncher
         launcher = LocalLauncher(LaunchConfig(nodes=nodes, nproc_per_node=per, job_id=job, run_dir=d, max_restarts=1,
@@ -312,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--votes", choices=("alternate", *DESIGNS), default="alternate")
     p.add_argument("--launcher", choices=("elastic", "local"), default="elastic",
                    help="elastic: shardsafe launch's launcher (torchrun agents); local: the local launcher")
+    p.add_argument("--restart", choices=("full", "in-place"), default="in-place",
+                   help="in-place (default): only the killed rank starts again, the others continue in their "
+                        "processes (shardsafe.inplace; the elastic launcher only); full: the kill restarts every "
+                        "trainer")
     p.add_argument("--budget-gb", type=float, default=0.5, help="each holder's memory budget")
     p.add_argument("--job-timeout-s", type=float, default=900.0)
     p.add_argument("--simulate", default="", help="simulated rank counts, e.g. 1024,16384")
@@ -325,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--kill-at {a.kill_at}: expected between {3 + a.warmup} and {a.steps - a.warmup - 2} "
                          "so that both attempts have versions past --warmup")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    out: dict = {"schema": SCHEMA, "machine": machine(), "launcher": a.launcher, "ranks": ranks,
+    if a.restart == "in-place" and a.launcher != "elastic":
+        raise SystemExit("--restart in-place needs --launcher elastic (the local launcher restarts every trainer)")
+    out: dict = {"schema": SCHEMA, "machine": machine(), "launcher": a.launcher, "restart": a.restart, "ranks": ranks,
                  "settings": {k: getattr(a, k) for k in ("per_node", "mb", "steps", "kill_at", "step_s", "warmup",
                                                         "votes", "budget_gb")}}
     rows = []

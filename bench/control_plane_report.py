@@ -37,7 +37,8 @@ def report_text(out: dict) -> str:
             "latency; compare the designs by their ratio in the same run",
             f"  launcher: {LAUNCHERS.get(out['launcher'], out['launcher'])}; "
             f"{st['mb']:g} MB of state per rank, {st['step_s']:g} s per step, a snapshot every step, parity on; "
-            f"rank N-1 SIGKILLed at step {st['kill_at']} of {st['steps']}",
+            f"rank N-1 SIGKILLed at step {st['kill_at']} of {st['steps']}; restart "
+            f"{'in place (rank N-1 alone starts again)' if out.get('restart') == 'in-place' else 'of every trainer'}",
             f"  votes ({st['votes']}): even versions on the hierarchy (tree), odd on gloo's ring all-reduce over a "
             f"world group (ring); medians over ranks and versions, {st['warmup']} versions per attempt left out",
             "",

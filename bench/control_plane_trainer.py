@@ -17,6 +17,12 @@ in-place update of the state (the optimizer step), ``after_step`` (a snapshot ev
 * ``alternate`` (the default): even versions vote on the tree, odd ones on the ring. Both designs then run in the
   same processes, under the same load, interleaved: what the harness compares.
 
+Under ``--restart in-place`` (``SHARDSAFE_RESTART=in-place``) the training runs inside
+:func:`shardsafe.inplace.run`: a survivor of the kill leaves its loop, abandons its runtime and trains again from
+the restored version in the same process; its start line then also carries ``in_place`` (when it learnt of the
+restart, how long abandoning took, the new default group). Every rank's last line has the SHA-256 of its final
+state (tests/fault/test_inplace.py compares it with an uninterrupted run's).
+
 The swap is this script's alone (``pipeline.agreement`` is replaced after the runtime is built); shardsafe keeps
 no switch for it. Every rank appends JSON lines to ``OUT/bench_rank<R>.jsonl`` as it goes: after its restore,
 the hierarchy's collectives of the start (set-up and restore, in order), the seconds ``try_restore`` took
@@ -27,6 +33,7 @@ RSS.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -125,28 +132,52 @@ def main(argv: list[str] | None = None) -> int:
     marks = {"start": time.time()}   # wall-clock marks of the start, to line up with the event log
     from shardsafe.launch.discovery import discover
     discover()
-    from shardsafe.tor import EventLog
-    from shardsafe.faults import current_attempt
-    attempt = current_attempt()
-    EventLog(os.environ["SHARDSAFE_RUN_DIR"], source="trainer", rank=int(os.environ.get("RANK", 0)),
-             node=os.environ.get("SHARDSAFE_NODE"), attempt=attempt).emit("trainer_start")
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
-    from shardsafe.config import ShardsafeConfig
-    from shardsafe.runtime import Runtime
-    from shardsafe.snapshot.pipeline import GlooAgreement
+    from shardsafe import env, inplace
 
     torch.set_num_threads(1)
     calls: list = []
     _count_collectives(calls)
     marks["imported"] = time.time()
+    if env.restart_mode() == "in-place":
+        # Survivors of a kill stay in this process and enter _train again (shardsafe.inplace), on a new default
+        # group made by inplace.run: a re-entry's marks start when it enters.
+        first = [True]
+
+        def entry() -> int:
+            now = time.time()
+            m = marks if first[0] else {"start": now, "imported": now}
+            first[0], m["process_group"] = False, now
+            calls.clear()
+            return _train(a, m, calls, now - m["imported"])
+        return inplace.run(entry, timeout_s=a.timeout_s)
     t0 = time.perf_counter()
     dist.init_process_group("gloo", timeout=timedelta(seconds=a.timeout_s))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    t_pg = time.perf_counter() - t0
     marks["process_group"] = time.time()
+    rc = _train(a, marks, calls, time.perf_counter() - t0)
+    dist.destroy_process_group()
+    return rc
+
+
+def _train(a: argparse.Namespace, marks: dict, calls: list, t_pg: float) -> int:
+    """One attempt on this rank, torch.distributed initialised: the runtime, its restore, the steps."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from shardsafe import inplace
+    from shardsafe.config import ShardsafeConfig
+    from shardsafe.faults import current_attempt
+    from shardsafe.runtime import Runtime
+    from shardsafe.snapshot.pipeline import GlooAgreement
+    from shardsafe.tor import EventLog
+
+    attempt = current_attempt()
+    EventLog(os.environ["SHARDSAFE_RUN_DIR"], source="trainer", rank=int(os.environ.get("RANK", 0)),
+             node=os.environ.get("SHARDSAFE_NODE"), attempt=attempt).emit("trainer_start")
+    rank, world = dist.get_rank(), dist.get_world_size()
     cfg = ShardsafeConfig(interval=1, timeout_s=a.timeout_s, job_id=os.environ["SHARDSAFE_JOB_ID"])
     t0 = time.perf_counter()
     rt = Runtime(cfg, rank=rank, world_size=world)
@@ -160,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     out = open(os.path.join(a.out, f"bench_rank{rank}.jsonl"), "a", buffering=1)   # a line per write
     out.write(json.dumps({"rank": rank, "attempt": attempt, "world": world, "init_process_group_s": t_pg,
                           "runtime_s": t_runtime, "try_restore_s": t_restore, "restored_version": restored.version,
-                          "start_collectives": list(calls), "votes": a.votes, "marks": marks}) + "\n")
+                          "start_collectives": list(calls), "votes": a.votes, "marks": marks,
+                          "pid": os.getpid(), "in_place": dict(inplace.timings)}) + "\n")
     agreements = {"tree": rt.pipeline.agreement}
     if a.votes != "tree":
         # The agreement before the hierarchy: the min-vote as gloo's all-reduce over a world-wide group.
@@ -170,28 +202,33 @@ def main(argv: list[str] | None = None) -> int:
     step = restored.version + 1 if restored.version >= 0 else 1
     rt.events.emit("train_ready", iteration=step)
     pipe, submitted = rt.pipeline, 0
-    while step <= a.steps:
-        t_it = time.perf_counter()
-        stall0 = rt.stall_total_s
-        time.sleep(a.step_s)
-        rt.before_step(step)
-        state.optimizer_step(step)
-        # The previous snapshot (its parity, vote and commit) still running: this submit waits for it.
-        in_flight = len(pipe.history) < submitted
-        t_sub = time.perf_counter()
-        rt.after_step(step, state)
-        if in_flight:   # written at once: a killed attempt keeps what it saw
-            out.write(json.dumps({"rank": rank, "attempt": attempt, "wait": [
-                step - 1, design_of(step - 1, a.votes), time.perf_counter() - t_sub]}) + "\n")
-        submitted += 1
-        rt.events.emit("iteration", iteration=step, seconds=max(0.0, time.perf_counter() - t_it -
-                                                                 (rt.stall_total_s - stall0)))
-        step += 1
-    rt.flush(a.timeout_s)
-    out.write(json.dumps({"rank": rank, "attempt": attempt, "done": step - 1, "rss_mb": _rss_mb()}) + "\n")
+    try:   # a restart in place (shardsafe.inplace) leaves this loop with RestartInPlace
+        while step <= a.steps:
+            t_it = time.perf_counter()
+            stall0 = rt.stall_total_s
+            time.sleep(a.step_s)
+            rt.before_step(step)
+            state.optimizer_step(step)
+            # The previous snapshot (its parity, vote and commit) still running: this submit waits for it.
+            in_flight = len(pipe.history) < submitted
+            t_sub = time.perf_counter()
+            rt.after_step(step, state)
+            if in_flight:   # written at once: a killed attempt keeps what it saw
+                out.write(json.dumps({"rank": rank, "attempt": attempt, "wait": [
+                    step - 1, design_of(step - 1, a.votes), time.perf_counter() - t_sub]}) + "\n")
+            submitted += 1
+            rt.events.emit("iteration", iteration=step, seconds=max(0.0, time.perf_counter() - t_it -
+                                                                     (rt.stall_total_s - stall0)))
+            step += 1
+        rt.flush(a.timeout_s)
+    except BaseException:
+        out.close()
+        raise
+    digest = hashlib.sha256(b"".join(state.tensors[k].numpy().tobytes() for k in sorted(state.tensors))).hexdigest()
+    out.write(json.dumps({"rank": rank, "attempt": attempt, "done": step - 1, "rss_mb": _rss_mb(), "pid": os.getpid(),
+                          "state_sha256": digest}) + "\n")
     out.close()
     rt.close()
-    dist.destroy_process_group()
     return 0
 
 

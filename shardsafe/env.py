@@ -28,6 +28,7 @@ RUN_NAME = "SHARDSAFE_RUN_NAME"              # the persistent tier's run name (c
 EXPORT_DIR = "SHARDSAFE_EXPORT_DIR"          # set by `shardsafe export`: restore, write a native checkpoint, exit
 HOLDER_BUDGET_GB = "SHARDSAFE_HOLDER_BUDGET_GB"   # the budget the launcher started the holders with
 ATTEMPT = "SHARDSAFE_ATTEMPT"                # the restart attempt (else torch elastic's TORCHELASTIC_RESTART_COUNT)
+RESTART = "SHARDSAFE_RESTART"                # how a failed worker is restarted: full (every worker) or in-place
 JOB_START_T = "SHARDSAFE_JOB_START_T"        # when the job started (TOR accounting)
 FULL_WORLD_SIZE = "SHARDSAFE_FULL_WORLD_SIZE"   # the job's full world size, set by the launchers for every trainer
                                              # (a job re-formed at a smaller data-parallel size runs fewer ranks)
@@ -118,6 +119,18 @@ def attempt(environ: Optional[Mapping[str, str]] = None) -> int:
     TORCHELASTIC_RESTART_COUNT, else 0."""
     env = _environ(environ)
     return int(get(ATTEMPT, env) or env.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+RESTART_MODES = ("full", "in-place")
+
+
+def restart_mode(environ: Optional[Mapping[str, str]] = None) -> str:
+    """How the launcher restarts after a worker dies: SHARDSAFE_RESTART, "full" (the default) or "in-place"."""
+    mode = get(RESTART, environ, "full").strip().lower() or "full"
+    if mode not in RESTART_MODES:
+        from .errors import ConfigError
+        raise ConfigError(f"{RESTART}={mode!r}: expected one of {', '.join(RESTART_MODES)}")
+    return mode
 
 
 def launcher_job_id(environ: Optional[Mapping[str, str]] = None) -> str:

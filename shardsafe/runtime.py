@@ -9,7 +9,6 @@ recorded as TOR events and skipped.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import subprocess
@@ -37,6 +36,7 @@ from .holder.client import HolderClient, HolderUnavailable, connect_or_start
 from .holder.paths import HolderPaths
 from .holder.protocol import HolderFailure
 from .jobid import claim
+from .ordinals import next_ordinal
 from .protection import Cause, Protection, budget_problem
 from .snapshot.reshard_restore import Resize, drop_old_layout
 from .snapshot.reshard_survey import other_size_held
@@ -225,7 +225,8 @@ class Runtime(BaseRuntime):
         import torch.distributed as dist
         from .parity.topology import RankPlace
         self._store = dist.distributed_c10d._get_default_store()
-        self._prefix = f"shardsafe/{self.scope or 'engine0'}/{next(_RUNTIMES)}"
+        # Each runtime's groups get their own keys in the job's store (every rank builds the same runtimes in order).
+        self._prefix = f"shardsafe/{self.scope or 'engine0'}/{next_ordinal('runtime')}"
         rank, world = self.rank, self.world_size
         topo = Topology.from_launcher(os.environ, world, rank)
         if topo is None:
@@ -495,6 +496,42 @@ class Runtime(BaseRuntime):
                             self.scope, e)
         self.close()
 
+    ABANDON_COPY_WAIT_S = 60.0   # an abandoned snapshot's copy into holder memory is local: it ends within this
+
+    def abandon(self, grace_s: float) -> bool:
+        """Stop at once for a restart in place (shardsafe.inplace): the snapshot in flight is neither sealed nor
+        committed, the groups are dropped (their sockets close, so peers waiting on them fail now, not at their
+        timeout) and the holder connection closes as if this process had died.
+
+        The snapshot thread gets ``grace_s`` to stop. One still waiting for a peer of the abandoned attempt (a peer
+        whose own wait holds its end of the group open) is left to end at its timeout: once its copy is over, its
+        holder memory is fenced off (:meth:`HolderClient.fence`), so whatever it does later cannot reach the holder.
+        False when that could not be done (the copy did not end, or the fence failed): the process must not go on."""
+        if self._closed:
+            return True
+        self._closed = True
+        _LIVE.discard(self)
+        self.pipeline.abandon()
+        self._vote_hier = None
+        self.coll = Collectives(None, self.world_size)
+        if self.exchange is not None:
+            self.exchange.pg = None
+        self.exchange = None
+        stopped = self.pipeline.join(grace_s)
+        if self.client is not None and not self.pipeline.wait_abandoned_copy(self.ABANDON_COPY_WAIT_S):
+            return False
+        if not stopped and self.client is not None:
+            try:
+                n = self.client.fence()
+            except OSError as e:
+                log.error("[rank %d] %s", self.rank, e)
+                return False
+            log.warning("[rank %d] the abandoned attempt's snapshot thread still waits for a peer; it is left to end "
+                        "at its timeout, its %.0f MB of holder memory fenced off", self.rank, n / 1e6)
+        if self.client is not None:
+            self.client.close()
+        return True
+
     def close(self) -> None:
         """Finish the snapshot in flight, stop the worker, let the holder go. Idempotent; also run when the
         program tears torch.distributed down or exits without calling it (an unchanged program never does)."""
@@ -519,9 +556,9 @@ def engine_scope(ordinal: int) -> str:
     return f"engine{ordinal}" if ordinal else ""
 
 
-# Runtimes this process built: each one's groups get their own keys in the job's store (every rank builds the same
-# runtimes in the same order).
-_RUNTIMES = itertools.count()
+def live_runtimes() -> "list[Runtime]":
+    """The runtimes of this process not yet closed."""
+    return list(_LIVE)
 
 # Runtimes not yet closed. A program that knows nothing of shardsafe (automatic activation) ends with
 # torch.distributed.destroy_process_group() while the last snapshot's commit vote may still run on shardsafe's

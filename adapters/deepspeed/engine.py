@@ -7,13 +7,13 @@ written back into the optimizer's own tensors (:mod:`.state`).
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 from typing import Any, Mapping
 
 from shardsafe.config import ShardsafeConfig
 from shardsafe.fatal import install_excepthook
+from shardsafe.ordinals import next_ordinal
 from shardsafe.snapshot.state import capture_rng
 
 from .. import ds_config
@@ -34,10 +34,6 @@ def config_from_ds(ds_config: Mapping[str, Any] | None) -> ShardsafeConfig:
     return ShardsafeConfig.from_dict(ds_config["shardsafe"], where='"shardsafe" block of the DeepSpeed config')
 
 
-_ordinals = itertools.count()
-"""Protected engines built by this process so far: the next one's ordinal (shardsafe.runtime.engine_scope)."""
-
-
 class ShardsafeEngineHook:
     """What ``initialize`` attaches to the engine as ``engine.shardsafe``.
 
@@ -51,7 +47,7 @@ class ShardsafeEngineHook:
         from shardsafe.runtime import Runtime, engine_scope
         import torch.distributed as dist
         self.cfg, self.auto = cfg, auto
-        self.ordinal = next(_ordinals)
+        self.ordinal = next_ordinal("deepspeed_engine")   # shardsafe.runtime.engine_scope
         self._program_args = program_args   # the args given to deepspeed.initialize (GPT-NeoX, Megatron-DeepSpeed)
         self._stepped = False   # load_checkpoint calls before the first step are the program's resume
         self.before_capture: list[Any] = []

@@ -36,6 +36,10 @@ class OpenedSlot(NamedTuple):
     sealing: int = 0
 
 
+# Mappings fenced off by HolderClient.fence: kept until the process ends, since a thread may still write through them.
+_FENCED: list[mmap.mmap] = []
+
+
 class HolderClient:
     """One connection to the holder. Thread-safe: the snapshot worker and the main thread share it.
 
@@ -133,6 +137,32 @@ class HolderClient:
         """The writable mappings this connection caches, by slot id (a copy of the mapping): the pipeline unregisters
         the CUDA-pinned ones before closing a broken connection."""
         return dict(self._maps)
+
+    def fence(self) -> int:
+        """Turn this connection's writable mappings of holder memory into private, anonymous memory at the same
+        addresses (the contents are dropped): a thread that may still write through them (a snapshot abandoned for a
+        restart in place, shardsafe.inplace) can no longer reach the holder's pages, which go to other slots once
+        this connection closes. The mappings are kept for the life of the process (never unmapped under a thread that
+        may use them). Returns the bytes fenced.
+
+        Raises:
+            OSError: the kernel refused the new mapping (the caller must not go on with a writer left behind).
+        """
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        remap = libc.mmap
+        remap.restype, remap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                          ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10   # 0x10: MAP_FIXED (Linux), over the shared mapping
+        total = 0
+        for slot, m in list(self._maps.items()):
+            addr, n = ctypes.addressof(ctypes.c_char.from_buffer(m)), len(m)
+            if remap(addr, n, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0) != addr:
+                err = ctypes.get_errno()
+                raise OSError(err, f"fencing holder slot {slot} ({n} bytes): {os.strerror(err)}")
+            _FENCED.append(self._maps.pop(slot))
+            total += n
+        return total
 
     def close(self) -> None:
         for m in self._maps.values():

@@ -366,6 +366,10 @@ def run_agent(opts: AgentOptions, script: list[str]) -> int:
         hooks.spare_pids.add(forks.proc.pid)
 
     hooks.peer_check_s = max(poll, opts.monitor_interval_s)
+    in_place = None
+    if names.restart_mode() == "in-place":
+        from .replace import InPlace
+        in_place = InPlace(hooks)
 
     class ShardsafeAgent(LocalElasticAgent):
         """LocalElasticAgent + job-wide attempt numbers and facts for the controller."""
@@ -379,6 +383,9 @@ def run_agent(opts: AgentOptions, script: list[str]) -> int:
             hooks.on_rendezvous(worker_group)
 
         def _monitor_workers(self, worker_group):
+            if in_place is not None:   # before torch's poll, which stops every worker when one died
+                in_place.follow(worker_group)
+                in_place.replace_dead(self, worker_group)
             result = super()._monitor_workers(worker_group)
             hooks.on_monitor(worker_group, result)
             if hooks.fatal and self._remaining_restarts > 0:

@@ -118,7 +118,7 @@ def cmd_launch(a: argparse.Namespace) -> int:
                         keep_alive_s=a.keep_alive_s, keep_alive_misses=a.keep_alive_misses, timeout_s=a.timeout_s,
                         preload=a.preload, rendezvous_poll_s=a.rendezvous_poll_s, spares=a.spares,
                         shrink_after_s=a.shrink_after_s, model_parallel=a.model_parallel,
-                        global_batch=a.global_batch, micro_batch=a.micro_batch)
+                        global_batch=a.global_batch, micro_batch=a.micro_batch, restart=a.restart)
     res = ElasticLauncher(cfg).run(script)
     out = {"ok": res.ok, "attempts": res.attempts, "failures": res.failures, "wall_s": round(res.wall_s, 3),
            "nodes": res.nodes, "run_dir": res.run_dir, "job_id": cfg.job_id, "signal": res.signal, "fatal": res.fatal,
@@ -372,6 +372,11 @@ def register_cli(sub) -> None:
     hidden_alias(p, "--timeout", p.add_argument(
         "--timeout-s", type=seconds, default=0.0, metavar="S", help="kill the whole job after this long (0 = never)"))
     p.add_argument("--json", action="store_true", help="print one JSON object with the outcome on stdout")
+    p.add_argument("--restart", choices=env.RESTART_MODES, default=env.get(env.RESTART) or "full",
+                   help="full: a dead worker restarts every worker (torch elastic's way); in-place: only the dead "
+                        "rank starts again and the others continue in their processes, for programs that train "
+                        "inside shardsafe.inplace.run (docs/operations.md, \"Restart in place\"). Default: "
+                        "$SHARDSAFE_RESTART, else full")
     _add_resize(p)
     _add_agent_timing(p)
     _add_script(p)

@@ -77,6 +77,14 @@ class Keys:
         theirs at once instead of when that agent re-joins the rendezvous)."""
         return f"{self.p}/failed/{attempt}"
 
+    def inplace_claim(self, attempt: int) -> str:
+        """Taken (compare-and-set) by the one agent that restarts ``attempt`` in place (shardsafe.launch.replace)."""
+        return f"{self.p}/inplace/{attempt}/claim"
+
+    def inplace(self, attempt: int) -> str:
+        """``attempt`` goes on in place: {"attempt": the next one, "ranks": the ranks started again}."""
+        return f"{self.p}/inplace/{attempt}"
+
     ROUND_ATTEMPT = "shardsafe/attempt"   # in each rendezvous round's own (prefixed) store
 
 

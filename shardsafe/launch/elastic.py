@@ -101,6 +101,9 @@ class ElasticConfig:
     """Global batch in samples (0: from the script's DeepSpeed config, else not known: no shrinking)."""
     micro_batch: int = 0
     """Samples per rank and micro-batch (with global_batch)."""
+    restart: str = "full"
+    """How a dead worker is restarted: "full" (every worker, torch elastic's way) or "in-place" (only the dead rank;
+    the others go on in their processes: shardsafe.inplace)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.nproc_per_node < 1:
@@ -125,6 +128,8 @@ class ElasticConfig:
                       global_batch=self.global_batch, micro_batch=self.micro_batch)
         except ConfigError as e:
             raise LaunchError(str(e)) from None
+        if self.restart not in names.RESTART_MODES:
+            raise LaunchError(f"--restart {self.restart!r}: expected one of {', '.join(names.RESTART_MODES)}")
         if self.spares is not None and self.spares < 0:
             raise LaunchError(f"--spares must be >= 0 (default: a lost node is always replaced), got {self.spares}")
         if self.spares is not None and 0 < self.join_timeout_s <= self.shrink_after_s:
@@ -283,7 +288,7 @@ class ElasticLauncher:
         c = self.cfg
         env = {**os.environ, **c.env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), names.INSTANCE: self.instance,
-               **(holder_budget_env(c.memory_budget_gb) if c.start_holders else {})}
+               **(holder_budget_env(c.memory_budget_gb) if c.start_holders else {}), names.RESTART: c.restart}
         env.pop(names.ATTEMPT, None)   # the agent numbers attempts
         env.pop(names.TRAINER, None)   # its workers are trainers, not processes of one (early_open.trainer_process)
         return env

@@ -24,7 +24,6 @@ branches, decided by small votes, so point-to-point traffic never waits for a pe
 """
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import time
@@ -41,6 +40,7 @@ from ..holder.client import HolderClient
 from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
 from ..hierarchy import MemberGroup
+from ..ordinals import next_ordinal
 from .codec import get_codec
 from .device import DevicePath
 from .host import HostTransport
@@ -100,8 +100,6 @@ class ParityExchange:
             bench/rebuild_bench.py measures against).
     """
 
-    _built = itertools.count()   # exchanges this process built: each gets its own keys in the store
-
     def __init__(self, plan: ParityGroups, rank: int, *, timeout_s: float = 60.0, backend: str = "auto",
                  transport: str = "host", device: "torch.device | None" = None, store: Any = None,
                  prefix: str = "shardsafe/parity", repair: str = "chain"):
@@ -111,7 +109,7 @@ class ParityExchange:
         self.plan, self.rank, self.repair = plan, rank, repair
         self.group: ParityGroup = plan.group_of(rank)
         # Every exchange a process builds gets its own keys in the store (every rank builds the same ones, in order).
-        self.timeout_s, self.prefix = timeout_s, f"{prefix}/{next(ParityExchange._built)}"
+        self.timeout_s, self.prefix = timeout_s, f"{prefix}/{next_ordinal('parity_exchange')}"
         if transport not in PARITY_TRANSPORTS:
             raise ExchangeError(f"parity transport must be one of {PARITY_TRANSPORTS}; got {transport!r}")
         if transport == "device":

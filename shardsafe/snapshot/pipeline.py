@@ -188,6 +188,8 @@ class SnapshotPipeline:
         self._reserved = 0   # bytes per version this rank told its holder it takes
         self._side_stream = None
         self._registered: set[int] = set()
+        self.abandoned = False   # set by abandon(): nothing more is exchanged, voted on or committed
+        self._abandoned_job: Optional[_Job] = None
         self._worker = threading.Thread(target=self._run, name=f"shardsafe-snapshot-r{rank}", daemon=True)
         self._worker.start()
 
@@ -248,6 +250,43 @@ class SnapshotPipeline:
         self._q.put(None)
         self._worker.join(timeout=10)
 
+    def abandon(self) -> None:
+        """A restart in place: the snapshot in flight goes no further than its copy (no parity, vote or commit) and
+        the worker stops after it. :meth:`join` waits for that."""
+        self.abandoned = True
+        self._abandoned_job, self._inflight = self._inflight, None
+        # Dropped at once: a group nobody refers to any more is destroyed, and its closed sockets fail the peers
+        # still waiting on it (a worker stuck in a collective keeps its own reference until that fails). No more
+        # events, and no reconnect: the process goes on with another runtime.
+        self.agreement, self.parity, self.hooks = None, None, PipelineHooks()
+        self._q.put(None)
+
+    def wait_abandoned_copy(self, timeout: float) -> bool:
+        """After :meth:`abandon`: wait until the abandoned snapshot's copy into holder memory is over (it is local
+        and bounded); True if it is (or there was none)."""
+        job, deadline = self._abandoned_job, time.monotonic() + timeout
+        # A job the restart signal caught inside submit() may never have reached the worker: once the worker is gone,
+        # nothing copies.
+        while job is not None and not job.copied.wait(0.05) and self._worker.is_alive():
+            if time.monotonic() > deadline:
+                return False
+        if self._side_stream is not None or self._registered:
+            # GPU: the D2H copy may still run on the side stream, and DMA lands in the pinned pages whatever the
+            # mapping says; then CUDA must forget the registrations of mappings that are about to change.
+            torch.cuda.synchronize()
+            if self._registered and self.client is not None:
+                cudart = torch.cuda.cudart()
+                for slot, m in self.client.mapped_slots().items():
+                    if slot in self._registered:
+                        cudart.cudaHostUnregister(torch.frombuffer(m, dtype=torch.uint8, count=1).data_ptr())
+                self._registered.clear()
+        return True
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the worker to stop; True if it did."""
+        self._worker.join(timeout)
+        return not self._worker.is_alive()
+
     def take_causes(self) -> dict:
         """Causes reported since the last call (Cause -> detail)."""
         with self._causes_lock:
@@ -288,6 +327,9 @@ class SnapshotPipeline:
 
     def _process(self, job: _Job) -> None:
         ok, man, mm = False, None, None
+        if self.abandoned:
+            job.copied.set()
+            return
         if job.version < self._vote_retry_at:
             job.stats.error = f"the commit vote failed; its group is rebuilt and voting resumes at version {self._vote_retry_at}"
             self._note(job, Cause.VOTE, f"rank {self.rank}: {job.stats.error}")
@@ -306,6 +348,8 @@ class SnapshotPipeline:
             self.hooks.on_event("snapshot_skipped", version=job.version, reason=str(e)[:500])
         finally:
             job.copied.set()
+        if self.abandoned:
+            return
         try:
             if self.parity is not None:
                 # Every member of the parity group takes part, also after a failed write (it votes no).
@@ -319,6 +363,8 @@ class SnapshotPipeline:
                     self._warn_once("parity", f"snapshot {job.version} not protected by parity, not committed: "
                                               f"{self.parity.last_error}")
                 ok = ok and pok
+            if self.abandoned:
+                return
             self.hooks.on_phase(PHASE_VOTE, job.version)
             t0 = time.perf_counter()
             agreed, union, standing = self.agreement.vote(job.version, ok, causes_to_bits(job.stats.causes),
@@ -337,6 +383,8 @@ class SnapshotPipeline:
                 self._note(job, c, f"another rank reported {c.value} for version {job.version}")
             if not union:
                 self._note(job, Cause.STALE, f"version {job.version} did not commit on every rank")
+            return
+        if self.abandoned:
             return
         self.hooks.on_phase(PHASE_COMMIT, job.version)
         try:
@@ -360,6 +408,9 @@ class SnapshotPipeline:
     def _vote_failed(self, job: _Job, e: BaseException) -> None:
         """Rebuild the vote's and the parity exchange's groups under the failed version (the same on every rank),
         and skip the vote for a while that doubles with each failure in a row."""
+        if self.abandoned:   # its groups are gone for good: nothing to rebuild
+            job.stats.error = f"abandoned for a restart in place: {e}"
+            return
         self._vote_failures += 1
         backoff = min(1 << (self._vote_failures - 1), self.MAX_VOTE_BACKOFF)
         self._vote_retry_at = job.version + backoff * self.interval
@@ -453,7 +504,8 @@ class SnapshotPipeline:
                        extra={"timeline": self.timeline, "command": self._command,
                               **({"fingerprint": self.fingerprint} if self.fingerprint else {}),
                               **({"coords": self.coords} if self.coords else {})})
-        client.seal(rank=self.rank, version=job.version, manifest=man)
+        if not self.abandoned:   # a version abandoned for a restart in place is never sealed
+            client.seal(rank=self.rank, version=job.version, manifest=man)
         return man, mm
 
     HASH_BATCH = 8   # segments (of CHUNK_BYTES) per hand-over to the hash threads: 32 MiB

@@ -87,6 +87,7 @@ RULES = {
     "shardsafe.errors": ("*", ()),
     "shardsafe.collectives": ("*", ()),
     "shardsafe.cliargs": ("*", ()),   # the launch commands parse with it before importing anything else
+    "shardsafe.ordinals": ("*", ()),
     "shardsafe.payload": ("*", ("shardsafe.errors", "shardsafe.payload", "shardsafe.kernels", "shardsafe.env")),
     "shardsafe.faults": ("*", ("shardsafe.errors", "shardsafe.tor.events", "shardsafe.env")),
     "shardsafe.holder": ("*", ("shardsafe.errors", "shardsafe.holder", "shardsafe.payload", "shardsafe.persist",
@@ -96,6 +97,8 @@ RULES = {
     "shardsafe.snapshot": ("not", ("shardsafe.parity", "shardsafe.runtime", "shardsafe.launch", "shardsafe.tor",
                                    *_ABOVE_CORE)),
     "shardsafe.runtime": ("not", ("shardsafe.launch", *_ABOVE_CORE)),
+    # beside the runtime: the agents import its notice and signal, and it drives the runtimes only inside functions
+    "shardsafe.inplace": ("not", ("shardsafe.launch", "shardsafe.snapshot", "shardsafe.parity", *_ABOVE_CORE)),
     "shardsafe.launch": ("not", ("shardsafe.runtime", "shardsafe.snapshot", "shardsafe.parity", *_ABOVE_CORE)),
     "shardsafe.tor": ("not", ("shardsafe.holder", "shardsafe.snapshot", "shardsafe.parity", "shardsafe.runtime",
                               "shardsafe.launch", *_ABOVE_CORE)),

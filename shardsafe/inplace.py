@@ -1,0 +1,233 @@
+"""Restart in place: after a worker dies, the others stay alive and only the dead rank starts again.
+
+A full restart stops every worker of the job, forms a new rendezvous and starts all N processes again: each one pays
+its start, ``init_process_group``, shardsafe's set-up and the restore, all at once on the same hosts. With
+``shardsafe launch --restart in-place`` (``SHARDSAFE_RESTART=in-place``), the agent whose worker died starts only
+that rank again (the same rank and store), draws the job's next attempt number, and every agent signals its
+surviving workers (:data:`SIGNAL`) after writing the new attempt where they read it (:func:`write_notice`). A
+program that runs its training inside :func:`run` then, on every surviving rank:
+
+1. stops where it is: the signal raises :class:`RestartInPlace` in the main thread. It is a BaseException, so an
+   ``except Exception`` in the program does not swallow it;
+2. abandons its shardsafe runtimes. The snapshot in flight is neither sealed nor committed, the runtime's gloo
+   groups are dropped, and its holder connection closes as if the process had died. Then it lets go of its
+   process groups (``destroy_process_group``). Dropped gloo groups close their sockets, so a peer still waiting on
+   one of them fails at once. A snapshot thread still waiting after ``abandon_grace_s`` (its peer's end of the group
+   is held open by that peer's own wait) is left to end at its timeout, its holder memory fenced off first
+   (shardsafe.holder.client.HolderClient.fence): it can no longer write into the holder;
+3. calls ``train`` again under the new attempt, on a new default group over the same store (its keys prefixed by
+   the attempt). The runtime's restore then agrees on the newest version every rank holds and applies it, as after
+   a full restart.
+
+The launcher falls back to a full restart when rank 0 died (its process hosts the workers' store), when workers of
+two nodes fail in one attempt, when a node is lost, or when a rank cannot fence an abandoned snapshot off (it then
+exits with :data:`EXIT_NOT_IN_PLACE`, and the agent restarts every worker).
+
+``train`` must build everything that holds a process group (the engine, the model's groups, shardsafe's runtime)
+itself, on every call: after an in-place restart the old groups are gone.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional, TypeVar
+
+from . import env
+from .ordinals import new_process_group
+from .errors import ShardsafeError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["run", "RestartInPlace", "SIGNAL", "EXIT_NOT_IN_PLACE", "write_notice", "read_notice", "notice_path",
+           "InPlaceError"]
+
+T = TypeVar("T")
+
+SIGNAL = signal.SIGUSR1
+"""What an agent sends its surviving workers when the job restarts in place."""
+EXIT_NOT_IN_PLACE = 75
+"""The exit code of a rank that could not restart in place (an abandoned snapshot could not be fenced off from
+holder memory): the agent then restarts every worker, as without ``--restart in-place``."""
+NOTICE_DIR = "inplace"
+
+
+class InPlaceError(RuntimeError, ShardsafeError):
+    """The program cannot restart in place (not under a launcher that does it, or called twice)."""
+
+
+class RestartInPlace(BaseException):
+    """Raised in the main thread of a surviving rank: the job restarts in place at ``attempt``; ``lost`` are the
+    ranks started again."""
+
+    def __init__(self, attempt: int, lost: list[int]):
+        super().__init__(f"the job restarts in place at attempt {attempt} (ranks {lost} started again)")
+        self.attempt, self.lost = attempt, lost
+        self.t = time.time()   # when this process learnt of it
+
+
+timings: dict[str, float] = {}
+"""This process's last restart in place: ``noticed`` (wall clock), ``let_go_s`` (abandoning the runtimes and
+groups), ``init_s`` (the new default group). Empty before the first."""
+
+
+def notice_path(run_dir: str, node: str) -> str:
+    return os.path.join(run_dir, NOTICE_DIR, f"{node}.json")
+
+
+def write_notice(run_dir: str, node: str, attempt: int, lost: list[int]) -> None:
+    """The agent's side: say which attempt the node's surviving workers continue in (atomically: a worker never
+    reads half a file)."""
+    path = notice_path(run_dir, node)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"attempt": int(attempt), "lost": [int(r) for r in lost]}, f)
+    os.replace(tmp, path)
+
+
+def read_notice(run_dir: str, node: str) -> Optional[RestartInPlace]:
+    """The newest in-place restart the node's agent announced, or None."""
+    try:
+        with open(notice_path(run_dir, node)) as f:
+            got = json.load(f)
+        return RestartInPlace(int(got["attempt"]), [int(r) for r in got.get("lost", [])])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class _Trigger:
+    """The signal handler: raises :class:`RestartInPlace` in the main thread while armed, for a notice newer than
+    the attempt this process runs; a signal that comes while disarmed is found by :meth:`arm` from the notice."""
+
+    def __init__(self, run_dir: str, node: str):
+        self.run_dir, self.node = run_dir, node
+        self.attempt = env.attempt()
+        self.armed = False
+        self._previous = signal.signal(SIGNAL, self._on_signal)
+
+    def newer(self) -> Optional[RestartInPlace]:
+        got = read_notice(self.run_dir, self.node)
+        return got if got is not None and got.attempt > self.attempt else None
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self.armed:
+            return
+        got = self.newer()
+        if got is not None:
+            self.armed = False
+            raise got
+
+    def arm(self) -> None:
+        self.armed = True
+        got = self.newer()
+        if got is not None:
+            self.armed = False
+            raise got
+
+    def close(self) -> None:
+        self.armed = False
+        signal.signal(SIGNAL, self._previous)
+
+
+def run(train: Callable[[], T], *, backend: str = "gloo", timeout_s: float = 600.0,
+        abandon_grace_s: float = 0.1) -> T:
+    """Run ``train()`` with torch.distributed initialised, again after every in-place restart; return its result.
+
+    Args:
+        train: the training, from building the model and engine to the end. It runs with the default process
+            group initialised (``backend``, ``timeout_s``) and builds its shardsafe runtime (or engine) itself.
+        backend: the default group's backend ("gloo" on CPU, "nccl" on GPU).
+        timeout_s: the default group's timeout.
+        abandon_grace_s: how long a surviving rank waits for its snapshot thread to stop before fencing it off
+            from holder memory and going on without it.
+
+    Raises:
+        InPlaceError: called from a thread other than the main one, or with torch.distributed already
+            initialised.
+    """
+    import torch.distributed as dist
+    if threading.current_thread() is not threading.main_thread():
+        raise InPlaceError("shardsafe.inplace.run must be called from the main thread (the restart signal is "
+                           "delivered there)")
+    if dist.is_initialized():
+        raise InPlaceError("shardsafe.inplace.run initialises torch.distributed itself (once per attempt); call it "
+                           "before init_process_group, and do not call init_process_group inside train")
+    run_dir, node = env.get(env.RUN_DIR), env.node_name()
+    in_place = env.restart_mode() == "in-place" and bool(run_dir)
+    if env.restart_mode() == "in-place" and not run_dir:
+        log.warning("%s=in-place needs %s (the launcher's run directory): restarts are full", env.RESTART,
+                    env.RUN_DIR)
+    # The workers' store, as init_process_group's env:// makes it (rank 0 hosts it); kept across attempts so a
+    # survivor never connects again, and only the restarted ranks join it.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    trigger = _Trigger(run_dir, node) if in_place else None
+    try:
+        while True:
+            attempt, t0 = env.attempt(), time.perf_counter()
+            dist.init_process_group(backend, store=dist.PrefixStore(f"shardsafe/inplace/a{attempt}", store),
+                                    rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+            new_process_group()
+            if timings:
+                timings["init_s"] = time.perf_counter() - t0
+            again = _attempt(train, trigger, rank)
+            if isinstance(again, RestartInPlace):
+                # Out of the except block, the attempt's frames (the program's engine, runtime and groups among
+                # their locals) are gone: only now can dropping the groups close their sockets.
+                t0 = time.perf_counter()
+                _let_go(rank, again, abandon_grace_s)
+                timings.update(noticed=again.t, let_go_s=time.perf_counter() - t0)
+                os.environ[env.ATTEMPT] = str(again.attempt)
+                trigger.attempt = again.attempt
+                continue
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            return again.value
+    finally:
+        if trigger is not None:
+            trigger.close()
+
+
+class _Done:
+    def __init__(self, value: Any):
+        self.value = value
+
+
+def _attempt(train: Callable[[], Any], trigger: Optional[_Trigger], rank: int) -> "_Done | RestartInPlace":
+    """One call of ``train``: its result, or the in-place restart that ended it (its traceback dropped)."""
+    try:
+        if trigger is not None:
+            trigger.arm()
+        out = train()
+    except RestartInPlace as r:
+        r.__context__ = r.__cause__ = None
+        return r.with_traceback(None)
+    except BaseException:
+        late = trigger.newer() if trigger is not None else None
+        if late is None:
+            raise
+        # The program failed because a peer died (a collective broke) before the signal came: the job restarts in
+        # place all the same.
+        log.warning("[rank %d] training failed while the job restarts in place; restarting", rank)
+        return late
+    finally:
+        if trigger is not None:
+            trigger.armed = False
+    return _Done(out)
+
+
+def _let_go(rank: int, why: RestartInPlace, grace_s: float) -> None:
+    """Abandon this process's shardsafe runtimes and process groups (module docstring, step 2)."""
+    import torch.distributed as dist
+    from .runtime import live_runtimes
+    log.warning("[rank %d] %s: abandoning this attempt", rank, why)
+    if not all([rt.abandon(grace_s) for rt in live_runtimes()]):
+        log.error("[rank %d] an abandoned snapshot could not be fenced off from holder memory: this rank cannot "
+                  "restart in place; exiting with %d so the job restarts in full", rank, EXIT_NOT_IN_PLACE)
+        os._exit(EXIT_NOT_IN_PLACE)
+    if dist.is_initialized():
+        dist.destroy_process_group()
