@@ -12,8 +12,9 @@ in-place update of the state (the optimizer step), ``after_step`` (a snapshot ev
 ``--votes`` picks the commit vote's design, per snapshot version, inside one job:
 
 * ``tree``: the runtime's own agreement (shardsafe.hierarchy: node-local, then the node leaders);
-* ``ring``: the agreement shardsafe had before the hierarchy, ``GlooAgreement`` over a world-wide torch gloo group
-  (its all-reduce is gloo's ring), built here with ``dist.new_group`` as the runtime built it then;
+* ``ring``: the agreement shardsafe had before the hierarchy, ``GlooAgreement`` over a world-wide gloo group (its
+  all-reduce is gloo's ring; :class:`_WorldGroup`, the same all-reduce as the ``dist.new_group`` the runtime built
+  then);
 * ``alternate`` (the default): even versions vote on the tree, odd ones on the ring. Both designs then run in the
   same processes, under the same load, interleaved: what the harness compares.
 
@@ -76,6 +77,25 @@ def _synthetic_adapter(nbytes: int, seed: int):
             self.tensors["step"].fill_(step)
 
     return Synthetic()
+
+
+class _WorldGroup:
+    """Every rank in one gloo group, for GlooAgreement: its min_reduce is gloo's all-reduce over the world (the ring
+    the hierarchy replaced), the same call a ``dist.new_group`` makes. Built over the job's store like shardsafe's
+    own groups (shardsafe.hierarchy.MemberGroup), not registered with torch.distributed: a restart in place that
+    leaves a vote stuck in it does not wait for it when it destroys torch's groups."""
+
+    def __init__(self, store: Any, prefix: str, world: int, rank: int, timeout_s: float):
+        from shardsafe.hierarchy import MemberGroup
+        self.world = world
+        self._group = MemberGroup(store, prefix, list(range(world)), rank, timeout_s)
+
+    def min_reduce(self, values: list[int]) -> list[int]:
+        return self._group.min_reduce(values)
+
+    def gather_bytes(self, blob: bytes) -> list[bytes]:
+        from shardsafe.errors import InternalError
+        raise InternalError("the bench's world group only votes")
 
 
 class _Agreements:
@@ -164,8 +184,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(a: argparse.Namespace, marks: dict, calls: list, t_pg: float) -> int:
     """One attempt on this rank, torch.distributed initialised: the runtime, its restore, the steps."""
-    from datetime import timedelta
-
     import torch.distributed as dist
     from shardsafe import inplace
     from shardsafe.config import ShardsafeConfig
@@ -196,7 +214,7 @@ def _train(a: argparse.Namespace, marks: dict, calls: list, t_pg: float) -> int:
     agreements = {"tree": rt.pipeline.agreement}
     if a.votes != "tree":
         # The agreement before the hierarchy: the min-vote as gloo's all-reduce over a world-wide group.
-        ring = dist.new_group(backend="gloo", timeout=timedelta(seconds=a.timeout_s))
+        ring = _WorldGroup(dist.distributed_c10d._get_default_store(), "bench/ring", world, rank, a.timeout_s)
         agreements["ring"] = GlooAgreement(ring)
     rt.pipeline.agreement = _Agreements(agreements, a.votes)
     step = restored.version + 1 if restored.version >= 0 else 1

@@ -115,12 +115,8 @@ class _Trigger:
         return got if got is not None and got.attempt > self.attempt else None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if not self.armed:
-            return
-        got = self.newer()
-        if got is not None:
-            self.armed = False
-            raise got
+        if self.armed:
+            self.arm()
 
     def arm(self) -> None:
         self.armed = True
@@ -179,7 +175,11 @@ def run(train: Callable[[], T], *, backend: str = "gloo", timeout_s: float = 600
                 # Out of the except block, the attempt's frames (the program's engine, runtime and groups among
                 # their locals) are gone: only now can dropping the groups close their sockets.
                 t0 = time.perf_counter()
-                _let_go(rank, again, abandon_grace_s)
+                if _let_go(rank, again, abandon_grace_s):
+                    # A snapshot thread left behind may hold the store client's one connection (a wait for a peer's
+                    # address in the store): the next attempt talks to the store over a connection of its own.
+                    store = dist.TCPStore(store.host, store.port, is_master=False,
+                                          timeout=timedelta(seconds=timeout_s))
                 timings.update(noticed=again.t, let_go_s=time.perf_counter() - t0)
                 os.environ[env.ATTEMPT] = str(again.attempt)
                 trigger.attempt = again.attempt
@@ -220,14 +220,17 @@ def _attempt(train: Callable[[], Any], trigger: Optional[_Trigger], rank: int) -
     return _Done(out)
 
 
-def _let_go(rank: int, why: RestartInPlace, grace_s: float) -> None:
-    """Abandon this process's shardsafe runtimes and process groups (module docstring, step 2)."""
+def _let_go(rank: int, why: RestartInPlace, grace_s: float) -> bool:
+    """Abandon this process's shardsafe runtimes and process groups (module docstring, step 2); True when a snapshot
+    thread was left behind."""
     import torch.distributed as dist
     from .runtime import live_runtimes
     log.warning("[rank %d] %s: abandoning this attempt", rank, why)
-    if not all([rt.abandon(grace_s) for rt in live_runtimes()]):
+    runtimes = live_runtimes()
+    if not all([rt.abandon(grace_s) for rt in runtimes]):
         log.error("[rank %d] an abandoned snapshot could not be fenced off from holder memory: this rank cannot "
                   "restart in place; exiting with %d so the job restarts in full", rank, EXIT_NOT_IN_PLACE)
         os._exit(EXIT_NOT_IN_PLACE)
     if dist.is_initialized():
         dist.destroy_process_group()
+    return any(rt.left_behind for rt in runtimes)

@@ -214,6 +214,7 @@ class Runtime(BaseRuntime):
         self.persist = PersistentStore(cfg.persist_dir, self.persist_job_id) if cfg.persist_dir else None
         self.restored: RestoreResult | None = None
         self._closed = False
+        self.left_behind = False   # abandon() left a snapshot thread to its timeout
         if world_size > 1:
             _guard_teardown(self)
 
@@ -528,6 +529,7 @@ class Runtime(BaseRuntime):
                 return False
             log.warning("[rank %d] the abandoned attempt's snapshot thread still waits for a peer; it is left to end "
                         "at its timeout, its %.0f MB of holder memory fenced off", self.rank, n / 1e6)
+            self.left_behind = True
         if self.client is not None:
             self.client.close()
         return True
