@@ -10,9 +10,9 @@ nodes) and restore on a synthetic state of --mb MB per rank, a snapshot every st
 of sleep per step standing in for the accelerator. Snapshot versions alternate their commit vote between the
 hierarchy (shardsafe.hierarchy, even versions) and the agreement it replaced (gloo's ring all-reduce over a
 world group, odd versions): both designs in the same processes, under the same load, interleaved. Rank N-1 is
-SIGKILLed at step --kill-at (``--inject kill-rank:N-1@K``); the job restarts (``--restart in-place``, the default:
-rank N-1 alone starts again and the others go on in their processes, shardsafe.inplace; ``--restart full``: every
-trainer starts again), restores from the holders and runs to --steps. Per N, from the event log and the trainers'
+SIGKILLed at step --kill-at (``--inject kill-rank:N-1@K``); the job restarts (every trainer; with ``--restart
+in-place`` rank N-1 alone starts again and the others go on in their processes, shardsafe.inplace), restores from
+the holders and runs to --steps. Per N, from the event log and the trainers'
 lines:
 
 * commit vote: the median ``vote_s`` of the snapshot events per design (every rank and version, the first
@@ -314,10 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--votes", choices=("alternate", *DESIGNS), default="alternate")
     p.add_argument("--launcher", choices=("elastic", "local"), default="elastic",
                    help="elastic: shardsafe launch's launcher (torchrun agents); local: the local launcher")
-    p.add_argument("--restart", choices=("full", "in-place"), default="in-place",
-                   help="in-place (default): only the killed rank starts again, the others continue in their "
-                        "processes (shardsafe.inplace; the elastic launcher only); full: the kill restarts every "
-                        "trainer")
+    p.add_argument("--restart", choices=("full", "in-place"), default="full",
+                   help="full (default): the kill restarts every trainer; in-place: only the killed rank starts "
+                        "again, the others continue in their processes (shardsafe.inplace; the elastic launcher "
+                        "only)")
     p.add_argument("--budget-gb", type=float, default=0.5, help="each holder's memory budget")
     p.add_argument("--job-timeout-s", type=float, default=900.0)
     p.add_argument("--simulate", default="", help="simulated rank counts, e.g. 1024,16384")
