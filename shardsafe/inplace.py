@@ -153,9 +153,9 @@ def run(train: Callable[[], T], *, backend: str = "gloo", timeout_s: float = 600
     if dist.is_initialized():
         raise InPlaceError("shardsafe.inplace.run initialises torch.distributed itself (once per attempt); call it "
                            "before init_process_group, and do not call init_process_group inside train")
-    run_dir, node = env.get(env.RUN_DIR), env.node_name()
-    in_place = env.restart_mode() == "in-place" and bool(run_dir)
-    if env.restart_mode() == "in-place" and not run_dir:
+    run_dir, node, mode = env.get(env.RUN_DIR), env.node_name(), env.restart_mode()
+    in_place = mode == "in-place" and bool(run_dir)
+    if mode == "in-place" and not run_dir:
         log.warning("%s=in-place needs %s (the launcher's run directory): restarts are full", env.RESTART,
                     env.RUN_DIR)
     # The workers' store, as init_process_group's env:// makes it (rank 0 hosts it); kept across attempts so a

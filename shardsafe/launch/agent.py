@@ -135,13 +135,17 @@ class _AgentHooks:
             except Exception as e:  # noqa: BLE001 - accounting never stops training
                 log.warning("[agent %s] cannot publish %s to the controller: %s", self.opts.node, fact.get("type"), e)
 
+    def draw_attempt(self) -> int:
+        """The job's next attempt number (each rendezvous round draws one, and each restart in place); the caller
+        holds ``_lock``."""
+        n = self.store.add(self.keys.rounds, 1) - 1
+        return n + (int(self.store.get(self.keys.base)) if self.store.check([self.keys.base]) else 0)
+
     def on_rendezvous(self, worker_group) -> None:
         st = worker_group.store
         with self._lock:
             if worker_group.group_rank == 0:
-                n = self.store.add(self.keys.rounds, 1) - 1
-                base = int(self.store.get(self.keys.base)) if self.store.check([self.keys.base]) else 0
-                st.set(Keys.ROUND_ATTEMPT, str(base + n))
+                st.set(Keys.ROUND_ATTEMPT, str(self.draw_attempt()))
             attempt = int(st.get(Keys.ROUND_ATTEMPT))
         self.attempt = attempt
         self.worker_group = worker_group

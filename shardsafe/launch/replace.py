@@ -85,9 +85,7 @@ class InPlace:
                 log.warning("[agent %s] another node restarts attempt %d in place; rank(s) %s failed too: every "
                             "worker restarts", self.opts.node, a, sorted(ranks.values()))
                 return False
-            base = int(self.hooks.store.get(self.hooks.keys.base)) if self.hooks.store.check(
-                [self.hooks.keys.base]) else 0
-            nxt = base + self.hooks.store.add(self.hooks.keys.rounds, 1) - 1
+            nxt = self.hooks.draw_attempt()
         self.hooks.reported.add((a, "fail"))
         self.hooks._publish({"type": "fail", "attempt": a, "exits": {str(ranks[lr]): rc for lr, rc in dead.items()}})
         agent._remaining_restarts -= 1
@@ -95,7 +93,6 @@ class InPlace:
         log.warning("[agent %s] rank(s) %s of attempt %d died (exit %s); restarting them in place as attempt %d, "
                     "%d restart(s) left", self.opts.node, lost, a, sorted(dead.values()), nxt,
                     agent._remaining_restarts)
-        os.environ[names.ATTEMPT] = str(nxt)   # what the restarted workers inherit
         for lr in dead:
             self._start_again(ctx, wg, lr, nxt)
         with self.hooks._lock:
