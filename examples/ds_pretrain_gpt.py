@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/ds_pretrain_gpt.py --steps 50 --zero-stage 2 --dtype bf16
     torchrun --nproc-per-node 4 examples/ds_pretrain_gpt.py --pp 2 --zero-stage 1   (PipelineModule, train_batch)
     shardsafe launch --nnodes 2 --nproc-per-node 2 examples/ds_pretrain_gpt.py --steps 50
+    shardsafe launch --nnodes 3 --restart in-place examples/ds_pretrain_gpt.py --in-place   (shardsafe.inplace.run)
     (also plain `srun` tasks or `mpirun` with mpi4py: shardsafe.launch.discovery fills in RANK, WORLD_SIZE, ...)
 
 Every sample is a pure function of (seed, its global position): step k consumes positions [k B, (k+1) B) of the
@@ -428,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-gb", type=float, default=0.0)
     p.add_argument("--shardsafe-json", default="", help="extra keys for the shardsafe block, as JSON")
     p.add_argument("--no-shardsafe", action="store_true", help="plain deepspeed.initialize (the reference run)")
+    p.add_argument("--in-place", action="store_true",
+                   help="train inside shardsafe.inplace.run: under `shardsafe launch --restart in-place` a rank that "
+                        "survives a peer's death goes on in its process, building its engine again")
     p.add_argument("--vocab", type=int, default=512)
     # Width and sequence are sized for the tests on CPU: bf16 matmuls on a CPU without AVX512-BF16 run about 8x slower
     # than fp32 ones, and at width 128 x 32 tokens they were most of the test suite's time.
@@ -476,125 +480,135 @@ def main(argv: list[str] | None = None) -> int:
     from shardsafe.adapters.deepspeed import initialize
     from shardsafe.payload.manifest import save_tensors
 
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=float(os.environ.get("SHARDSAFE_PG_TIMEOUT", 30))))
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    torch.manual_seed(a.seed)
-    mpu = grid = topology = None
-    if a.tp > 1 or a.pp:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    if a.tp > 1 and a.pp:
-        from _ds_tensor_parallel import pipeline_grid
-        topology, grid = pipeline_grid(a.pp, a.tp)
-    if a.pp:
-        model = pipeline_model(a, grid, topology)
-    elif a.autotp > 1:
-        model = TinyLlama(a.vocab, a.d_model, a.layers, a.heads, a.seq)
-    else:
-        model = TinyGPT(a.vocab, a.d_model, a.layers, a.heads, a.seq)
-    if a.moe:
-        if a.pp or a.tp > 1:
-            raise SystemExit("--moe with --pp or --tp: not in this example")
-        for blk in model.blocks:   # every rank builds all experts from the same weights; MoE keeps its own
-            blk.mlp = MoEMLP(blk.mlp, a.d_model, a.moe, min(a.moe, world))
-    if a.tp > 1:
-        from _ds_tensor_parallel import TensorParallelMpu, seed_model_parallel_rng, shard_mlps
-        if not a.pp:
-            mpu = TensorParallelMpu(a.tp)
-            shard_mlps(model, mpu)
-        # the tracker's stream per tensor-parallel rank (the pipeline's grid is the mpu there)
-        seed_model_parallel_rng(mpu or grid, a.seed)
-    torch.manual_seed(a.seed + 1 + rank)  # per-rank dropout streams: the adapter must keep RNG per rank
-    random.seed(a.seed + rank)
-    np.random.seed(a.seed + rank)
-    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(),
-                                 config=ds_config(a, full_world_size(world)), mpu=mpu)
-    print(f"[rank {rank}] {type(engine).__name__} with {type(engine.optimizer).__name__}", flush=True)
-    if engine.shardsafe:
-        r = engine.shardsafe.restored
-        print(f"[rank {rank}] shardsafe: {r.message} (tier {r.tier}, {r.seconds:.3f} s)", flush=True)
-    attempt = int(os.environ.get("SHARDSAFE_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
-    if a.load and attempt >= a.load_from_attempt:
-        # Vanilla DeepSpeed load; an exported snapshot also carries what DeepSpeed's format has no
-        # place for (per-rank RNG, micro_steps), put back by apply_client_state.
-        from shardsafe.adapters.deepspeed.export import apply_client_state
-        path, client = engine.load_checkpoint(a.load.format(rank=rank))
-        if path is None:
-            raise SystemExit(f"no DeepSpeed checkpoint under {a.load}")
-        if a.load_universal:
-            universal_fixups(engine, a.load.format(rank=rank))
-            print(f"[rank {rank}] loaded universal checkpoint {path} at step {engine.global_steps}", flush=True)
-        else:
-            print(f"[rank {rank}] loaded {path} at step {engine.global_steps}; shardsafe client state: "
-                  f"{apply_client_state(engine, client, path)}", flush=True)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.dtype)
-    dp_rank = engine.mpu.get_data_parallel_rank() if engine.mpu else rank
-    losses = open(os.path.join(a.out, f"losses_rank{rank}.jsonl"), "a") if a.out else None
-    events = engine.shardsafe.runtime.events if engine.shardsafe else None
-    if events is not None:
-        events.emit("train_ready", iteration=engine.global_steps + 1)
-    running = None
-    if events is not None and events.path is not None and rank == 0 and a.running_tor_every > 0:
-        from shardsafe.tor import RunningTor
-        running = RunningTor(events, every=a.running_tor_every)
-    runtime = engine.shardsafe.runtime if engine.shardsafe else None
-    # DeepSpeed's accumulation, not --gas: a job re-formed at another data-parallel size accumulates more or fewer
-    # micro-batches per step (shardsafe scales it to keep the global batch)
-    gas = engine.gradient_accumulation_steps()
-    while engine.global_steps < a.steps:
-        t0 = time.perf_counter()
-        stall0 = runtime.stall_total_s if runtime is not None else 0.0
-        total = 0.0
+    pg_timeout_s = float(os.environ.get("SHARDSAFE_PG_TIMEOUT", 30))
+
+    def train() -> int:
+        # with --in-place, once per attempt on a rank that restarts in place: everything that holds a process
+        # group (the engine, its groups, shardsafe's runtime) is built here
+        deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=pg_timeout_s))
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        torch.manual_seed(a.seed)
+        mpu = grid = topology = None
+        if a.tp > 1 or a.pp:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        if a.tp > 1 and a.pp:
+            from _ds_tensor_parallel import pipeline_grid
+            topology, grid = pipeline_grid(a.pp, a.tp)
         if a.pp:
-            # One optimizer step per train_batch(); it pulls `gas` micro-batches on the first and last stage.
-            data = iter([micro_batch(a, engine, engine.global_steps, j, dp_rank) for j in range(gas)])
-            rec = {"step": engine.global_steps + 1, "attempt": attempt}
-            scaler = getattr(engine.optimizer, "loss_scaler", None)
-            if a.dtype == "fp16" and scaler is not None:
-                rec["loss_scale"] = float(scaler.cur_scale)   # the scale this step's backward uses
-            loss = engine.train_batch(data)
-            if losses:   # after the step here: train_batch returns the loss only then
-                losses.write(json.dumps({**rec, "loss": float(loss.item()).hex()}) + "\n")
-                losses.flush()
-        for i in range(0 if a.pp else gas):
-            x, y = micro_batch(a, engine, engine.global_steps, i, dp_rank)
-            loss = engine(x, y) if dtype is None else engine(x, y)
-            engine.backward(loss)
-            total += loss.item()
-            if losses and i == gas - 1:
-                # Logged before the optimizer step: the step's snapshot may commit right after it, and a
-                # kill between that commit and a later write would lose this line for good. A step
-                # replayed after a restore writes its line again (the last one counts).
-                rec = {"step": engine.global_steps + 1, "loss": float(total).hex(), "attempt": attempt}
+            model = pipeline_model(a, grid, topology)
+        elif a.autotp > 1:
+            model = TinyLlama(a.vocab, a.d_model, a.layers, a.heads, a.seq)
+        else:
+            model = TinyGPT(a.vocab, a.d_model, a.layers, a.heads, a.seq)
+        if a.moe:
+            if a.pp or a.tp > 1:
+                raise SystemExit("--moe with --pp or --tp: not in this example")
+            for blk in model.blocks:   # every rank builds all experts from the same weights; MoE keeps its own
+                blk.mlp = MoEMLP(blk.mlp, a.d_model, a.moe, min(a.moe, world))
+        if a.tp > 1:
+            from _ds_tensor_parallel import TensorParallelMpu, seed_model_parallel_rng, shard_mlps
+            if not a.pp:
+                mpu = TensorParallelMpu(a.tp)
+                shard_mlps(model, mpu)
+            # the tracker's stream per tensor-parallel rank (the pipeline's grid is the mpu there)
+            seed_model_parallel_rng(mpu or grid, a.seed)
+        torch.manual_seed(a.seed + 1 + rank)  # per-rank dropout streams: the adapter must keep RNG per rank
+        random.seed(a.seed + rank)
+        np.random.seed(a.seed + rank)
+        engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(),
+                                     config=ds_config(a, full_world_size(world)), mpu=mpu)
+        print(f"[rank {rank}] {type(engine).__name__} with {type(engine.optimizer).__name__}", flush=True)
+        if engine.shardsafe:
+            r = engine.shardsafe.restored
+            print(f"[rank {rank}] shardsafe: {r.message} (tier {r.tier}, {r.seconds:.3f} s)", flush=True)
+        attempt = int(os.environ.get("SHARDSAFE_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+        if a.load and attempt >= a.load_from_attempt:
+            # Vanilla DeepSpeed load; an exported snapshot also carries what DeepSpeed's format has no
+            # place for (per-rank RNG, micro_steps), put back by apply_client_state.
+            from shardsafe.adapters.deepspeed.export import apply_client_state
+            path, client = engine.load_checkpoint(a.load.format(rank=rank))
+            if path is None:
+                raise SystemExit(f"no DeepSpeed checkpoint under {a.load}")
+            if a.load_universal:
+                universal_fixups(engine, a.load.format(rank=rank))
+                print(f"[rank {rank}] loaded universal checkpoint {path} at step {engine.global_steps}", flush=True)
+            else:
+                print(f"[rank {rank}] loaded {path} at step {engine.global_steps}; shardsafe client state: "
+                      f"{apply_client_state(engine, client, path)}", flush=True)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.dtype)
+        dp_rank = engine.mpu.get_data_parallel_rank() if engine.mpu else rank
+        losses = open(os.path.join(a.out, f"losses_rank{rank}.jsonl"), "a") if a.out else None
+        events = engine.shardsafe.runtime.events if engine.shardsafe else None
+        if events is not None:
+            events.emit("train_ready", iteration=engine.global_steps + 1)
+        running = None
+        if events is not None and events.path is not None and rank == 0 and a.running_tor_every > 0:
+            from shardsafe.tor import RunningTor
+            running = RunningTor(events, every=a.running_tor_every)
+        runtime = engine.shardsafe.runtime if engine.shardsafe else None
+        # DeepSpeed's accumulation, not --gas: a job re-formed at another data-parallel size accumulates more or fewer
+        # micro-batches per step (shardsafe scales it to keep the global batch)
+        gas = engine.gradient_accumulation_steps()
+        while engine.global_steps < a.steps:
+            t0 = time.perf_counter()
+            stall0 = runtime.stall_total_s if runtime is not None else 0.0
+            total = 0.0
+            if a.pp:
+                # One optimizer step per train_batch(); it pulls `gas` micro-batches on the first and last stage.
+                data = iter([micro_batch(a, engine, engine.global_steps, j, dp_rank) for j in range(gas)])
+                rec = {"step": engine.global_steps + 1, "attempt": attempt}
                 scaler = getattr(engine.optimizer, "loss_scaler", None)
                 if a.dtype == "fp16" and scaler is not None:
-                    rec["loss_scale"] = float(scaler.cur_scale)   # the scale this step's backward used
-                losses.write(json.dumps(rec) + "\n")
-                losses.flush()
-            engine.step()
-        if a.save_dir and engine.global_steps == a.save_at:
-            engine.save_checkpoint(a.save_dir)
-            if a.save_tied_copies:
-                save_tied_copies(engine, a.save_dir)
-        if a.step_sleep and engine.global_steps > a.step_sleep_after:
-            time.sleep(a.step_sleep)
-        if events is not None:
-            # TOR: an iteration's seconds exclude the snapshot stall (the wait for the copy inside
-            # engine.step() and the capture after it), which the snapshot events report.
-            dt = max(0.0, time.perf_counter() - t0 - (runtime.stall_total_s - stall0))
-            events.emit("iteration", iteration=engine.global_steps, seconds=dt)
-            if running is not None:
-                running.update(engine.global_steps, dt)
-    if engine.shardsafe:
-        engine.shardsafe.flush()
-    if a.out:
-        save_tensors(os.path.join(a.out, f"final_rank{rank}"), final_state(engine))
-    if engine.shardsafe:
-        engine.shardsafe.close()
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    from shardsafe.launch.markers import mark_rank_done
-    mark_rank_done(rank=rank)   # RUN_DIR/markers/rank{R}.done: launchers check every rank finished
-    return 0
+                    rec["loss_scale"] = float(scaler.cur_scale)   # the scale this step's backward uses
+                loss = engine.train_batch(data)
+                if losses:   # after the step here: train_batch returns the loss only then
+                    losses.write(json.dumps({**rec, "loss": float(loss.item()).hex()}) + "\n")
+                    losses.flush()
+            for i in range(0 if a.pp else gas):
+                x, y = micro_batch(a, engine, engine.global_steps, i, dp_rank)
+                loss = engine(x, y) if dtype is None else engine(x, y)
+                engine.backward(loss)
+                total += loss.item()
+                if losses and i == gas - 1:
+                    # Logged before the optimizer step: the step's snapshot may commit right after it, and a
+                    # kill between that commit and a later write would lose this line for good. A step
+                    # replayed after a restore writes its line again (the last one counts).
+                    rec = {"step": engine.global_steps + 1, "loss": float(total).hex(), "attempt": attempt}
+                    scaler = getattr(engine.optimizer, "loss_scaler", None)
+                    if a.dtype == "fp16" and scaler is not None:
+                        rec["loss_scale"] = float(scaler.cur_scale)   # the scale this step's backward used
+                    losses.write(json.dumps(rec) + "\n")
+                    losses.flush()
+                engine.step()
+            if a.save_dir and engine.global_steps == a.save_at:
+                engine.save_checkpoint(a.save_dir)
+                if a.save_tied_copies:
+                    save_tied_copies(engine, a.save_dir)
+            if a.step_sleep and engine.global_steps > a.step_sleep_after:
+                time.sleep(a.step_sleep)
+            if events is not None:
+                # TOR: an iteration's seconds exclude the snapshot stall (the wait for the copy inside
+                # engine.step() and the capture after it), which the snapshot events report.
+                dt = max(0.0, time.perf_counter() - t0 - (runtime.stall_total_s - stall0))
+                events.emit("iteration", iteration=engine.global_steps, seconds=dt)
+                if running is not None:
+                    running.update(engine.global_steps, dt)
+        if engine.shardsafe:
+            engine.shardsafe.flush()
+        if a.out:
+            save_tensors(os.path.join(a.out, f"final_rank{rank}"), final_state(engine))
+        if engine.shardsafe:
+            engine.shardsafe.close()
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        from shardsafe.launch.markers import mark_rank_done
+        mark_rank_done(rank=rank)   # RUN_DIR/markers/rank{R}.done: launchers check every rank finished
+        return 0
+
+    if a.in_place:
+        from shardsafe.inplace import run
+        return run(train, backend="gloo", timeout_s=pg_timeout_s)
+    return train()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ surviving workers (:data:`SIGNAL`) after writing the new attempt where they read
 program that runs its training inside :func:`run` then, on every surviving rank:
 
 1. stops where it is: the signal raises :class:`RestartInPlace` in the main thread. It is a BaseException, so an
-   ``except Exception`` in the program does not swallow it;
+   ``except Exception`` in the program does not swallow it. A collective that broke first, because the peer died,
+   raises in ``train`` before the signal comes: the rank then waits for the notice (``notice_wait_s``);
 2. abandons its shardsafe runtimes. The snapshot in flight is neither sealed nor committed, the runtime's gloo
    groups are dropped, and its holder connection closes as if the process had died. Then it lets go of its
    process groups (``destroy_process_group``). Dropped gloo groups close their sockets, so a peer still waiting on
@@ -24,14 +25,17 @@ two nodes fail in one attempt, when a node is lost, or when a rank cannot fence 
 exits with :data:`EXIT_NOT_IN_PLACE`, and the agent restarts every worker).
 
 ``train`` must build everything that holds a process group (the engine, the model's groups, shardsafe's runtime)
-itself, on every call: after an in-place restart the old groups are gone.
+itself, on every call: after an in-place restart the old groups are gone. What a framework caches at module level
+(DeepSpeed's world and expert groups, for one) its adapter forgets through :func:`on_let_go`.
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -44,7 +48,7 @@ from .errors import ShardsafeError
 log = logging.getLogger(__name__)
 
 __all__ = ["run", "RestartInPlace", "SIGNAL", "EXIT_NOT_IN_PLACE", "write_notice", "read_notice", "notice_path",
-           "InPlaceError"]
+           "InPlaceError", "on_let_go"]
 
 T = TypeVar("T")
 
@@ -73,6 +77,16 @@ class RestartInPlace(BaseException):
 timings: dict[str, float] = {}
 """This process's last restart in place: ``noticed`` (wall clock), ``let_go_s`` (abandoning the runtimes and
 groups), ``init_s`` (the new default group). Empty before the first."""
+
+
+_FORGET: dict[str, Callable[[], None]] = {}
+
+
+def on_let_go(name: str, forget: Callable[[], None]) -> None:
+    """Have ``forget()`` called on a surviving rank after its process groups are destroyed and before ``train`` runs
+    again: a framework adapter drops the groups its framework cached at module level, which the next attempt's
+    ``train`` would otherwise find and use, destroyed. One per ``name`` (registering again replaces it)."""
+    _FORGET[name] = forget
 
 
 def notice_path(run_dir: str, node: str) -> str:
@@ -114,6 +128,15 @@ class _Trigger:
         got = read_notice(self.run_dir, self.node)
         return got if got is not None and got.attempt > self.attempt else None
 
+    def wait_newer(self, timeout_s: float) -> Optional[RestartInPlace]:
+        """A notice newer than this attempt, waited for up to ``timeout_s`` (the file, read every 20 ms)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = self.newer()
+            if got is not None or time.monotonic() >= deadline:
+                return got
+            time.sleep(0.02)
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.armed:
             self.arm()
@@ -131,7 +154,7 @@ class _Trigger:
 
 
 def run(train: Callable[[], T], *, backend: str = "gloo", timeout_s: float = 600.0,
-        abandon_grace_s: float = 0.1) -> T:
+        abandon_grace_s: float = 0.1, notice_wait_s: float = 10.0, stuck_s: float = 1.0) -> T:
     """Run ``train()`` with torch.distributed initialised, again after every in-place restart; return its result.
 
     Args:
@@ -141,6 +164,11 @@ def run(train: Callable[[], T], *, backend: str = "gloo", timeout_s: float = 600
         timeout_s: the default group's timeout.
         abandon_grace_s: how long a surviving rank waits for its snapshot thread to stop before fencing it off
             from holder memory and going on without it.
+        notice_wait_s: when ``train`` raises, how long to wait for the agent's word that the job restarts in place
+            (a collective fails as soon as a peer dies, before the peer's agent has started it again) before the
+            error ends this rank. Its agent stops it sooner where the job restarts in full.
+        stuck_s: how long the main thread may stay in a collective of the abandoned attempt after the signal
+            before this rank gives up restarting in place (:class:`_Watchdog`); 30 times that outside one.
 
     Raises:
         InPlaceError: called from a thread other than the main one, or with torch.distributed already
@@ -162,6 +190,7 @@ def run(train: Callable[[], T], *, backend: str = "gloo", timeout_s: float = 600
     # survivor never connects again, and only the restarted ranks join it.
     store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
     trigger = _Trigger(run_dir, node) if in_place else None
+    watchdog = _Watchdog(trigger, rank, stuck_s) if trigger is not None else None
     try:
         while True:
             attempt, t0 = env.attempt(), time.perf_counter()
@@ -170,8 +199,9 @@ def run(train: Callable[[], T], *, backend: str = "gloo", timeout_s: float = 600
             new_process_group()
             if timings:
                 timings["init_s"] = time.perf_counter() - t0
-            again = _attempt(train, trigger, rank)
+            again = _attempt(train, trigger, rank, notice_wait_s)
             if isinstance(again, RestartInPlace):
+                trigger.attempt = again.attempt   # taken: the watchdog stands down
                 # Out of the except block, the attempt's frames (the program's engine, runtime and groups among
                 # their locals) are gone: only now can dropping the groups close their sockets.
                 t0 = time.perf_counter()
@@ -182,14 +212,67 @@ def run(train: Callable[[], T], *, backend: str = "gloo", timeout_s: float = 600
                                           timeout=timedelta(seconds=timeout_s))
                 timings.update(noticed=again.t, let_go_s=time.perf_counter() - t0)
                 os.environ[env.ATTEMPT] = str(again.attempt)
-                trigger.attempt = again.attempt
                 continue
             if dist.is_initialized():
                 dist.destroy_process_group()
             return again.value
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         if trigger is not None:
             trigger.close()
+
+
+class _Watchdog:
+    """A surviving rank whose main thread cannot stop: it exits with :data:`EXIT_NOT_IN_PLACE`, and the job restarts
+    in full instead of waiting.
+
+    The signal's handler runs only when the main thread runs Python. A main thread blocked in a gloo collective of
+    the abandoned attempt does not: that collective waits for a peer's part that never comes (the dead rank's, or
+    one from a pair that was never connected, as with lazily connected gloo groups), up to the group's timeout, 30
+    minutes for a group a framework made without one. Once a newer attempt is announced, this thread gives the main
+    thread ``stuck_s`` inside ``torch.distributed`` (a collective that fails by itself ends sooner: the rank then
+    restarts in place) and ``30 * stuck_s`` anywhere else (one long native call, a backward pass)."""
+
+    def __init__(self, trigger: _Trigger, rank: int, stuck_s: float):
+        self.trigger, self.rank, self.stuck_s = trigger, rank, stuck_s
+        self._main = threading.main_thread().ident
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="shardsafe-inplace-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _where(self) -> str:
+        """The main thread's innermost Python frame, as ``file:function``."""
+        frame = sys._current_frames().get(self._main)
+        return f"{frame.f_code.co_filename}:{frame.f_code.co_name}" if frame is not None else "?"
+
+    def _watch(self) -> None:
+        path = notice_path(self.trigger.run_dir, self.trigger.node)
+        seen, since = None, None
+        while not self._stopped.wait(0.05):
+            try:
+                mtime = os.stat(path).st_mtime_ns
+            except OSError:
+                continue
+            if mtime != seen or since is not None:
+                seen = mtime
+                got = self.trigger.newer()
+                if got is None:
+                    since = None
+                    continue
+                since = since or time.monotonic()
+                where = self._where()
+                limit = self.stuck_s * (1 if f"torch{os.sep}distributed{os.sep}" in where else 30)
+                if time.monotonic() - since >= limit:
+                    log.error("[rank %d] the job restarts in place at attempt %d, but this rank's main thread has "
+                              "not stopped in %.1f s: it waits in %s, which no signal ends. Exiting with %d so the "
+                              "job restarts in full", self.rank, got.attempt, time.monotonic() - since, where,
+                              EXIT_NOT_IN_PLACE)
+                    logging.shutdown()
+                    os._exit(EXIT_NOT_IN_PLACE)
 
 
 class _Done:
@@ -197,7 +280,8 @@ class _Done:
         self.value = value
 
 
-def _attempt(train: Callable[[], Any], trigger: Optional[_Trigger], rank: int) -> "_Done | RestartInPlace":
+def _attempt(train: Callable[[], Any], trigger: Optional[_Trigger], rank: int,
+             notice_wait_s: float) -> "_Done | RestartInPlace":
     """One call of ``train``: its result, or the in-place restart that ended it (its traceback dropped)."""
     try:
         if trigger is not None:
@@ -206,14 +290,23 @@ def _attempt(train: Callable[[], Any], trigger: Optional[_Trigger], rank: int) -
     except RestartInPlace as r:
         r.__context__ = r.__cause__ = None
         return r.with_traceback(None)
-    except BaseException:
-        late = trigger.newer() if trigger is not None else None
+    except Exception as e:
+        if trigger is None:
+            raise
+        # A collective breaks as soon as a peer dies, before that peer's agent has started it again and told this
+        # node's agent: wait for the notice. Exiting now would make this rank the next one to restart, and its
+        # peers would fail in turn.
+        try:
+            trigger.armed = False
+            late = trigger.wait_newer(notice_wait_s)
+        except RestartInPlace as r:   # the signal, between the error and the line above
+            late = r
         if late is None:
             raise
-        # The program failed because a peer died (a collective broke) before the signal came: the job restarts in
-        # place all the same.
-        log.warning("[rank %d] training failed while the job restarts in place; restarting", rank)
-        return late
+        log.warning("[rank %d] training failed (%s: %s) as the job restarts in place; restarting", rank,
+                    type(e).__name__, str(e)[:200])
+        late.__context__ = late.__cause__ = None
+        return late.with_traceback(None)
     finally:
         if trigger is not None:
             trigger.armed = False
@@ -233,4 +326,17 @@ def _let_go(rank: int, why: RestartInPlace, grace_s: float) -> bool:
         os._exit(EXIT_NOT_IN_PLACE)
     if dist.is_initialized():
         dist.destroy_process_group()
+    for name, forget in _FORGET.items():
+        try:
+            forget()
+        except Exception as e:  # noqa: BLE001 - a stale group would break the next attempt: restart in full
+            log.error("[rank %d] cannot forget %s's cached process groups (%s: %s): this rank cannot restart in "
+                      "place; exiting with %d so the job restarts in full", rank, name, type(e).__name__, e,
+                      EXIT_NOT_IN_PLACE)
+            os._exit(EXIT_NOT_IN_PLACE)
+    # The attempt's engine and model hold their groups in reference cycles (module hooks, closures): only a
+    # collection frees the groups, and only that closes their sockets. A peer blocked in one of their collectives
+    # (a gloo wait runs no signal handler, and a group a framework makes waits up to torch's 30-minute default)
+    # then fails at once and restarts in place too.
+    gc.collect()
     return any(rt.left_behind for rt in runtimes)

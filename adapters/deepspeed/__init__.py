@@ -4,7 +4,8 @@ activation calls), the engine hooks (:mod:`.engine`), the rank state of ZeRO-1/2
 (:mod:`.checks`), the program's own ``load_checkpoint`` resume (:mod:`.client_state`), the LR schedulers a program
 steps itself (:mod:`.schedulers`), DeepSpeed's checkpoint files from snapshots (:mod:`.export`), re-partitioning to
 another data-parallel size (:mod:`.reshard`), start-up work a fork server does once (:mod:`.prewarm`), model-parallel
-RNG trackers (:mod:`.rng_trackers`) and DeepSpeed's CPU Adam beta powers (:mod:`.cpu_adam_powers`). The config as
+RNG trackers (:mod:`.rng_trackers`), DeepSpeed's CPU Adam beta powers (:mod:`.cpu_adam_powers`) and its cached
+process groups, forgotten on a rank that restarts in place (:mod:`.inplace`). The config as
 DeepSpeed takes it is read by ``shardsafe.adapters.ds_config`` (standard library only: the activation hook reads it
 before anything of this package is imported).
 

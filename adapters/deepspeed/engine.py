@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from shardsafe.config import ShardsafeConfig
 from shardsafe.fatal import install_excepthook
+from shardsafe.inplace import on_let_go
 from shardsafe.ordinals import next_ordinal
 from shardsafe.snapshot.state import capture_rng
 
@@ -20,12 +21,14 @@ from .. import ds_config
 from . import rng_trackers
 from .client_state import (DS_CHECKPOINT_KEYS, client_state_at, client_state_without_checkpoint, disk_checkpoint,
                            live_rng, program_layout)
+from .inplace import forget_groups
 from .layout import coords as parallel_coords
 from .layout import is_pipeline
 from .prewarm import memo_cpu_info
 from .state import DeepSpeedStateAdapter
 
 log = logging.getLogger(__name__)
+on_let_go("DeepSpeed", forget_groups)   # a rank restarted in place builds its engine again (shardsafe.inplace)
 
 
 def config_from_ds(ds_config: Mapping[str, Any] | None) -> ShardsafeConfig:

@@ -191,6 +191,18 @@ def trainer_logs(run_dir):
     return txt
 
 
+def agent_log_tails(run_dir, lines=15) -> str:
+    """The last lines of every agent's log (its workers' tracebacks land there): for an assertion's message, so a
+    failure that a loaded machine alone shows says what the ranks saw."""
+    out = []
+    logs = os.path.join(str(run_dir), "logs")
+    for f in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
+        if f.startswith("agent_node"):
+            with open(os.path.join(logs, f), errors="replace") as fh:
+                out.append(f"--- {f}\n" + "".join(fh.readlines()[-lines:]))
+    return "\n".join(out)
+
+
 def live_holders(run_dir, wait_s=10.0):
     """Holder processes whose command line names ``run_dir`` that are still alive after ``wait_s`` (a job must
     leave none behind: launcher-started, rank-started and replacement holders alike)."""

@@ -14,8 +14,11 @@ import sys
 
 import pytest
 
+from shardsafe.launch import PRELOAD_DEEPSPEED
 from shardsafe.launch.elastic import ElasticConfig, ElasticLauncher
-from shardsafe.runcheck import read_jsonl
+from shardsafe.runcheck import compare_runs, read_jsonl
+
+from .helpers import SCRIPT, restores
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINER = os.path.join(ROOT, "bench", "control_plane_trainer.py")
@@ -61,18 +64,18 @@ def check_bit_exact(lines):
         assert end[0]["state_sha256"] == expected_digest(r), f"rank {r} ended with another state"
 
 
-def check_resumed(evs, version):
+def check_resumed(evs, version, world=WORLD):
     """Attempt 1 restored ``version`` from memory on every rank and went on with the step after it."""
     ends = [e for e in evs if e["kind"] == "restore_end" and e.get("attempt") == 1]
-    assert sorted(e["rank"] for e in ends) == list(range(WORLD)), ends
+    assert sorted(e["rank"] for e in ends) == list(range(world)), ends
     assert {(e["tier"], e["version"]) for e in ends} == {("memory", version)}, ends
     ready = {e["rank"]: e["iteration"] for e in evs if e["kind"] == "train_ready" and e.get("attempt") == 1}
-    assert ready == {r: version + 1 for r in range(WORLD)}, ready
+    assert ready == {r: version + 1 for r in range(world)}, ready
     first = {}
     for e in evs:
         if e["kind"] == "iteration" and e.get("attempt") == 1:
             first.setdefault(e["rank"], e["iteration"])
-    assert first == {r: version + 1 for r in range(WORLD)}, first
+    assert first == {r: version + 1 for r in range(world)}, first
 
 
 def test_a_killed_rank_starts_again_alone_and_every_rank_ends_bit_exact(tmp_path):
@@ -105,3 +108,78 @@ def test_rank_0_killed_restarts_every_worker_and_ends_bit_exact(tmp_path):
     (version,) = {a1[r]["restored_version"] for r in range(WORLD)}
     check_resumed(evs, version)
     check_bit_exact(lines)
+
+
+DS_STEPS, DS_KILL_AT, DS_WORLD = 10, 6, 3
+FUSED = ("--optimizer", "fused-adamw", "--no-scheduler", "--no-clip")
+DS_CASES = [
+    # DeepSpeed's default optimizer (FusedAdam from the config's "AdamW"): its CPU kernel keeps beta powers in a
+    # C++ object that a survivor builds again with its engine; no scheduler, no clipping
+    (2, "bf16", FUSED),
+    # bf16 + ZeRO-1 + fp32 gradient accumulation: BF16_Optimizer over torch AdamW, with scheduler and clipping
+    (1, "bf16", ("--grad-accum-dtype", "fp32")),
+]
+
+
+def run_deepspeed(tmp_path, stage, dtype, extra, kill):
+    cfg = ElasticConfig(nodes=DS_WORLD, nproc_per_node=1, run_dir=str(tmp_path),
+                        inject=f"kill-rank:{kill}@{DS_KILL_AT}", memory_budget_gb=0.5, max_restarts=2, timeout_s=240, preload=PRELOAD_DEEPSPEED,
+                        restart="in-place")
+    res = ElasticLauncher(cfg).run([SCRIPT, "--steps", str(DS_STEPS), "--zero-stage", str(stage), "--dtype", dtype,
+                                    *extra, "--in-place"])
+    logd = tmp_path / "logs"
+    logs = "".join((logd / f).read_text(errors="replace") for f in sorted(os.listdir(logd)) if f.startswith("agent_"))
+    return res, logs, read_jsonl(str(tmp_path / "events.jsonl"))
+
+
+def check_deepspeed_bit_exact(tmp_path, ref):
+    cmp = compare_runs(str(tmp_path), str(ref), DS_WORLD, DS_STEPS)
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
+                                                           cmp.state_mismatches)
+
+
+@pytest.mark.parametrize("stage, dtype, extra", DS_CASES, ids=["z2-fusedadam", "z1-bf16optimizer"])
+def test_deepspeed_engines_restart_in_place_bit_exact(tmp_path, reference, stage, dtype, extra):
+    """examples/ds_pretrain_gpt.py --in-place on three simulated nodes: rank 1 SIGKILLed at the start of optimizer
+    step 6 starts again alone. Ranks 0 and 2, whose collectives of that step fail as it dies, wait for the agent's
+    notice and build their engines again in their processes (DeepSpeed's cached groups forgotten,
+    adapters/deepspeed/inplace.py); every rank restores the same version from memory, and the run ends with the
+    losses and final state (module, optimizer and scheduler state_dicts, counters) of an uninterrupted one."""
+    cold = "fused-adamw" in extra   # as in test_deepspeed_optimizers: the JIT-loaded kernel's builder
+    ref = reference(stage, dtype, DS_STEPS, extra=extra, world=DS_WORLD, cold=cold)
+    res, logs, evs = run_deepspeed(tmp_path, stage, dtype, extra, kill=1)
+    assert res.ok and res.attempts == 2, (res, logs[-4000:])
+    assert [(f["cause"], f["rank"], f["rc"]) for f in res.failures] == [("rank_exit", 1, -9)], res.failures
+    assert "restarting them in place as attempt 1" in logs, logs[-4000:]
+    # only rank 1 is a new process: the survivors' processes started once, in attempt 0
+    starts = sorted((e.get("attempt"), e["rank"]) for e in evs if e["kind"] == "trainer_start")
+    assert starts == [(0, 0), (0, 1), (0, 2), (1, 1)], starts
+    for r in (0, 2):
+        assert f"[rank {r}] the job restarts in place at attempt 1" in logs, logs[-4000:]
+    got = restores(tmp_path)
+    assert got[0] == -1 and got[1] in (DS_KILL_AT - 2, DS_KILL_AT - 1), got
+    check_resumed(evs, got[1], DS_WORLD)
+    check_deepspeed_bit_exact(tmp_path, ref)
+
+
+def test_a_survivor_stuck_in_a_collective_makes_the_job_restart_in_full_bit_exact(tmp_path, reference):
+    """Rank 2 SIGKILLed instead: rank 0's all-reduce of that step waits for a part that never comes (gloo ends it
+    only at the group's timeout, 30 minutes for DeepSpeed's groups) and its main thread runs no signal handler.
+    Its watchdog (shardsafe.inplace._Watchdog) makes it exit with 75 within a second or two, and the job restarts
+    in full from memory, bit-exact, instead of waiting."""
+    ref = reference(2, "bf16", DS_STEPS, extra=FUSED, world=DS_WORLD, cold=True)
+    res, logs, evs = run_deepspeed(tmp_path, 2, "bf16", FUSED, kill=2)
+    assert res.ok, (res, logs[-4000:])
+    got = restores(tmp_path)
+    if res.attempts == 2:   # every survivor's collective failed by itself: in place after all
+        assert "[rank 0] the job restarts in place at attempt 1" in logs, logs[-4000:]
+    else:
+        assert res.attempts == 3, (res, logs[-4000:])
+        assert "which no signal ends. Exiting with 75 so the job restarts in full" in logs, logs[-4000:]
+        assert "not restarting in place" in logs, logs[-4000:]
+        assert [(f["cause"], f["rank"]) for f in res.failures][0] == ("rank_exit", 2), res.failures
+        # attempt 1 (in place) never got to train; attempt 2 (everyone started again) restored what was sealed
+        assert got[0] == -1 and got[2] in (DS_KILL_AT - 2, DS_KILL_AT - 1), got
+        starts = sorted((e.get("attempt"), e["rank"]) for e in evs if e["kind"] == "trainer_start")
+        assert [a for a, _ in starts].count(2) == DS_WORLD, starts
+    check_deepspeed_bit_exact(tmp_path, ref)

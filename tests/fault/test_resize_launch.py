@@ -151,7 +151,7 @@ def test_shardsafe_launch_shrinks_onto_a_new_rendezvous_and_grows_back(tmp_path)
                         memory_budget_gb=0.05, max_restarts=1, spares=0, shrink_after_s=1.0, global_batch=6,
                         micro_batch=1, timeout_s=240, keep_alive_s=1, keep_alive_misses=2)
     res = ElasticLauncher(cfg).run([TRAINER, "--steps", "10", "--interval", "2", "--step-s", "0.2", "--barrier"])
-    assert res.ok and res.data_parallel_sizes == [3, 2, 3], res
+    assert res.ok and res.data_parallel_sizes == [3, 2, 3], (res, helpers.agent_log_tails(tmp_path))
     assert [f["cause"] for f in res.failures] == ["node_loss"] and res.attempts == 3, res
     resizes = launcher_events(tmp_path, "shrink", "grow")
     assert [(e["kind"], e["from_dp"], e["to_dp"]) for e in resizes] == [("shrink", 3, 2), ("grow", 2, 3)]

@@ -91,3 +91,43 @@ def test_the_agents_signal_cuts_the_main_threads_sleep_short():
         signal.signal(signal.SIGUSR1, previous)
     with pytest.raises(ProcessLookupError):
         signal_main_thread(2 ** 22 + 12345, 0)
+
+
+_BLOCKED_CHILD = r"""
+import ctypes, sys
+from shardsafe import inplace
+trigger = inplace._Trigger(sys.argv[1], "n0")
+inplace._Watchdog(trigger, rank=3, stuck_s=0.05)
+print("ready", flush=True)
+# the main thread blocked in native code that no signal ends (a gloo wait stands in here): a mutex locked twice
+libc = ctypes.CDLL(None)
+m = ctypes.create_string_buffer(64)
+libc.pthread_mutex_init(m, None)
+libc.pthread_mutex_lock(m)
+libc.pthread_mutex_lock(m)
+"""
+
+
+@pytest.mark.parametrize("announced", [1, 0])
+def test_a_main_thread_no_signal_can_stop_exits_75_once_a_newer_attempt_is_announced(tmp_path, announced):
+    """shardsafe.inplace._Watchdog: with attempt 1 announced, a rank whose main thread is stuck exits with 75 (the
+    agent then restarts every worker) after 30 x stuck_s outside torch.distributed; a notice of the attempt it
+    already runs changes nothing."""
+    import subprocess
+    import sys
+    child_env = {**os.environ, env.ATTEMPT: "0"}
+    p = subprocess.Popen([sys.executable, "-c", _BLOCKED_CHILD, str(tmp_path)], env=child_env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        inplace.write_notice(str(tmp_path), "n0", announced, [1])
+        if announced:
+            assert p.wait(timeout=30) == inplace.EXIT_NOT_IN_PLACE
+            err = p.stderr.read()
+            assert "[rank 3] the job restarts in place at attempt 1" in err and "which no signal ends" in err, err
+        else:
+            with pytest.raises(subprocess.TimeoutExpired):
+                p.wait(timeout=3)
+    finally:
+        p.kill()
+        p.wait()
