@@ -189,6 +189,8 @@ def run(train: Callable[[], T], *, backend: str = "gloo", timeout_s: float = 600
     # The workers' store, as init_process_group's env:// makes it (rank 0 hosts it); kept across attempts so a
     # survivor never connects again, and only the restarted ranks join it.
     store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    # On rank 0 this object hosts the store: it must outlive every attempt, whichever client the next one uses.
+    host = store
     trigger = _Trigger(run_dir, node) if in_place else None
     watchdog = _Watchdog(trigger, rank, stuck_s) if trigger is not None else None
     try:
@@ -208,7 +210,7 @@ def run(train: Callable[[], T], *, backend: str = "gloo", timeout_s: float = 600
                 if _let_go(rank, again, abandon_grace_s):
                     # A snapshot thread left behind may hold the store client's one connection (a wait for a peer's
                     # address in the store): the next attempt talks to the store over a connection of its own.
-                    store = dist.TCPStore(store.host, store.port, is_master=False,
+                    store = dist.TCPStore(host.host, host.port, is_master=False,
                                           timeout=timedelta(seconds=timeout_s))
                 timings.update(noticed=again.t, let_go_s=time.perf_counter() - t0)
                 os.environ[env.ATTEMPT] = str(again.attempt)

@@ -39,6 +39,7 @@ ss_defaults() {
   : "${SS_HOLDER_DIR:=}"
   : "${SS_MEMORY_BUDGET_GB:=0}"
   : "${SS_MAX_RESTARTS:=3}"
+  : "${SS_RESTART:=${SHARDSAFE_RESTART:-full}}"
   : "${SS_HANG_TIMEOUT:=600}"
   : "${SS_SHRINK_AFTER_S:=180}"
   : "${SS_MODEL_PARALLEL:=1}"
@@ -62,6 +63,8 @@ ss_defaults() {
   : "${SS_MAX_REQUEUES:=1}"
   : "${SS_DRY_RUN:=0}"
   [ "$SS_NODES" -ge 1 ] 2>/dev/null || ss_die "SS_NODES=$SS_NODES: need >= 1 active node (allocated ${SLURM_JOB_NUM_NODES:-?}, SS_SPARES=$SS_SPARES)"
+  [ "$SS_RESTART" = full ] || [ "$SS_RESTART" = in-place ] ||
+    ss_die "SS_RESTART=$SS_RESTART: expected full or in-place (in-place: the training script runs inside shardsafe.inplace.run)"
   [ -n "$SS_PYTHON" ] || ss_die "no python found: set SS_PYTHON to the interpreter that has shardsafe installed"
   [[ $SS_SHRINK_AFTER_S =~ ^[0-9]+(\.[0-9]*)?$ ]] || ss_die "SS_SHRINK_AFTER_S=$SS_SHRINK_AFTER_S: expected seconds >= 0 (0 = never shrink)"
   [ "${SS_SHRINK_AFTER_S%.*}" = 0 ] || [ "${SS_SHRINK_AFTER_S%.*}" -lt "$SS_JOIN_TIMEOUT" ] ||
@@ -131,7 +134,7 @@ ss_setup() {
   SS_RUN_NODES=$SS_NODES; SS_DP=$(( SS_WORLD / SS_MODEL_PARALLEL )); SS_GEN=0; SS_SHRINK_AT=""
   SS_CONTROL="$(ss_node_addr "$batch"):$SS_RDZV_PORT"
   export SHARDSAFE_RUN_DIR="$SS_RUN_DIR" SHARDSAFE_JOB_ID="$SS_JOB_ID" SHARDSAFE_RUN_NAME="$SS_RUN_NAME" \
-    SHARDSAFE_JOB_START_T="$SS_T0"
+    SHARDSAFE_JOB_START_T="$SS_T0" SHARDSAFE_RESTART="$SS_RESTART"
   [ -n "$SS_HOLDER_DIR" ] && export SHARDSAFE_HOLDER_DIR="$SS_HOLDER_DIR"
   export PYTHONPATH="$SS_REPO${PYTHONPATH:+:$PYTHONPATH}"
   declare -gA SS_HOLDER_PID=() SS_AGENT_PID=() SS_LOST=()

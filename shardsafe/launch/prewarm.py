@@ -581,6 +581,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 def run_server(preload: Sequence[str], sock: socket.socket) -> None:
     """Serve on ``sock`` until the launcher hangs up, then end this process; in a forked child, run the trainer."""
+    from .. import env as names
+    if names.restart_mode() == "in-place":
+        # A rank its agent started again is signalled with the survivors when the next restart in place is
+        # announced, possibly before it installed its handler (shardsafe.inplace.run): ignored until then, not
+        # fatal. Its handler reads the announcement from the notice file, so nothing is lost.
+        from ..inplace import SIGNAL
+        signal.signal(SIGNAL, signal.SIG_IGN)
     req = serve(preload, sock)
     if req is None:
         # Nothing of the server needs an orderly shutdown (no files, no device, children reaped); the teardown of

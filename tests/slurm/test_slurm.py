@@ -446,3 +446,35 @@ def test_sbatch_continues_on_the_nodes_left_when_no_spare_is_left(cluster, tmp_p
     assert sorted(n for _, n, _, _ in last) == nodes[:2], placed
     assert all((w, f) == (2, "3") for _, _, w, f in last), placed
     assert sorted(os.listdir(run_dir / "markers")) == ["rank0.done", "rank1.done"]
+
+
+def test_sbatch_restarts_a_killed_rank_in_place_bit_exact(cluster, tmp_path, holder_dir):
+    """SS_RESTART=in-place, 3 active nodes: rank 1 of examples/ds_pretrain_gpt.py --in-place SIGKILLs itself at step
+    4; its node's agent starts it again alone inside the allocation, ranks 0 and 2 rebuild their engines in their
+    processes, every rank restores from holder memory, and the run ends bit-exact with an uninterrupted one."""
+    run_dir = tmp_path / "run"
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    assert run_job(ref, stage=2, dtype="bf16", steps=STEPS, shardsafe=False, max_restarts=0, nodes=3, nproc=1).ok
+    env = {**cluster, "SS_PYTHON": sys.executable, "SS_RUN_DIR": str(run_dir), "SS_HOLDER_DIR": str(holder_dir),
+           "SS_MEMORY_BUDGET_GB": "0.5", "SS_KEEP_ALIVE_S": "2", "SS_GRACE": "1", "SS_SPARES": "0",
+           "SS_RESTART": "in-place", "SS_SCRIPT_ARGS": f"--steps {STEPS} --zero-stage 2 --dtype bf16 --in-place",
+           "SS_INJECT": "kill-rank:1@4", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "SS_PRELOAD": ",".join(PRELOAD_DEEPSPEED)}
+    jid, diag = submit(env, tmp_path, run_dir)
+    _wait("the job to end", lambda: scontrol_job(env, jid).get("JobState") in
+          ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"), diag, timeout=300)
+    info = scontrol_job(env, jid)
+    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", f"{info}\n{diag()}"
+    agents = "".join(f.read_text(errors="replace") for f in (run_dir / "logs").glob("agent_*.log"))
+    assert "restarting them in place as attempt 1" in agents, diag()
+    evs = read_jsonl(str(run_dir / "events.jsonl"))
+    assert [(e["cause"], e.get("rank")) for e in evs if e["kind"] == "failure_detected"] == [("rank_exit", 1)], diag()
+    # rank 1 alone is a new process; the survivors started once
+    starts = sorted((e["attempt"], e["rank"]) for e in evs if e["kind"] == "trainer_start")
+    assert starts == [(0, 0), (0, 1), (0, 2), (1, 1)], f"{starts}\n{diag()}"
+    tiers = {(e["tier"], e["version"]) for e in evs if e["kind"] == "restore_end" and e["attempt"] == 1}
+    assert tiers in ({("memory", 3)}, {("memory", 2)}), tiers   # the newest version sealed before step 4
+    assert sorted(os.listdir(run_dir / "markers")) == ["rank0.done", "rank1.done", "rank2.done"]
+    cmp = compare_runs(str(run_dir), str(ref), 3, STEPS)
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches, cmp.state_mismatches)
