@@ -192,7 +192,7 @@ def run(train: Callable[[], T], *, backend: str = "gloo", timeout_s: float = 600
     # On rank 0 this object hosts the store: it must outlive every attempt, whichever client the next one uses.
     host = store
     trigger = _Trigger(run_dir, node) if in_place else None
-    watchdog = _Watchdog(trigger, rank, stuck_s) if trigger is not None else None
+    watchdog = _watchdog(trigger, rank, stuck_s) if trigger is not None else None
     try:
         while True:
             attempt, t0 = env.attempt(), time.perf_counter()
@@ -234,47 +234,103 @@ class _Watchdog:
     one from a pair that was never connected, as with lazily connected gloo groups), up to the group's timeout, 30
     minutes for a group a framework made without one. Once a newer attempt is announced, this thread gives the main
     thread ``stuck_s`` inside ``torch.distributed`` (a collective that fails by itself ends sooner: the rank then
-    restarts in place) and ``30 * stuck_s`` anywhere else (one long native call, a backward pass)."""
+    restarts in place) and ``30 * stuck_s`` anywhere else (one long native call, a backward pass).
+
+    The thread sleeps until a signal comes: the interpreter's C-level handler writes to a pipe
+    (``signal.set_wakeup_fd``) even while the main thread is blocked. It reads the notice then, and every 50 ms
+    until the main thread has taken the restart or the limit passed; it never polls the notice file otherwise, which
+    lies in the run directory, on a shared file system. A program that set a wakeup fd of its own (asyncio) keeps
+    it, and the thread reads the notice once a second instead."""
 
     def __init__(self, trigger: _Trigger, rank: int, stuck_s: float):
         self.trigger, self.rank, self.stuck_s = trigger, rank, stuck_s
         self._main = threading.main_thread().ident
         self._stopped = threading.Event()
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)   # the C handler must never block on a full pipe
+        if signal.set_wakeup_fd(self._w, warn_on_full_buffer=False) != -1:
+            signal.set_wakeup_fd(-1)   # not ours to replace: put the program's back and poll instead
+            raise _TakenWakeupFd
         self._thread = threading.Thread(target=self._watch, name="shardsafe-inplace-watchdog", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        """From the main thread, at the end of :func:`run`."""
         self._stopped.set()
+        signal.set_wakeup_fd(-1)
+        os.write(self._w, b"\0")   # wake the thread
+        self._thread.join(timeout=1.0)
+        os.close(self._r)
+        os.close(self._w)
 
     def _where(self) -> str:
         """The main thread's innermost Python frame, as ``file:function``."""
         frame = sys._current_frames().get(self._main)
         return f"{frame.f_code.co_filename}:{frame.f_code.co_name}" if frame is not None else "?"
 
-    def _watch(self) -> None:
-        path = notice_path(self.trigger.run_dir, self.trigger.node)
-        seen, since = None, None
-        while not self._stopped.wait(0.05):
+    def _wait(self, timeout: Optional[float]) -> None:
+        import select
+        if select.select([self._r], [], [], timeout)[0]:
             try:
-                mtime = os.stat(path).st_mtime_ns
-            except OSError:
-                continue
-            if mtime != seen or since is not None:
-                seen = mtime
-                got = self.trigger.newer()
-                if got is None:
-                    since = None
-                    continue
-                since = since or time.monotonic()
-                where = self._where()
-                limit = self.stuck_s * (1 if f"torch{os.sep}distributed{os.sep}" in where else 30)
-                if time.monotonic() - since >= limit:
-                    log.error("[rank %d] the job restarts in place at attempt %d, but this rank's main thread has "
-                              "not stopped in %.1f s: it waits in %s, which no signal ends. Exiting with %d so the "
-                              "job restarts in full", self.rank, got.attempt, time.monotonic() - since, where,
-                              EXIT_NOT_IN_PLACE)
-                    logging.shutdown()
-                    os._exit(EXIT_NOT_IN_PLACE)
+                os.read(self._r, 512)
+            except BlockingIOError:
+                pass
+
+    def _watch(self) -> None:
+        since = None
+        while not self._stopped.is_set():
+            self._wait(None if since is None else 0.05)
+            if not self._stopped.is_set():
+                since = self._check(since)
+
+    def _check(self, since: Optional[float]) -> Optional[float]:
+        """The time the newest announcement was first seen untaken (None: nothing to wait for); exits when the
+        main thread stayed past the limit."""
+        got = self.trigger.newer()
+        if got is None:
+            return None
+        since = since or time.monotonic()
+        where = self._where()
+        limit = self.stuck_s * (1 if f"torch{os.sep}distributed{os.sep}" in where else 30)
+        if time.monotonic() - since >= limit:
+            log.error("[rank %d] the job restarts in place at attempt %d, but this rank's main thread has not "
+                      "stopped in %.1f s: it waits in %s, which no signal ends. Exiting with %d so the job "
+                      "restarts in full", self.rank, got.attempt, time.monotonic() - since, where, EXIT_NOT_IN_PLACE)
+            logging.shutdown()
+            os._exit(EXIT_NOT_IN_PLACE)
+        return since
+
+
+class _TakenWakeupFd(Exception):
+    """The program set a signal wakeup fd of its own (:class:`_Watchdog`)."""
+
+
+class _PollingWatchdog(_Watchdog):
+    """:class:`_Watchdog` for a program that owns the signal wakeup fd: the notice read once a second."""
+
+    def __init__(self, trigger: _Trigger, rank: int, stuck_s: float):
+        self.trigger, self.rank, self.stuck_s = trigger, rank, stuck_s
+        self._main = threading.main_thread().ident
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="shardsafe-inplace-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _poll(self) -> None:
+        since = None
+        while not self._stopped.wait(1.0 if since is None else 0.05):
+            since = self._check(since)
+
+
+def _watchdog(trigger: _Trigger, rank: int, stuck_s: float) -> _Watchdog:
+    try:
+        return _Watchdog(trigger, rank, stuck_s)
+    except _TakenWakeupFd:
+        log.info("[rank %d] the program owns the signal wakeup fd: the in-place watchdog reads the notice once a "
+                 "second", rank)
+        return _PollingWatchdog(trigger, rank, stuck_s)
 
 
 class _Done:

@@ -94,11 +94,15 @@ def test_the_agents_signal_cuts_the_main_threads_sleep_short():
 
 
 _BLOCKED_CHILD = r"""
-import ctypes, sys
+import ctypes, os, signal, sys
 from shardsafe import inplace
+if sys.argv[2] == "own":   # the program's own wakeup fd (as asyncio sets one): the watchdog polls instead
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w)
 trigger = inplace._Trigger(sys.argv[1], "n0")
-inplace._Watchdog(trigger, rank=3, stuck_s=0.05)
-print("ready", flush=True)
+dog = inplace._watchdog(trigger, rank=3, stuck_s=0.05)
+print("ready", type(dog).__name__, flush=True)
 # the main thread blocked in native code that no signal ends (a gloo wait stands in here): a mutex locked twice
 libc = ctypes.CDLL(None)
 m = ctypes.create_string_buffer(64)
@@ -108,19 +112,21 @@ libc.pthread_mutex_lock(m)
 """
 
 
-@pytest.mark.parametrize("announced", [1, 0])
-def test_a_main_thread_no_signal_can_stop_exits_75_once_a_newer_attempt_is_announced(tmp_path, announced):
+@pytest.mark.parametrize("announced, wakeup", [(1, "ours"), (0, "ours"), (1, "own")])
+def test_a_main_thread_no_signal_can_stop_exits_75_once_a_newer_attempt_is_announced(tmp_path, announced, wakeup):
     """shardsafe.inplace._Watchdog: with attempt 1 announced, a rank whose main thread is stuck exits with 75 (the
-    agent then restarts every worker) after 30 x stuck_s outside torch.distributed; a notice of the attempt it
-    already runs changes nothing."""
+    agent then restarts every worker) after 30 x stuck_s outside torch.distributed, woken by the agent's signal
+    through the signal wakeup fd, or reading the notice each second where the program owns that fd; a notice of
+    the attempt it already runs changes nothing."""
     import subprocess
     import sys
     child_env = {**os.environ, env.ATTEMPT: "0"}
-    p = subprocess.Popen([sys.executable, "-c", _BLOCKED_CHILD, str(tmp_path)], env=child_env, text=True,
+    p = subprocess.Popen([sys.executable, "-c", _BLOCKED_CHILD, str(tmp_path), wakeup], env=child_env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        assert p.stdout.readline().strip() == "ready"
+        assert p.stdout.readline().split() == ["ready", "_Watchdog" if wakeup == "ours" else "_PollingWatchdog"]
         inplace.write_notice(str(tmp_path), "n0", announced, [1])
+        os.kill(p.pid, inplace.SIGNAL)   # as the agent does: the watchdog wakes on it, not on the file
         if announced:
             assert p.wait(timeout=30) == inplace.EXIT_NOT_IN_PLACE
             err = p.stderr.read()
