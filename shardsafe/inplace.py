@@ -242,15 +242,12 @@ class _Watchdog:
     lies in the run directory, on a shared file system. A program that set a wakeup fd of its own (asyncio) keeps
     it, and the thread reads the notice once a second instead."""
 
-    def __init__(self, trigger: _Trigger, rank: int, stuck_s: float):
+    def __init__(self, trigger: _Trigger, rank: int, stuck_s: float, pipe: tuple[int, int]):
+        """``pipe``: (read end, write end), the write end already the signal wakeup fd (:func:`_watchdog`)."""
         self.trigger, self.rank, self.stuck_s = trigger, rank, stuck_s
         self._main = threading.main_thread().ident
         self._stopped = threading.Event()
-        self._r, self._w = os.pipe()
-        os.set_blocking(self._w, False)   # the C handler must never block on a full pipe
-        if signal.set_wakeup_fd(self._w, warn_on_full_buffer=False) != -1:
-            signal.set_wakeup_fd(-1)   # not ours to replace: put the program's back and poll instead
-            raise _TakenWakeupFd
+        self._r, self._w = pipe
         self._thread = threading.Thread(target=self._watch, name="shardsafe-inplace-watchdog", daemon=True)
         self._thread.start()
 
@@ -301,10 +298,6 @@ class _Watchdog:
         return since
 
 
-class _TakenWakeupFd(Exception):
-    """The program set a signal wakeup fd of its own (:class:`_Watchdog`)."""
-
-
 class _PollingWatchdog(_Watchdog):
     """:class:`_Watchdog` for a program that owns the signal wakeup fd: the notice read once a second."""
 
@@ -325,12 +318,19 @@ class _PollingWatchdog(_Watchdog):
 
 
 def _watchdog(trigger: _Trigger, rank: int, stuck_s: float) -> _Watchdog:
-    try:
-        return _Watchdog(trigger, rank, stuck_s)
-    except _TakenWakeupFd:
-        log.info("[rank %d] the program owns the signal wakeup fd: the in-place watchdog reads the notice once a "
-                 "second", rank)
-        return _PollingWatchdog(trigger, rank, stuck_s)
+    """A :class:`_Watchdog` woken through the signal wakeup fd, or a :class:`_PollingWatchdog` where the program
+    owns that fd."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)   # the C handler must never block on a full pipe
+    theirs = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    if theirs == -1:
+        return _Watchdog(trigger, rank, stuck_s, (r, w))
+    signal.set_wakeup_fd(theirs)   # not ours to replace: the program's is put back
+    os.close(r)
+    os.close(w)
+    log.info("[rank %d] the program owns the signal wakeup fd: the in-place watchdog reads the notice once a "
+             "second", rank)
+    return _PollingWatchdog(trigger, rank, stuck_s)
 
 
 class _Done:

@@ -410,6 +410,8 @@ def run_agent(opts: AgentOptions, script: list[str]) -> int:
         log.error("[agent %s] torchrun ended with %s: %s", opts.node, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return 1
     finally:
+        if in_place is not None:
+            in_place.close()
         hooks.close()
         if forks is not None:
             forks.close()

@@ -21,6 +21,7 @@ import errno
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any, Optional
 
@@ -29,6 +30,9 @@ from ..fatal import read_fatal
 from ..inplace import EXIT_NOT_IN_PLACE, SIGNAL, write_notice
 
 log = logging.getLogger(__name__)
+
+LISTEN_S = 1.0
+"""How long one server-side wait for an announcement lasts before the listener looks at the attempt again."""
 
 
 def signal_main_thread(pid: int, sig: int) -> None:
@@ -58,6 +62,49 @@ class InPlace:
         self.hooks = hooks
         self.opts = hooks.opts
         self._asked = 0.0   # when follow() last read the store
+        # One announcement is acted on once: by the agent that made it, by the listener, or by follow()
+        self._going = threading.Lock()
+        self._stop = threading.Event()
+        self._listener = threading.Thread(target=self._listen, name="shardsafe-inplace-listener", daemon=True)
+        self._listener.start()
+
+    def close(self) -> None:
+        """Stop the listener while the interpreter is fully alive (as _AgentHooks.close, for its store wait)."""
+        self._stop.set()
+        self._listener.join(timeout=LISTEN_S + 2)
+
+    def _listen(self) -> None:
+        """Wait in the control store for the current attempt's announcement (a server-side wait: no polling), so
+        this node's survivors hear of a restart in place within milliseconds instead of the next monitor tick."""
+        from datetime import timedelta
+
+        from .controller import _store_client
+        store = None
+        while not self._stop.is_set():
+            a = self.hooks.attempt
+            if a is None:
+                self._stop.wait(0.05)
+                continue
+            try:
+                store = store or _store_client(self.opts.control)
+                store.wait([self.hooks.keys.inplace(a)], timedelta(seconds=LISTEN_S))
+                got = json.loads(store.get(self.hooks.keys.inplace(a)))
+            except Exception:  # noqa: BLE001 - the wait's timeout, or the store gone at the job's end
+                if self.hooks.attempt == a and not self._stop.is_set():
+                    store = None if not self._store_alive(store) else store
+                continue
+            wg = self.hooks.worker_group
+            if wg is not None:
+                self._follow(wg, a, got)
+        store = None
+
+    @staticmethod
+    def _store_alive(store: Any) -> bool:
+        try:
+            store.check(["shardsafe/alive"])
+            return True
+        except Exception:  # noqa: BLE001 - reconnect at the next round
+            return False
 
     # ---- this node's worker died ----------------------------------------------------------------------------
     def replace_dead(self, agent: Any, wg: Any) -> bool:
@@ -79,6 +126,11 @@ class InPlace:
                         "restarts", self.opts.node, sorted(ranks.values()), a, why)
             return False
         mine = json.dumps({"node": self.opts.node, "ranks": sorted(ranks.values()), "t": time.time()})
+        with self._going:
+            return self._replace(agent, wg, a, dead, ranks, mine, ctx)
+
+    def _replace(self, agent: Any, wg: Any, a: int, dead: dict[int, int], ranks: dict[int, int], mine: str,
+                 ctx: Any) -> bool:
         with self.hooks._lock:
             got = self.hooks.store.compare_set(self.hooks.keys.inplace_claim(a), "", mine)
             if (got.decode() if isinstance(got, bytes) else str(got)) != mine:
@@ -142,7 +194,12 @@ class InPlace:
         self._asked = now
         got = self._announced(a)
         if got is not None:
-            self._go_on(wg, a, int(got["attempt"]), [int(r) for r in got.get("ranks", [])], skip=set())
+            self._follow(wg, a, got)
+
+    def _follow(self, wg: Any, a: int, got: dict) -> None:
+        with self._going:
+            if self.hooks.attempt == a:   # not yet acted on
+                self._go_on(wg, a, int(got["attempt"]), [int(r) for r in got.get("ranks", [])], skip=set())
 
     def _announced(self, a: int) -> Optional[dict]:
         key = self.hooks.keys.inplace(a)

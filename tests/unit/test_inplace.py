@@ -102,6 +102,9 @@ if sys.argv[2] == "own":   # the program's own wakeup fd (as asyncio sets one): 
     signal.set_wakeup_fd(w)
 trigger = inplace._Trigger(sys.argv[1], "n0")
 dog = inplace._watchdog(trigger, rank=3, stuck_s=0.05)
+assert sys.argv[2] != "own" or signal.set_wakeup_fd(-1) == w   # the program's wakeup fd is still its own
+if sys.argv[2] == "own":
+    signal.set_wakeup_fd(w)
 print("ready", type(dog).__name__, flush=True)
 # the main thread blocked in native code that no signal ends (a gloo wait stands in here): a mutex locked twice
 libc = ctypes.CDLL(None)
