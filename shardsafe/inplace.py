@@ -392,9 +392,9 @@ def _let_go(rank: int, why: RestartInPlace, grace_s: float) -> bool:
                       "place; exiting with %d so the job restarts in full", rank, name, type(e).__name__, e,
                       EXIT_NOT_IN_PLACE)
             os._exit(EXIT_NOT_IN_PLACE)
-    # The attempt's engine and model hold their groups in reference cycles (module hooks, closures): only a
-    # collection frees the groups, and only that closes their sockets. A peer blocked in one of their collectives
-    # (a gloo wait runs no signal handler, and a group a framework makes waits up to torch's 30-minute default)
-    # then fails at once and restarts in place too.
+    # The attempt's engine and model hold their groups and tensors in reference cycles (module hooks, closures):
+    # only a collection frees them. Freed groups close their sockets, so a peer blocked in one of their
+    # collectives fails at once and restarts in place too; freed tensors give the next attempt's engine the memory
+    # (device memory on a GPU) it is about to allocate again.
     gc.collect()
     return any(rt.left_behind for rt in runtimes)
