@@ -256,8 +256,9 @@ def cpu_copy(state) -> tuple[dict[str, torch.Tensor], dict]:
             json.loads(json.dumps(state.meta)))
 
 
-def init_distributed(timeout_s: float) -> None:
-    """torchrun's env:// rendezvous; gloo when no GPU (with the CPU shims), NCCL otherwise."""
+def init_distributed(timeout_s: float, *, in_place: bool = False) -> str:
+    """torchrun's env:// rendezvous; gloo when no GPU (with the CPU shims), NCCL otherwise; returns the backend.
+    ``in_place``: the backend only (shardsafe.inplace.run makes the default group, once per attempt)."""
     if torch.cuda.is_available():
         # Bit-exact comparisons between runs need deterministic kernels (cuBLAS reads this at its first use).
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -268,7 +269,9 @@ def init_distributed(timeout_s: float) -> None:
         import _megatron_cpu_shims
         _megatron_cpu_shims.install()
         backend = "gloo"
-    torch.distributed.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    if not in_place:
+        torch.distributed.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return backend
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -298,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--steps", type=int, default=6, help="train until this iteration (a restored run continues)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="gloo/NCCL collective timeout")
+    p.add_argument("--in-place", action="store_true",
+                   help="train inside shardsafe.inplace.run: under `shardsafe launch --restart in-place` a rank that "
+                        "survives a peer's death goes on in its process, building parallel_state and the model again")
     p.add_argument("--out", default=os.environ.get("SHARDSAFE_RUN_DIR", ""),
                    help="write losses_rank{R}.jsonl and final_rank{R}.{bin,json} here (default SHARDSAFE_RUN_DIR)")
     p.add_argument("--core-api", choices=("protect", "functions"), default="protect",
@@ -375,103 +381,112 @@ def main(argv: Optional[list[str]] = None) -> int:
                   num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
                   seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                   num_microbatches=args.num_microbatches, lr=args.lr, seed=args.seed, timeout_s=args.timeout_s)
-    init_distributed(args.timeout_s)
-    rank = torch.distributed.get_rank()
-    initialize_parallel(run)
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
-    # Megatron's calculator, as Megatron-LM's initialize sets it: the snapshots record the global batch from it, so
-    # that a job continued at another data-parallel size with the same batch restores them (re-partitioned).
-    init_num_microbatches_calculator(rank, None, run.global_batch_size(torch.distributed.get_world_size() //
-                                                                       (run.tp * run.pp)),
-                                     run.micro_batch_size, torch.distributed.get_world_size() // (run.tp * run.pp))
-    tr = Trainer(run)
-    if args.load_dir:
-        import megatron_dist_ckpt
-        megatron_dist_ckpt.load(tr, args.load_dir)
-        print(f"[r{rank}] loaded Megatron's checkpoint {args.load_dir} at iteration {tr.iteration}", flush=True)
-    prot = None
-    if ss_cfg.enabled:
-        from shardsafe.adapters.megatron import protect
+    backend = init_distributed(args.timeout_s, in_place=args.in_place)
 
-        def set_iteration(i: int) -> None:
-            tr.iteration = i
-
-        # Collective: holder, parity plan, restore. A restored run continues from the snapshot's
-        # iteration; counters (the data position) and RNGs come back with it.
-        if args.core_api == "functions":
-            from shardsafe.adapters.megatron import restore
-            got = restore(tr.model_chunks, tr.optimizer, tr.scheduler, ss_cfg)
-            if got.iteration is not None:
-                tr.iteration = got.iteration
-                tr.counters.update(got.counters)
-            prot = got.protection
-        else:
-            prot = protect(tr.model_chunks, tr.optimizer, tr.scheduler, ss_cfg, get_iteration=lambda: tr.iteration,
-                           set_iteration=set_iteration, get_counters=lambda: dict(tr.counters),
-                           set_counters=lambda c: tr.counters.update(c))
-        r = prot.restored
-        print(f"[r{rank}] shardsafe: {r.message} (tier {r.tier}, {r.seconds:.3f} s)", flush=True)
-    adapter = prot.adapter if prot is not None else tr.adapter()
-    losses = open(os.path.join(args.out, f"losses_rank{rank}.jsonl"), "a") if args.out else None
-    events = prot.events if prot is not None else None
-    if events is not None:
-        events.emit("train_ready", iteration=tr.iteration + 1)
-    saved, replay_ref = None, []
-    while tr.iteration < args.steps:
-        t0 = time.perf_counter()
-        stall0 = prot.stall_total_s if prot is not None else 0.0
-        out = tr.train_step()        # optimizer.step() first waits for the pending snapshot copy
-        if prot is not None and args.core_api == "functions":
-            from shardsafe.adapters.megatron import snapshot
-            # The last iteration is sealed even when the interval skips it (final=True waits for its commit).
-            snapshot(tr.model_chunks, tr.optimizer, tr.scheduler, tr.iteration, counters=tr.counters,
-                     final=tr.iteration >= args.steps)
-        elif prot is not None:
-            prot.after_step(tr.iteration)
-        loss = pipeline_loss(tr, out["loss"])
-        if losses is not None:
-            g = out["grad_norm"]
-            losses.write(json.dumps({"step": tr.iteration, "loss": loss.hex(),
-                                     "grad_norm": float(g).hex() if g is not None else None,
-                                     "loss_scale": out["loss_scale"], "attempt": _attempt()}) + "\n")
-            losses.flush()
-        if args.save_dir and tr.iteration == args.save_at:
+    def train() -> int:
+        # with --in-place, once per attempt on a rank that restarts in place: parallel_state, the model, the
+        # optimizer and shardsafe's protection are built here
+        rank = torch.distributed.get_rank()
+        initialize_parallel(run)
+        from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+        # Megatron's calculator, as Megatron-LM's initialize sets it: the snapshots record the global batch from it, so
+        # that a job continued at another data-parallel size with the same batch restores them (re-partitioned).
+        init_num_microbatches_calculator(rank, None, run.global_batch_size(torch.distributed.get_world_size() //
+                                                                           (run.tp * run.pp)),
+                                         run.micro_batch_size, torch.distributed.get_world_size() // (run.tp * run.pp))
+        tr = Trainer(run)
+        if args.load_dir:
             import megatron_dist_ckpt
-            megatron_dist_ckpt.save(tr, args.save_dir)
-        if args.step_sleep and tr.iteration > args.step_sleep_after:
-            time.sleep(args.step_sleep)
+            megatron_dist_ckpt.load(tr, args.load_dir)
+            print(f"[r{rank}] loaded Megatron's checkpoint {args.load_dir} at iteration {tr.iteration}", flush=True)
+        prot = None
+        if ss_cfg.enabled:
+            from shardsafe.adapters.megatron import protect
+
+            def set_iteration(i: int) -> None:
+                tr.iteration = i
+
+            # Collective: holder, parity plan, restore. A restored run continues from the snapshot's
+            # iteration; counters (the data position) and RNGs come back with it.
+            if args.core_api == "functions":
+                from shardsafe.adapters.megatron import restore
+                got = restore(tr.model_chunks, tr.optimizer, tr.scheduler, ss_cfg)
+                if got.iteration is not None:
+                    tr.iteration = got.iteration
+                    tr.counters.update(got.counters)
+                prot = got.protection
+            else:
+                prot = protect(tr.model_chunks, tr.optimizer, tr.scheduler, ss_cfg, get_iteration=lambda: tr.iteration,
+                               set_iteration=set_iteration, get_counters=lambda: dict(tr.counters),
+                               set_counters=lambda c: tr.counters.update(c))
+            r = prot.restored
+            print(f"[r{rank}] shardsafe: {r.message} (tier {r.tier}, {r.seconds:.3f} s)", flush=True)
+        adapter = prot.adapter if prot is not None else tr.adapter()
+        losses = open(os.path.join(args.out, f"losses_rank{rank}.jsonl"), "a") if args.out else None
+        events = prot.events if prot is not None else None
         if events is not None:
-            events.emit("iteration", iteration=tr.iteration,
-                        seconds=max(0.0, time.perf_counter() - t0 - (prot.stall_total_s - stall0)))
+            events.emit("train_ready", iteration=tr.iteration + 1)
+        saved, replay_ref = None, []
+        while tr.iteration < args.steps:
+            t0 = time.perf_counter()
+            stall0 = prot.stall_total_s if prot is not None else 0.0
+            out = tr.train_step()        # optimizer.step() first waits for the pending snapshot copy
+            if prot is not None and args.core_api == "functions":
+                from shardsafe.adapters.megatron import snapshot
+                # The last iteration is sealed even when the interval skips it (final=True waits for its commit).
+                snapshot(tr.model_chunks, tr.optimizer, tr.scheduler, tr.iteration, counters=tr.counters,
+                         final=tr.iteration >= args.steps)
+            elif prot is not None:
+                prot.after_step(tr.iteration)
+            loss = pipeline_loss(tr, out["loss"])
+            if losses is not None:
+                g = out["grad_norm"]
+                losses.write(json.dumps({"step": tr.iteration, "loss": loss.hex(),
+                                         "grad_norm": float(g).hex() if g is not None else None,
+                                         "loss_scale": out["loss_scale"], "attempt": _attempt()}) + "\n")
+                losses.flush()
+            if args.save_dir and tr.iteration == args.save_at:
+                import megatron_dist_ckpt
+                megatron_dist_ckpt.save(tr, args.save_dir)
+            if args.step_sleep and tr.iteration > args.step_sleep_after:
+                time.sleep(args.step_sleep)
+            if events is not None:
+                events.emit("iteration", iteration=tr.iteration,
+                            seconds=max(0.0, time.perf_counter() - t0 - (prot.stall_total_s - stall0)))
+            if saved is not None:
+                replay_ref.append(out)
+            print(f"[r{rank} it{tr.iteration}] loss={out['loss']} grad_norm={out['grad_norm']} lr={out['lr']:.3e} "
+                  f"loss_scale={out['loss_scale']:g}",
+                  flush=True)
+            if args.demo_rollback and tr.iteration == args.demo_rollback:
+                saved = cpu_copy(adapter.capture())
+        if prot is not None:
+            prot.flush()
+        if args.out:
+            from shardsafe.payload.manifest import save_tensors
+            save_tensors(os.path.join(args.out, f"final_rank{rank}"), final_state(tr, adapter))
+        if prot is not None and args.core_api == "functions":
+            from shardsafe.adapters.megatron import close
+            close(tr.optimizer)
+        elif prot is not None:
+            prot.close()
         if saved is not None:
-            replay_ref.append(out)
-        print(f"[r{rank} it{tr.iteration}] loss={out['loss']} grad_norm={out['grad_norm']} lr={out['lr']:.3e} "
-              f"loss_scale={out['loss_scale']:g}",
-              flush=True)
-        if args.demo_rollback and tr.iteration == args.demo_rollback:
-            saved = cpu_copy(adapter.capture())
-    if prot is not None:
-        prot.flush()
-    if args.out:
-        from shardsafe.payload.manifest import save_tensors
-        save_tensors(os.path.join(args.out, f"final_rank{rank}"), final_state(tr, adapter))
-    if prot is not None and args.core_api == "functions":
-        from shardsafe.adapters.megatron import close
-        close(tr.optimizer)
-    elif prot is not None:
-        prot.close()
-    if saved is not None:
-        adapter.apply(*saved)
-        replay = [tr.train_step() for _ in replay_ref]
-        same = all(a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"] for a, b in zip(replay, replay_ref))
-        print(f"[r{rank}] rollback to iteration {args.demo_rollback}, replayed {len(replay)} steps: "
-              f"{'BIT-IDENTICAL' if same else 'DIFFERENT'}", flush=True)
-        if not same:
-            return 1
-    torch.distributed.barrier()
-    destroy_parallel()
-    torch.distributed.destroy_process_group()
-    return 0
+            adapter.apply(*saved)
+            replay = [tr.train_step() for _ in replay_ref]
+            same = all(a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"] for a, b in zip(replay, replay_ref))
+            print(f"[r{rank}] rollback to iteration {args.demo_rollback}, replayed {len(replay)} steps: "
+                  f"{'BIT-IDENTICAL' if same else 'DIFFERENT'}", flush=True)
+            if not same:
+                return 1
+        torch.distributed.barrier()
+        destroy_parallel()
+        torch.distributed.destroy_process_group()
+        return 0
+
+    if args.in_place:
+        from shardsafe.inplace import run as run_in_place
+        return run_in_place(train, backend=backend, timeout_s=args.timeout_s)
+    return train()
 
 
 if __name__ == "__main__":

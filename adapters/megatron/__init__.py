@@ -10,6 +10,7 @@ One module per concept; the adapter's public names (``__all__``) are importable 
   * :mod:`.hooks`: Megatron-LM's loop: ``pretrain`` (drop-in), ``install_hooks``, ``protected_pretrain``.
   * :mod:`.args`: the ``--shardsafe-*`` flags (``add_arguments``, ``config_from_args``).
   * :mod:`.prewarm`: start-up work a fork server does once (Megatron-LM's tokenizers).
+  * :mod:`.inplace`: megatron-core's parallel state, cleared on a rank that restarts in place.
 """
 from __future__ import annotations
 

@@ -16,14 +16,17 @@ from typing import Any, Callable, Mapping, MutableMapping, Optional
 from shardsafe.config import ConfigError, ShardsafeConfig
 from shardsafe.errors import UsageError
 from shardsafe.fatal import install_excepthook
+from shardsafe.inplace import on_let_go
 from shardsafe.runtime import BaseRuntime, Runtime
 from shardsafe.tor.events import NullEventLog
 
 from .args import config_from_args
+from .inplace import forget_parallel_state
 from .state import MegatronStateAdapter
 from .state_checks import parity_coordinates
 
 log = logging.getLogger(__name__)
+on_let_go("megatron-core", forget_parallel_state)   # a rank restarted in place initialises them again
 
 # Where the runtime has no event log (disabled, a test double): emits nothing.
 _NO_EVENTS = NullEventLog()

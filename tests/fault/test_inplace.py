@@ -183,3 +183,38 @@ def test_a_survivor_stuck_in_a_collective_makes_the_job_restart_in_full_bit_exac
         starts = sorted((e.get("attempt"), e["rank"]) for e in evs if e["kind"] == "trainer_start")
         assert [a for a, _ in starts].count(2) == DS_WORLD, starts
     check_deepspeed_bit_exact(tmp_path, ref)
+
+
+def test_megatron_core_restarts_in_place_bit_exact(tmp_path):
+    """examples/megatron_pretrain_gpt.py --in-place (megatron-core, DistributedOptimizer over three data-parallel
+    ranks on three simulated nodes): rank 1 SIGKILLed before its optimizer step 4 starts again alone; ranks 0 and
+    2 clear parallel_state (adapters/megatron/inplace.py) and build it, the model and the optimizer again in their
+    processes; every rank restores from memory and ends bit-exact with an uninterrupted run."""
+    from .test_megatron_resume import MCORE, OWN_LOOP, STEPS as MSTEPS, run_megatron
+    if MCORE is None:
+        pytest.skip("megatron-core is not installed in this venv (pip install megatron-core==0.16.1, docs/megatron.md)")
+    from shardsafe.launch import PRELOAD_MEGATRON
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    args = ["--steps", str(MSTEPS), "--timeout-s", "30"]
+    assert run_megatron(ref, args, nodes=3, nproc=1, shardsafe=False, max_restarts=0).ok
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = ElasticConfig(nodes=3, nproc_per_node=1, run_dir=str(run_dir), inject="kill-rank:1@4", memory_budget_gb=0.5,
+                        max_restarts=2, timeout_s=240, preload=PRELOAD_MEGATRON, restart="in-place")
+    res = ElasticLauncher(cfg).run([OWN_LOOP, *args, "--shardsafe", "--in-place", "--out", str(run_dir)])
+    logd = run_dir / "logs"
+    logs = "".join((logd / f).read_text(errors="replace") for f in sorted(os.listdir(logd)) if f.startswith("agent_"))
+    assert res.ok and res.attempts == 2, (res, logs[-4000:])
+    assert [(f["cause"], f["rank"], f["rc"]) for f in res.failures] == [("rank_exit", 1, -9)], res.failures
+    evs = read_jsonl(str(run_dir / "events.jsonl"))
+    starts = sorted((e.get("attempt"), e["rank"]) for e in evs if e["kind"] == "trainer_start")
+    assert starts == [(0, 0), (0, 1), (0, 2), (1, 1)], starts
+    for r in (0, 2):
+        assert f"[rank {r}] the job restarts in place at attempt 1" in logs, logs[-4000:]
+    got = restores(run_dir)
+    assert got[0] == -1 and got[1] in (2, 3), got
+    check_resumed(evs, got[1], 3)
+    cmp = compare_runs(str(run_dir), str(ref), 3, MSTEPS)
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
+                                                           cmp.state_mismatches)
