@@ -1,4 +1,4 @@
-"""Local launcher: N simulated nodes on one host, one holder per node, whole-group restarts.
+"""Local launcher: N simulated nodes on one host, one holder per node, whole-group restarts or in-place ones.
 
 This is the local mode behind ``shardsafe demo`` and the tests: every simulated node gets its own
 node name (SHARDSAFE_NODE) and its own holder process, started outside the restarted worker group
@@ -93,8 +93,13 @@ class LaunchConfig:
     """Samples per rank and micro-batch (with global_batch)."""
     join_timeout_s: float = 600.0
     """How long to wait for a node when the job can neither replace a lost one nor shrink; then it fails."""
+    restart: str = "full"
+    """"full": a dead trainer restarts every trainer; "in-place": only the dead ones start again, for a program that
+    trains inside shardsafe.inplace.run (docs/operations.md "Restart in place")."""
 
     def __post_init__(self) -> None:
+        if self.restart not in names.RESTART_MODES:
+            raise ConfigError(f"restart={self.restart!r}: expected one of {', '.join(names.RESTART_MODES)}")
         if self.nodes < 1 or self.nproc_per_node < 1:
             raise ConfigError(f"need nodes >= 1 and nproc_per_node >= 1, got {self.nodes} and {self.nproc_per_node}")
         if self.max_restarts < 0:
@@ -139,7 +144,8 @@ class LaunchResult:
 def trainer_env(cfg: LaunchConfig) -> dict[str, str]:
     """What every trainer of a LocalLauncher job gets before its per-rank variables (and what its fork
     server imports with)."""
-    env = {**os.environ, **lazy_gloo_env(os.environ), **cfg.env, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    env = {**os.environ, **lazy_gloo_env(os.environ), **cfg.env, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           names.RESTART: cfg.restart}
     env.pop(ENV_TRAINER, None)   # each trainer is one, not a process another trainer started (early_open.trainer_process)
     return env
 
@@ -240,32 +246,35 @@ class LocalLauncher:
         return int(self._store.port)
 
     def _spawn(self, cmd: list[str], attempt: int) -> list[Any]:
+        self._port = self._rendezvous_store()
+        return [self._start(cmd, rank, attempt) for rank in range(self.members.world())]
+
+    def _start(self, cmd: list[str], rank: int, attempt: int) -> Any:
+        """Trainer ``rank`` of ``attempt``, on its node, a client of the attempt's store (:attr:`_port`)."""
         c, m = self.cfg, self.members
-        port, world, nodes = self._rendezvous_store(), m.world(), m.active
-        procs = []
-        for rank, node in enumerate(m.rank_nodes()):
-            local = rank % c.nproc_per_node
-            env = {**trainer_env(c),
-                   "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
-                   "LOCAL_WORLD_SIZE": str(c.nproc_per_node), "GROUP_RANK": str(nodes.index(node)),
-                   "GROUP_WORLD_SIZE": str(len(nodes)),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
-                   names.NODE: node, names.JOB_ID: c.job_id, names.FULL_WORLD_SIZE: str(m.world(m.full_dp)),
-                   names.HOLDER_DIR: c.holder_dir, names.RUN_DIR: c.run_dir,
-                   names.ATTEMPT: str(attempt), names.INJECT: c.inject,
-                   names.JOB_START_T: repr(self.t_start), names.INSTANCE: self.instance,
-                   **(holder_budget_env(c.memory_budget_gb) if c.start_holders else {})}
-            log_path = os.path.join(c.run_dir, f"trainer_rank{rank}.log")
-            with open(log_path, "ab") as out:
-                out.write(f"==== attempt {attempt} ====\n".encode())
-                out.flush()
-                proc = self.forks and self.forks.fork_or_cold(cmd, env=env, stdout=out.fileno(), stderr=out.fileno())
-                self.starts["cold" if proc is None else "forked"] += 1
-                if proc is None:
-                    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
-            procs.append(proc)
-        return procs
+        port, world, nodes = self._port, m.world(), m.active
+        node = m.rank_nodes()[rank]
+        local = rank % c.nproc_per_node
+        env = {**trainer_env(c),
+               "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+               "LOCAL_WORLD_SIZE": str(c.nproc_per_node), "GROUP_RANK": str(nodes.index(node)),
+               "GROUP_WORLD_SIZE": str(len(nodes)),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+               names.NODE: node, names.JOB_ID: c.job_id, names.FULL_WORLD_SIZE: str(m.world(m.full_dp)),
+               names.HOLDER_DIR: c.holder_dir, names.RUN_DIR: c.run_dir,
+               names.ATTEMPT: str(attempt), names.INJECT: c.inject,
+               names.JOB_START_T: repr(self.t_start), names.INSTANCE: self.instance,
+               **(holder_budget_env(c.memory_budget_gb) if c.start_holders else {})}
+        log_path = os.path.join(c.run_dir, f"trainer_rank{rank}.log")
+        with open(log_path, "ab") as out:
+            out.write(f"==== attempt {attempt} ====\n".encode())
+            out.flush()
+            proc = self.forks and self.forks.fork_or_cold(cmd, env=env, stdout=out.fileno(), stderr=out.fileno())
+            self.starts["cold" if proc is None else "forked"] += 1
+            if proc is None:
+                proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        return proc
 
     def _node_fault(self, attempt: int):
         return next(iter(for_attempt(parse(self.cfg.inject), attempt, {FaultKind.KILL_NODE})), None)
@@ -389,17 +398,31 @@ class LocalLauncher:
         failures: list[dict[str, Any]] = []
         ok, fatal = False, ""
         attempt = 0
+        kept = None   # the trainers a restart in place keeps
         with SignalStop() as stop:
             try:
                 self._start_node_services(stop)
                 while stop.received is None:
-                    self._joins_due(attempt, None)
-                    self.events.emit("attempt_start", attempt=attempt)
-                    self.sizes.append(self.members.dp)
-                    procs = self._spawn(cmd, attempt)
+                    if kept is None:
+                        self._joins_due(attempt, None)
+                        self.events.emit("attempt_start", attempt=attempt)
+                        self.sizes.append(self.members.dp)
+                        procs = self._spawn(cmd, attempt)
+                    else:
+                        procs, kept = kept, None
                     failed = self._watch(procs, attempt, stop)
                     if stop.received is not None:
                         break
+                    if failed and len(failures) < c.max_restarts and self._can_restart_in_place(failed, procs, attempt):
+                        self.events.emit("failure_detected", **failed)
+                        failures.append(failed)
+                        self.events.emit("attempt_end", attempt=attempt, rc=failed.get("rc"), cause=failed["cause"])
+                        attempt += 1
+                        self.events.emit("restart", attempt=attempt)
+                        self.events.emit("attempt_start", attempt=attempt)
+                        self.sizes.append(self.members.dp)
+                        kept = self._restart_in_place(cmd, procs, attempt)
+                        continue
                     if failed and failed["cause"] == GROW:   # planned: stop at the commit, restart larger
                         plan = failed.pop("plan")
                         self._resize(plan, attempt + 1)
@@ -444,6 +467,39 @@ class LocalLauncher:
                             signal=stop.received, fatal=fatal, attempt_sizes=list(self.sizes),
                             data_parallel_sizes=[d for i, d in enumerate(self.sizes)
                                                  if i == 0 or d != self.sizes[i - 1]])
+
+    def _can_restart_in_place(self, failed: dict[str, Any], procs: list, attempt: int) -> bool:
+        """Whether only the dead trainers start again (``restart="in-place"``): they died on their own (no node loss
+        or hang), none exited 75, none of an error no restart fixes. The store is ours: rank 0 may be among them."""
+        from ..inplace import EXIT_NOT_IN_PLACE
+        if self.cfg.restart != "in-place" or failed.get("cause") != "rank_exit":
+            return False
+        why = ""
+        if read_fatal(self.cfg.run_dir, attempt):
+            why = "a trainer died of an error no restart fixes"
+        elif any(p.poll() == EXIT_NOT_IN_PLACE for p in procs):
+            why = f"a trainer exited with {EXIT_NOT_IN_PLACE}: it could not restart in place"
+        if why:
+            log.warning("attempt %d: not restarting in place (%s): every trainer restarts", attempt, why)
+        return not why
+
+    def _restart_in_place(self, cmd: list[str], procs: list, attempt: int) -> list:
+        """Start the dead trainers again as ``attempt``; tell the survivors (the notice of every node, then
+        shardsafe.inplace.SIGNAL to each one's main thread). Returns the attempt's trainers."""
+        from ..inplace import SIGNAL, write_notice
+        from .replace import signal_main_thread
+        dead = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+        log.warning("rank(s) %s died; restarting them in place as attempt %d", dead, attempt)
+        procs = [self._start(cmd, r, attempt) if r in dead else p for r, p in enumerate(procs)]
+        for node in self.members.active:
+            write_notice(self.cfg.run_dir, node, attempt, dead)
+        for r, p in enumerate(procs):
+            if r not in dead and p.poll() is None:
+                try:
+                    signal_main_thread(p.pid, SIGNAL)
+                except ProcessLookupError:
+                    pass   # it died meanwhile: the next poll sees it
+        return procs
 
     def _start_node_services(self, stop: SignalStop) -> None:
         """The fork server (its preload overlaps the holders' start) and one holder per simulated node."""

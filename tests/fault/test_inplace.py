@@ -218,3 +218,29 @@ def test_megatron_core_restarts_in_place_bit_exact(tmp_path):
     cmp = compare_runs(str(run_dir), str(ref), 3, MSTEPS)
     assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
                                                            cmp.state_mismatches)
+
+
+@pytest.mark.parametrize("kill", [1, 0])
+def test_the_local_launcher_restarts_in_place_bit_exact(tmp_path, reference, kill):
+    """The local launcher (`shardsafe demo`, the tests) with ``restart="in-place"``: the killed rank starts again
+    alone, rank 0 included (the store is the launcher's, not rank 0's), and the run ends bit-exact."""
+    import uuid
+
+    from shardsafe.launch import LaunchConfig, LocalLauncher
+    ref = reference(2, "bf16", DS_STEPS, extra=FUSED, world=DS_WORLD, cold=True)
+    cfg = LaunchConfig(nodes=DS_WORLD, nproc_per_node=1, job_id=f"ip{uuid.uuid4().hex[:8]}", run_dir=str(tmp_path),
+                       inject=f"kill-rank:{kill}@{DS_KILL_AT}", max_restarts=2, memory_budget_gb=0.5,
+                       attempt_timeout_s=240, preload=PRELOAD_DEEPSPEED, restart="in-place")
+    res = LocalLauncher(cfg).run([sys.executable, SCRIPT, "--steps", str(DS_STEPS), "--zero-stage", "2", "--dtype",
+                                  "bf16", *FUSED, "--in-place", "--out", str(tmp_path)])
+    logs = "".join((tmp_path / f).read_text(errors="replace") for f in sorted(os.listdir(tmp_path))
+                   if f.startswith("trainer_rank"))
+    assert res.ok and res.attempts == 2, (res, logs[-4000:])
+    assert [(f["cause"], f["rank"], f["rc"]) for f in res.failures] == [("rank_exit", kill, -9)], res.failures
+    evs = read_jsonl(str(tmp_path / "events.jsonl"))
+    starts = sorted((e.get("attempt"), e["rank"]) for e in evs if e["kind"] == "trainer_start")
+    assert starts == sorted([(0, 0), (0, 1), (0, 2), (1, kill)]), starts
+    got = restores(tmp_path)
+    assert got[0] == -1 and got[1] in (DS_KILL_AT - 2, DS_KILL_AT - 1), got
+    check_resumed(evs, got[1], DS_WORLD)
+    check_deepspeed_bit_exact(tmp_path, ref)
