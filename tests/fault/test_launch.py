@@ -33,7 +33,10 @@ def launch(run_dir, inject, **kw):
     cfg = ElasticConfig(nodes=NODES, nproc_per_node=1, run_dir=str(run_dir), inject=inject, memory_budget_gb=0.5,
                         max_restarts=3, keep_alive_s=2, keep_alive_misses=3, timeout_s=420, preload=PRELOAD_DEEPSPEED,
                         **kw)
-    cmd = [SCRIPT, "--steps", str(STEPS), "--zero-stage", "2", "--dtype", "bf16", "--running-tor-every", "2"]
+    # --step-sleep from step 7 on: the launcher kills a node once it sees step 7, and steps of this tiny model took
+    # 50 ms; on a loaded machine the survivors ran to the last step before the kill landed, and the test lost it
+    cmd = [SCRIPT, "--steps", str(STEPS), "--zero-stage", "2", "--dtype", "bf16", "--running-tor-every", "2",
+           "--step-sleep", "0.3", "--step-sleep-after", "6"]
     t0 = time.time()
     res = ElasticLauncher(cfg).run(cmd)
     wall = time.time() - t0
