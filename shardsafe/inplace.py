@@ -48,7 +48,7 @@ from .errors import ShardsafeError
 log = logging.getLogger(__name__)
 
 __all__ = ["run", "RestartInPlace", "SIGNAL", "EXIT_NOT_IN_PLACE", "write_notice", "read_notice", "notice_path",
-           "InPlaceError", "on_let_go"]
+           "InPlaceError", "on_let_go", "ignore_until_run"]
 
 T = TypeVar("T")
 
@@ -87,6 +87,15 @@ def on_let_go(name: str, forget: Callable[[], None]) -> None:
     again: a framework adapter drops the groups its framework cached at module level, which the next attempt's
     ``train`` would otherwise find and use, destroyed. One per ``name`` (registering again replaces it)."""
     _FORGET[name] = forget
+
+
+def ignore_until_run() -> None:
+    """In a job that restarts in place, ignore :data:`SIGNAL` in this process (a fork server: in the trainers it
+    forks) until :func:`run` installs its handler. A rank its agent started again is signalled with the survivors
+    when the next restart in place is announced, possibly before it got that far; by default the signal would kill
+    it. Nothing is lost: the handler reads the announcement from the notice file."""
+    if env.restart_mode() == "in-place":
+        signal.signal(SIGNAL, signal.SIG_IGN)
 
 
 def notice_path(run_dir: str, node: str) -> str:

@@ -50,6 +50,7 @@ import weakref
 from typing import Mapping, Optional, Sequence
 
 from ..errors import ConfigError, ShardsafeError
+from ..inplace import ignore_until_run
 # What every forked trainer would import at its start otherwise (imported here, the server's, once): the wait
 # for the store (discovery) and the codec Python encodes host names with for a TCP connect.
 from .discovery import wait_before_store_connect
@@ -581,13 +582,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 def run_server(preload: Sequence[str], sock: socket.socket) -> None:
     """Serve on ``sock`` until the launcher hangs up, then end this process; in a forked child, run the trainer."""
-    from .. import env as names
-    if names.restart_mode() == "in-place":
-        # A rank its agent started again is signalled with the survivors when the next restart in place is
-        # announced, possibly before it installed its handler (shardsafe.inplace.run): ignored until then, not
-        # fatal. Its handler reads the announcement from the notice file, so nothing is lost.
-        from ..inplace import SIGNAL
-        signal.signal(SIGNAL, signal.SIG_IGN)
+    ignore_until_run()   # in the trainers it forks
     req = serve(preload, sock)
     if req is None:
         # Nothing of the server needs an orderly shutdown (no files, no device, children reaped); the teardown of
@@ -595,8 +590,7 @@ def run_server(preload: Sequence[str], sock: socket.socket) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    # From here on this process is the trainer; exceptions and SystemExit end it like a cold interpreter.
-    _run_child(req)
+    _run_child(req)   # from here on this process is the trainer: exceptions and SystemExit end it as a cold one
 
 
 if __name__ == "__main__":
