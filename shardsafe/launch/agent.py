@@ -384,7 +384,10 @@ def run_agent(opts: AgentOptions, script: list[str]) -> int:
 
         def _rendezvous(self, worker_group) -> None:
             super()._rendezvous(worker_group)
+            before = hooks.attempt
             hooks.on_rendezvous(worker_group)
+            if in_place is not None and before is not None:
+                in_place.supersede(before)   # restarted in full: the listener's wait for it ends
 
         def _monitor_workers(self, worker_group):
             if in_place is not None:   # before torch's poll, which stops every worker when one died

@@ -31,8 +31,10 @@ from ..inplace import EXIT_NOT_IN_PLACE, SIGNAL, write_notice
 
 log = logging.getLogger(__name__)
 
-LISTEN_S = 1.0
-"""How long one server-side wait for an announcement lasts before the listener looks at the attempt again."""
+LISTEN_S = 86400.0
+"""The longest server-side wait for an announcement. A wait that times out makes torch log two warnings, so the
+listener waits for the key to be set instead: by the announcement, or by :meth:`InPlace.supersede`."""
+SUPERSEDED = json.dumps({"attempt": -1})
 
 
 def signal_main_thread(pid: int, sig: int) -> None:
@@ -71,7 +73,18 @@ class InPlace:
     def close(self) -> None:
         """Stop the listener while the interpreter is fully alive (as _AgentHooks.close, for its store wait)."""
         self._stop.set()
-        self._listener.join(timeout=LISTEN_S + 2)
+        if self.hooks.attempt is not None:
+            self.supersede(self.hooks.attempt)
+        self._listener.join(timeout=5)
+
+    def supersede(self, a: int) -> None:
+        """``a`` is over without a restart in place (a new rendezvous round, the job's end): its key gets a value
+        every reader ignores, unless an announcement is there already, which ends the listener's wait for it."""
+        with self.hooks._lock:
+            try:
+                self.hooks.store.compare_set(self.hooks.keys.inplace(a), "", SUPERSEDED)
+            except Exception as e:  # noqa: BLE001 - the store gone at the job's end: the listener's wait ends too
+                log.debug("[agent %s] superseding attempt %d: %s", self.opts.node, a, e)
 
     def _listen(self) -> None:
         """Wait in the control store for the current attempt's announcement (a server-side wait: no polling), so
@@ -89,22 +102,14 @@ class InPlace:
                 store = store or _store_client(self.opts.control)
                 store.wait([self.hooks.keys.inplace(a)], timedelta(seconds=LISTEN_S))
                 got = json.loads(store.get(self.hooks.keys.inplace(a)))
-            except Exception:  # noqa: BLE001 - the wait's timeout, or the store gone at the job's end
-                if self.hooks.attempt == a and not self._stop.is_set():
-                    store = None if not self._store_alive(store) else store
+            except Exception:  # noqa: BLE001 - the store gone at the job's end, or a day's wait: a new connection
+                store = None
+                self._stop.wait(0.25)
                 continue
             wg = self.hooks.worker_group
             if wg is not None:
                 self._follow(wg, a, got)
         store = None
-
-    @staticmethod
-    def _store_alive(store: Any) -> bool:
-        try:
-            store.check(["shardsafe/alive"])
-            return True
-        except Exception:  # noqa: BLE001 - reconnect at the next round
-            return False
 
     # ---- this node's worker died ----------------------------------------------------------------------------
     def replace_dead(self, agent: Any, wg: Any) -> bool:
@@ -198,7 +203,7 @@ class InPlace:
 
     def _follow(self, wg: Any, a: int, got: dict) -> None:
         with self._going:
-            if self.hooks.attempt == a:   # not yet acted on
+            if self.hooks.attempt == a and int(got.get("attempt", -1)) > a:   # an announcement not yet acted on
                 self._go_on(wg, a, int(got["attempt"]), [int(r) for r in got.get("ranks", [])], skip=set())
 
     def _announced(self, a: int) -> Optional[dict]:
