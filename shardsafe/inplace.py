@@ -251,23 +251,27 @@ class _Watchdog:
     lies in the run directory, on a shared file system. A program that set a wakeup fd of its own (asyncio) keeps
     it, and the thread reads the notice once a second instead."""
 
-    def __init__(self, trigger: _Trigger, rank: int, stuck_s: float, pipe: tuple[int, int]):
-        """``pipe``: (read end, write end), the write end already the signal wakeup fd (:func:`_watchdog`)."""
+    def __init__(self, trigger: _Trigger, rank: int, stuck_s: float, pipe: Optional[tuple[int, int]]):
+        """``pipe``: (read end, write end), the write end already the signal wakeup fd; None: the notice is read
+        once a second (:func:`_watchdog`)."""
         self.trigger, self.rank, self.stuck_s = trigger, rank, stuck_s
+        self.polls = pipe is None
         self._main = threading.main_thread().ident
         self._stopped = threading.Event()
-        self._r, self._w = pipe
+        self._pipe = pipe
         self._thread = threading.Thread(target=self._watch, name="shardsafe-inplace-watchdog", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         """From the main thread, at the end of :func:`run`."""
         self._stopped.set()
+        if self._pipe is None:
+            return
         signal.set_wakeup_fd(-1)
-        os.write(self._w, b"\0")   # wake the thread
+        os.write(self._pipe[1], b"\0")   # wake the thread
         self._thread.join(timeout=1.0)
-        os.close(self._r)
-        os.close(self._w)
+        for fd in self._pipe:
+            os.close(fd)
 
     def _where(self) -> str:
         """The main thread's innermost Python frame, as ``file:function``."""
@@ -275,10 +279,14 @@ class _Watchdog:
         return f"{frame.f_code.co_filename}:{frame.f_code.co_name}" if frame is not None else "?"
 
     def _wait(self, timeout: Optional[float]) -> None:
+        """Until a signal comes (or ``timeout``); polling: ``timeout``, else a second."""
+        if self._pipe is None:
+            self._stopped.wait(1.0 if timeout is None else timeout)
+            return
         import select
-        if select.select([self._r], [], [], timeout)[0]:
+        if select.select([self._pipe[0]], [], [], timeout)[0]:
             try:
-                os.read(self._r, 512)
+                os.read(self._pipe[0], 512)
             except BlockingIOError:
                 pass
 
@@ -307,28 +315,8 @@ class _Watchdog:
         return since
 
 
-class _PollingWatchdog(_Watchdog):
-    """:class:`_Watchdog` for a program that owns the signal wakeup fd: the notice read once a second."""
-
-    def __init__(self, trigger: _Trigger, rank: int, stuck_s: float):
-        self.trigger, self.rank, self.stuck_s = trigger, rank, stuck_s
-        self._main = threading.main_thread().ident
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._poll, name="shardsafe-inplace-watchdog", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stopped.set()
-
-    def _poll(self) -> None:
-        since = None
-        while not self._stopped.wait(1.0 if since is None else 0.05):
-            since = self._check(since)
-
-
 def _watchdog(trigger: _Trigger, rank: int, stuck_s: float) -> _Watchdog:
-    """A :class:`_Watchdog` woken through the signal wakeup fd, or a :class:`_PollingWatchdog` where the program
-    owns that fd."""
+    """A :class:`_Watchdog` woken through the signal wakeup fd, or one that polls where the program owns that fd."""
     r, w = os.pipe()
     os.set_blocking(w, False)   # the C handler must never block on a full pipe
     theirs = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
@@ -339,7 +327,7 @@ def _watchdog(trigger: _Trigger, rank: int, stuck_s: float) -> _Watchdog:
     os.close(w)
     log.info("[rank %d] the program owns the signal wakeup fd: the in-place watchdog reads the notice once a "
              "second", rank)
-    return _PollingWatchdog(trigger, rank, stuck_s)
+    return _Watchdog(trigger, rank, stuck_s, None)
 
 
 class _Done:

@@ -109,6 +109,10 @@ class InPlace:
             wg = self.hooks.worker_group
             if wg is not None:
                 self._follow(wg, a, got)
+            # Superseded by an agent whose next round began before this one's, or acted on: the key stays set, so
+            # the next wait is for the next attempt's key, once this agent is in it
+            while self.hooks.attempt == a and not self._stop.wait(0.05):
+                pass
         store = None
 
     # ---- this node's worker died ----------------------------------------------------------------------------

@@ -105,7 +105,7 @@ dog = inplace._watchdog(trigger, rank=3, stuck_s=0.05)
 assert sys.argv[2] != "own" or signal.set_wakeup_fd(-1) == w   # the program's wakeup fd is still its own
 if sys.argv[2] == "own":
     signal.set_wakeup_fd(w)
-print("ready", type(dog).__name__, flush=True)
+print("ready", "polls" if dog.polls else "wakes", flush=True)
 # the main thread blocked in native code that no signal ends (a gloo wait stands in here): a mutex locked twice
 libc = ctypes.CDLL(None)
 m = ctypes.create_string_buffer(64)
@@ -127,7 +127,7 @@ def test_a_main_thread_no_signal_can_stop_exits_75_once_a_newer_attempt_is_annou
     p = subprocess.Popen([sys.executable, "-c", _BLOCKED_CHILD, str(tmp_path), wakeup], env=child_env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        assert p.stdout.readline().split() == ["ready", "_Watchdog" if wakeup == "ours" else "_PollingWatchdog"]
+        assert p.stdout.readline().split() == ["ready", "wakes" if wakeup == "ours" else "polls"]
         inplace.write_notice(str(tmp_path), "n0", announced, [1])
         os.kill(p.pid, inplace.SIGNAL)   # as the agent does: the watchdog wakes on it, not on the file
         if announced:
