@@ -64,7 +64,7 @@ def report_text(out: dict) -> str:
                 f"  {r['ranks']:>5} | {_s(r['kill_to_next_iteration_s']):>16} {_s(r['detect_s'])} "
                 f"{_s(r['rendezvous_s']):>8} {_s(r['startup_s'])} {_s(r['restore_s'])} "
                 f"{_s(ph['first iteration'])} | {_s(r['placement_restore_s']):>17} {_ms(r['restore_vote_s']):>12} | "
-                f"{_s(r['first_rendezvous_s']):>16} | {kinds.count('gather_bytes')} gathers + "
+                f"{_s(r['first_rendezvous_s']):>16} | {sum(k.startswith('gather') for k in kinds)} gathers + "
                 f"{kinds.count('min_reduce')} votes")
     if rows:
         lines += ["", "  the restarted trainers' start, from the last rank's marks (s after the new attempt_start):"]

@@ -32,11 +32,12 @@ from typing import Any, Sequence
 GATHER_SIM_MAX = 1024
 
 # What a restarted rank runs on shardsafe's hierarchy between its start and its first step (kind, ints or bytes
-# per rank, which hierarchy), as the harness records it at 4 ranks: the places gather (runtime._places), placement's
-# "nothing moved" vote, the restore's two (what every rank holds; its vote with the copies' digests) and the
-# budget check's gather. Every real run records its own (rows[].start_collectives) and the harness simulates that.
-DEFAULT_RESTART = (("gather_bytes", 46, "restore"), ("min_reduce", 1, "restore"), ("gather_bytes", 80, "restore"),
-                   ("gather_bytes", 24, "restore"), ("gather_bytes", 32, "restore"))
+# per rank, which hierarchy), as the harness records it at 4 ranks: the places gather (runtime._places), the
+# restore's two (what every rank holds, with each node's placement and world-size checks; its vote with the copies'
+# digests) and the budget check's gather. Every real run records its own (rows[].start_collectives) and the harness
+# simulates that.
+DEFAULT_RESTART = (("gather_bytes", 46, "restore"), ("gather_ints", 13, "restore"), ("gather_ints", 3, "restore"),
+                   ("gather_ints", 4, "restore"))
 
 
 def vote_len() -> int:
@@ -61,17 +62,23 @@ def vote_pattern(ranks: int, per_node: int, length: int | None = None) -> dict[s
     return {**_stats(st), "nodes": topo.nodes}
 
 
-def gather_pattern(ranks: int, per_node: int, nbytes: int) -> dict[str, Any]:
-    """An all-gather of ``nbytes`` per rank: simulated up to GATHER_SIM_MAX, else the vote's pattern."""
-    from shardsafe.hierarchy import Topology, allgather_algo, simulate
+def gather_pattern(ranks: int, per_node: int, nbytes: int, ints: bool = False) -> dict[str, Any]:
+    """An all-gather of ``nbytes`` per rank (``ints``: of ``nbytes`` int64s, in fixed-size messages):
+    simulated up to GATHER_SIM_MAX, else the vote's pattern."""
+    from shardsafe.hierarchy import Topology, allgather_algo, allgather_ints_algo, simulate
+    size = 8 * nbytes if ints else nbytes
     if ranks > GATHER_SIM_MAX:
-        return {**vote_pattern(ranks, per_node, 1), "bytes_per_rank_received": ranks * nbytes, "simulated": False}
+        return {**vote_pattern(ranks, per_node, 1), "bytes_per_rank_received": ranks * size, "simulated": False}
     topo = Topology.blocks(ranks, per_node)
-    blobs = [bytes([r % 251]) * nbytes for r in range(ranks)]
-    res, st = simulate(topo, lambda r: allgather_algo(topo, r, blobs[r]))
-    if res[ranks // 2] != blobs:
+    if ints:
+        want = [[r] * nbytes for r in range(ranks)]
+        res, st = simulate(topo, lambda r: allgather_ints_algo(topo, r, want[r]))
+    else:
+        want = [bytes([r % 251]) * nbytes for r in range(ranks)]
+        res, st = simulate(topo, lambda r: allgather_algo(topo, r, want[r]))
+    if res[ranks // 2] != want:
         raise AssertionError(f"simulated gather at {ranks} ranks: a rank got the wrong blobs")
-    return {**_stats(st), "nodes": topo.nodes, "bytes_per_rank_received": ranks * nbytes, "simulated": True}
+    return {**_stats(st), "nodes": topo.nodes, "bytes_per_rank_received": ranks * size, "simulated": True}
 
 
 def ring_model(ranks: int) -> dict[str, int]:
@@ -224,8 +231,8 @@ def simulate_sizes(sizes: Sequence[int], per_node: int, restart: Sequence[Sequen
         vote = vote_pattern(n, per_node)
         steps = []
         for kind, size, _ in restart:
-            steps.append(gather_pattern(n, per_node, int(size)) if kind == "gather_bytes"
-                         else vote_pattern(n, per_node, int(size)))
+            steps.append(gather_pattern(n, per_node, int(size), ints=kind == "gather_ints")
+                         if kind.startswith("gather") else vote_pattern(n, per_node, int(size)))
         if n <= GATHER_SIM_MAX:   # the gathers' pattern is the vote's: what lets the larger sizes use it
             for s in steps:
                 if (s["rounds"], s["messages"], s["pairs"]) != (vote["rounds"], vote["messages"], vote["pairs"]):
@@ -238,7 +245,7 @@ def simulate_sizes(sizes: Sequence[int], per_node: int, restart: Sequence[Sequen
                "vote": vote, "ring": ring_model(n),
                "restart": {"collectives": len(steps), "rounds": sum(s["rounds"] for s in steps),
                            "messages": sum(s["messages"] for s in steps),
-                           "gathers": sum(1 for k, _, _ in restart if k == "gather_bytes"),
+                           "gathers": sum(1 for k, _, _ in restart if k.startswith("gather")),
                            "votes": sum(1 for k, _, _ in restart if k == "min_reduce"),
                            "bytes_per_rank_received": sum(s.get("bytes_per_rank_received", 0) for s in steps),
                            "pairs": 2 * vote["pairs"], "max_pairs_per_rank": 2 * vote["max_pairs_per_rank"],

@@ -113,13 +113,13 @@ class _Agreements:
 
 
 def _count_collectives(log: list) -> None:
-    """Record every call of the hierarchy's two collectives in this process (kind, length in ints or bytes,
+    """Record every call of the hierarchy's collectives in this process (kind, length in ints or bytes,
     hierarchy prefix), so the harness knows what a start costs without reading shardsafe's code."""
     from shardsafe import hierarchy
     H = hierarchy.Hierarchy
     if getattr(H, "_bench_counted", False):
         return
-    min_reduce, gather_bytes = H.min_reduce, H.gather_bytes
+    min_reduce, gather_bytes, gather_ints = H.min_reduce, H.gather_bytes, H.gather_ints
 
     def counted_min(self, values):
         log.append(["min_reduce", len(values), self.prefix.rsplit("/", 1)[-1]])
@@ -129,7 +129,11 @@ def _count_collectives(log: list) -> None:
         log.append(["gather_bytes", len(blob), self.prefix.rsplit("/", 1)[-1]])
         return gather_bytes(self, blob)
 
-    H.min_reduce, H.gather_bytes, H._bench_counted = counted_min, counted_gather, True
+    def counted_ints(self, values):
+        log.append(["gather_ints", len(values), self.prefix.rsplit("/", 1)[-1]])
+        return gather_ints(self, values)
+
+    H.min_reduce, H.gather_bytes, H.gather_ints, H._bench_counted = counted_min, counted_gather, counted_ints, True
 
 
 def _rss_mb() -> float:

@@ -85,6 +85,8 @@ def gather_ints(values: Sequence[int], group: Any = None, world_size: Optional[i
     if n == 1:
         return [[int(v) for v in values]]
     if _hierarchical(group):
+        if hasattr(group, "gather_ints"):   # fixed-size messages (shardsafe.hierarchy.allgather_ints_algo)
+            return group.gather_ints(values)
         import struct
         blobs = group.gather_bytes(struct.pack(f"<{len(values)}q", *[int(v) for v in values]))
         return [list(struct.unpack(f"<{len(b) // 8}q", b)) for b in blobs]

@@ -28,9 +28,8 @@ import torch
 
 from .errors import ShardsafeError
 
-__all__ = ["Topology", "Send", "Recv", "min_reduce_algo", "allgather_algo", "MemberGroup", "GlooLinks", "Hierarchy",
-           "simulate",
-           "SimStats", "HierarchyError", "rounds_bound"]
+__all__ = ["Topology", "Send", "Recv", "min_reduce_algo", "allgather_algo", "allgather_ints_algo", "MemberGroup",
+           "GlooLinks", "Hierarchy", "simulate", "SimStats", "HierarchyError", "rounds_bound"]
 
 
 class HierarchyError(RuntimeError, ShardsafeError):
@@ -108,25 +107,36 @@ class Recv(NamedTuple):
 Algo = Generator[list, list, Any]
 
 
+def _like(like: Any, ranks: int) -> Optional[torch.Tensor]:
+    """The receive buffer of a message that carries ``ranks`` ranks' parts: ``like`` itself (a fixed shape), or
+    ``like(ranks)`` (a size that follows from the ranks carried), or None (bytes of any length)."""
+    return like(ranks) if callable(like) else like
+
+
 def _leader_rounds(leaders: Sequence[int], me: int, mine: Any, pack: Callable[[Any], torch.Tensor],
                    unpack: Callable[[torch.Tensor], Any], merge: Callable[[Any, Any], Any],
-                   like: Optional[torch.Tensor]) -> Algo:
-    """Recursive doubling among ``leaders``: every leader ends with the merge of all leaders' values."""
+                   like: Any, weight: Callable[[int], int], world: int) -> Algo:
+    """Recursive doubling among ``leaders``: every leader ends with the merge of all leaders' values.
+    ``weight(i)``: the ranks leader ``leaders[i]`` speaks for (its node's), for receives sized by the ranks carried."""
     p = len(leaders)
     i = leaders.index(me)
     p2 = 1 << (p.bit_length() - 1)
     if i >= p2:   # beyond the largest power of two: fold into a partner, get the result back
         partner = leaders[i - p2]
-        got = yield [Send(partner, pack(mine)), Recv(partner, like)]
+        got = yield [Send(partner, pack(mine)), Recv(partner, _like(like, world))]
         return unpack(got[1])
     extra = leaders[i + p2] if i + p2 < p else None
     if extra is not None:
-        got = yield [Recv(extra, like)]
+        got = yield [Recv(extra, _like(like, weight(i + p2)))]
         mine = merge(mine, unpack(got[0]))
+
+    def block(j: int, k: int) -> int:   # the ranks partner j holds before round k: its block of k, extras folded in
+        start = j & ~(k - 1)
+        return sum(weight(b) + (weight(b + p2) if b + p2 < p else 0) for b in range(start, start + k))
     k = 1
     while k < p2:
         partner = leaders[i ^ k]
-        got = yield [Send(partner, pack(mine)), Recv(partner, like)]
+        got = yield [Send(partner, pack(mine)), Recv(partner, _like(like, block(i ^ k, k)))]
         mine = merge(mine, unpack(got[1]))
         k <<= 1
     if extra is not None:
@@ -138,14 +148,15 @@ def _hierarchical(topo: Topology, rank: int, mine: Any, pack, unpack, merge, lik
     members = topo.members(rank)
     leader = members[0]
     if rank != leader:
-        got = yield [Send(leader, pack(mine)), Recv(leader, like)]
+        got = yield [Send(leader, pack(mine)), Recv(leader, _like(like, topo.world))]
         return unpack(got[1])
     if len(members) > 1:
-        got = yield [Recv(m, like) for m in members[1:]]
+        got = yield [Recv(m, _like(like, 1)) for m in members[1:]]
         for t in got:
             mine = merge(mine, unpack(t))
     if topo.nodes > 1:
-        mine = yield from _leader_rounds(topo.leaders, rank, mine, pack, unpack, merge, like)
+        mine = yield from _leader_rounds(topo.leaders, rank, mine, pack, unpack, merge, like,
+                                         lambda i: len(topo.members(topo.leaders[i])), topo.world)
     if len(members) > 1:
         out = pack(mine)
         yield [Send(m, out) for m in members[1:]]
@@ -176,6 +187,27 @@ def _unpack_blocks(t: torch.Tensor) -> dict[int, bytes]:
         out[r] = raw[pos:pos + ln]
         pos += ln
     return out
+
+
+def allgather_ints_algo(topo: Topology, rank: int, values: Sequence[int]) -> Algo:
+    """Every rank's ``values`` (one length L on every rank), in rank order. A message is the ranks it carries,
+    then their values: its size follows from the topology, so each hop is one message of a size the receiver
+    knows, where bytes of any length take two (their length, then the bytes), one after the other."""
+    n = len(values)
+
+    def pack(d: dict[int, torch.Tensor]) -> torch.Tensor:
+        ranks = sorted(d)
+        return torch.cat([torch.tensor(ranks, dtype=torch.int64), *[d[r] for r in ranks]])
+
+    def unpack(t: torch.Tensor) -> dict[int, torch.Tensor]:
+        k = t.numel() // (1 + n)
+        vals = t[k:].view(k, n)
+        return {int(r): vals[j] for j, r in enumerate(t[:k].tolist())}
+
+    got = yield from _hierarchical(topo, rank, {rank: torch.tensor([int(v) for v in values], dtype=torch.int64)},
+                                   pack, unpack, lambda a, b: {**a, **b},
+                                   lambda ranks: torch.empty(ranks * (1 + n), dtype=torch.int64))
+    return [[int(x) for x in got[r].tolist()] for r in range(topo.world)]
 
 
 def allgather_algo(topo: Topology, rank: int, blob: bytes) -> Algo:
@@ -341,6 +373,12 @@ class Hierarchy:
             return [bytes(blob)]
         return self._run(allgather_algo(self.topo, self.rank, bytes(blob)))
 
+    def gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` (one length on every rank), in rank order: :func:`allgather_ints_algo`."""
+        if self.world == 1:
+            return [[int(v) for v in values]]
+        return self._run(allgather_ints_algo(self.topo, self.rank, values))
+
     def rebuild(self, generation: int) -> None:
         """Drop the groups (a failed collective leaves them unusable) and build the next ones, lazily, under
         ``generation``: every rank that rebuilds after the same failure passes the same number."""
@@ -411,6 +449,10 @@ def simulate(topo: Topology, make: Callable[[int], Algo]) -> tuple[list[Any], Si
             for op in batch:
                 if isinstance(op, Recv):
                     when, data = mail[(op.peer, r)].pop(0)
+                    if op.like is not None and (data.dtype, data.shape) != (op.like.dtype, op.like.shape):
+                        # gloo fails a receive whose size is not the message's
+                        raise HierarchyError(f"simulated rank {r} expected {op.like.dtype}{list(op.like.shape)} "
+                                             f"from rank {op.peer}, got {data.dtype}{list(data.shape)}")
                     t = max(t, when)
                     out.append(data)
                 else:

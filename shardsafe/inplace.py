@@ -372,7 +372,7 @@ def _let_go(rank: int, why: RestartInPlace, grace_s: float) -> bool:
     """Abandon this process's shardsafe runtimes and process groups (module docstring, step 2); True when a snapshot
     thread was left behind."""
     import torch.distributed as dist
-    from .runtime import live_runtimes
+    from .teardown import live_runtimes
     log.warning("[rank %d] %s: abandoning this attempt", rank, why)
     runtimes = live_runtimes()
     if not all([rt.abandon(grace_s) for rt in runtimes]):

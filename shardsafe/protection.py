@@ -259,3 +259,56 @@ def budget_problem(needs: list[int], budgets: list[int], used_elsewhere: list[in
             f"{total / gib:.3f} GiB to keep two versions each (with parity): the second version would never commit, "
             f"and a crash later would restore the first one. Raise memory_budget_gb (--memory-budget-gb) to at least "
             f"{-(-total * 1000 // gib) / 1000:.3f} GiB")
+
+
+class Reporter:
+    """Leaves a rank's protection state with its holder (``shardsafe status`` reads it there) off the training
+    thread. A holder answers its node's ranks one request at a time, and right after a restart every rank of the
+    node reports at once, while their first snapshots are being written: on the training thread that round trip
+    was the longest part of the first step. Here a thread of its own sends the newest state posted (an older one
+    still unsent is replaced), never behind a snapshot that waits for its peers. The thread is started without
+    waiting for it to run (``threading.Thread.start`` waits, which on a busy host is a wait for a turn on a core).
+
+    ``send(state)``: the request; its errors are the caller's to swallow (the holder comes back, the next post is
+    sent then)."""
+
+    def __init__(self, send: Callable[[dict], None]):
+        import threading
+        self._send = send
+        self._cv = threading.Condition()
+        self._state: dict | None = None
+        self._closed = self._started = False
+        self._done = threading.Event()
+
+    def post(self, state: dict) -> None:
+        import _thread
+        with self._cv:
+            if self._closed:
+                return
+            self._state = state
+            if not self._started:
+                self._started = True
+                _thread.start_new_thread(self._run, ())
+            self._cv.notify()
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Send what is posted still (within ``timeout``), then stop."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+            started = self._started
+        if started:
+            self._done.wait(timeout)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while self._state is None and not self._closed:
+                        self._cv.wait()
+                    state, self._state = self._state, None
+                if state is None:
+                    return
+                self._send(state)
+        finally:
+            self._done.set()

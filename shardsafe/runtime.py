@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from datetime import timedelta
 from typing import Any, Optional
 
-from . import collectives, fingerprint
+from . import collectives, fingerprint, teardown
 from .collectives import mesh_advice
 from .hierarchy import Hierarchy, Topology
 from .payload import checksum
@@ -26,7 +26,7 @@ from . import env
 from .config import ConfigError, ShardsafeConfig
 from .persist import PersistentStore
 from .parity.exchange import ExchangeError, ParityExchange, gather_places, plan_parity
-from .parity.placement import migrate
+from .parity.placement import inventory_of, migrate, settled
 from .parity.recovery import MemberRecovery
 from .parity.topology import TopologyError
 from .fatal import install_excepthook
@@ -37,9 +37,9 @@ from .holder.paths import HolderPaths
 from .holder.protocol import HolderFailure
 from .jobid import claim
 from .ordinals import next_ordinal
-from .protection import Cause, Protection, budget_problem
+from .protection import Cause, Protection, Reporter, budget_problem
 from .snapshot.reshard_restore import Resize, drop_old_layout
-from .snapshot.reshard_survey import other_size_held
+from .snapshot.inventory import gather_held, node_checks
 from .snapshot.restore import Collectives, RestoreResult, new_timeline, restore_from_holder
 from .snapshot.pipeline import GlooAgreement, LocalAgreement, PipelineHooks, SnapshotPipeline
 from .snapshot.state import StateAdapter
@@ -145,6 +145,7 @@ class Runtime(BaseRuntime):
         self.injector = Injector(rank, scope=scope)
         self.protection = Protection(rank=rank, interval=cfg.interval, on_unprotected=cfg.on_unprotected,
                                      emit=self.events.emit, warn_interval_s=cfg.warn_interval_s)
+        self.reporter = Reporter(self._send_state)
         self.paths = HolderPaths(cfg.holder_dir, cfg.job_id, cfg.node)
         self.client: Optional[HolderClient] = None
         # Two running jobs that derived the same id must not share a holder (shardsafe.jobid): JobConflict.
@@ -216,7 +217,7 @@ class Runtime(BaseRuntime):
         self._closed = False
         self.left_behind = False   # abandon() left a snapshot thread to its timeout
         if world_size > 1:
-            _guard_teardown(self)
+            teardown.guard(self)
 
     def _places(self, group: Any, c: dict) -> tuple[list, Topology]:
         """Every rank's (node, dp, tp, pp) and which ranks share a node, with the restore's hierarchy built on it.
@@ -329,31 +330,36 @@ class Runtime(BaseRuntime):
             return self.restored
         moved: list = []
 
-        def emit(kind: str, **f: Any) -> None:   # a migration is part of the restore's time
+        def emit(kind: str, **f: Any) -> None:
             if kind == "restore_end" and moved and moved[0].moves:
-                f["seconds"] = f.get("seconds", 0.0) + moved[0].seconds
                 f.update(migrated_slots=len(moved[0].moves), migrated_bytes=moved[0].nbytes)
             self.events.emit(kind, **f)
 
-        def placement() -> None:
+        def placement(settled: Optional[bool] = None) -> None:
             # Torch elastic may have put this rank on another node than its snapshot: move it first.
             if self.world_size > 1:
                 moved.append(migrate(self.client, rank=self.rank, world_size=self.world_size, node=self.cfg.node,
-                                     rank_nodes=self.nodes, group=self.coll.group, coll=self.coll.hier))
+                                     rank_nodes=self.nodes, group=self.coll.group, coll=self.coll.hier,
+                                     settled=settled))
 
-        # Held copies of another world size (the job re-formed at another data-parallel size): no migration (it
-        # would move the old ranks' payloads by their old rank numbers); the restore re-partitions them.
+        emit("restore_start")
+        t0 = time.perf_counter()   # one gather: what every rank holds, and the nodes' checks (snapshot/inventory.py)
+        nodes = self.nodes or [self.cfg.node]
+        held = gather_held(self.client, self.rank, self.exchange, self.coll, node_checks(
+            self.client, rank=self.rank, world_size=self.world_size, nodes=nodes,
+            settled=lambda listing: settled(nodes, self.cfg.node, inventory_of(listing))))
         resize = None
-        if other_size_held(self.client, rank=self.rank, world_size=self.world_size,
-                           nodes=self.nodes or [self.cfg.node], coll=self.coll):
-            resize = Resize(places=self.places, recovery=MemberRecovery, migrate=placement)
-        else:
-            placement()
+        if not held.same_size:
+            # Copies of another world size (the job re-formed at another data-parallel size): no migration (it
+            # would move the old ranks' payloads by their old rank numbers); the restore re-partitions them.
+            resize = Resize(places=self.places, recovery=MemberRecovery, migrate=lambda: placement(held.settled))
+        elif not held.settled:
+            held = placement(False)   # None: slots moved, what every rank holds is gathered again
         self.restored = restore_from_holder(adapter, self.client, rank=self.rank, coll=self.coll,
                                             on_event=emit, exchange=self.exchange, nodes=self.nodes,
                                             persist=self.persist, on_phase=self.injector.phase,
                                             h2d=self.cfg.restore_h2d, early=early, fingerprint=fp,
-                                            force=self.cfg.resume == "force", resize=resize)
+                                            force=self.cfg.resume == "force", resize=resize, held=held, started=t0)
         if self.restored.reshard:
             self._resized_from = self.restored.version
         # Every snapshot of this attempt belongs to the new branch; the restored version counts as committed.
@@ -392,14 +398,18 @@ class Runtime(BaseRuntime):
 
     def _report_state(self) -> None:
         """``shardsafe status`` shows every rank's protection state: left with the holder when it changes, else
-        every REPORT_EVERY_S (one small request on the training thread, not every step)."""
-        client, now = self.pipeline.client, time.monotonic()
+        every REPORT_EVERY_S, by the runtime's Reporter thread (the training thread only posts it)."""
+        now = time.monotonic()
         flag, last = self._reported
-        if client is None or (flag == self.protection.protected and now - last < self.REPORT_EVERY_S):
+        if self.pipeline.client is None or (flag == self.protection.protected and now - last < self.REPORT_EVERY_S):
             return
         self._reported = (self.protection.protected, now)
+        self.reporter.post(self.protection.state())
+
+    def _send_state(self, state: dict) -> None:
         try:
-            client.report(rank=self.rank, state=self.protection.state())
+            if self.pipeline.client is not None:
+                self.pipeline.client.report(rank=self.rank, state=state)
         except (HolderFailure, OSError):
             pass   # the pipeline reconnects; the state is reported again then
 
@@ -511,7 +521,8 @@ class Runtime(BaseRuntime):
         if self._closed:
             return True
         self._closed = True
-        _LIVE.discard(self)
+        teardown.forget(self)
+        self.reporter.close(0)
         self.pipeline.abandon()
         self._vote_hier = None
         self.coll = Collectives(None, self.world_size)
@@ -540,8 +551,9 @@ class Runtime(BaseRuntime):
         if self._closed:
             return
         self._closed = True
-        _LIVE.discard(self)
+        teardown.forget(self)
         self.pipeline.close()
+        self.reporter.close()
         for h in (self._vote_hier, self.coll.hier):
             if isinstance(h, Hierarchy):
                 h.close()
@@ -556,40 +568,3 @@ def engine_scope(ordinal: int) -> str:
     if ordinal < 0:
         raise ConfigError(f"engine ordinal must be >= 0, got {ordinal}")
     return f"engine{ordinal}" if ordinal else ""
-
-
-def live_runtimes() -> "list[Runtime]":
-    """The runtimes of this process not yet closed."""
-    return list(_LIVE)
-
-# Runtimes not yet closed. A program that knows nothing of shardsafe (automatic activation) ends with
-# torch.distributed.destroy_process_group() while the last snapshot's commit vote may still run on shardsafe's
-# own gloo group in the background: destroying that group under a running collective aborts the process
-# ("terminate called without an active exception"). So the teardown first closes these runtimes (the vote
-# finishes, the worker stops), and an exit without any teardown closes them too.
-_LIVE: "set[Runtime]" = set()
-
-
-def _guard_teardown(rt: "Runtime") -> None:
-    import atexit
-    import functools
-    import torch.distributed as dist
-    _LIVE.add(rt)
-    if getattr(dist.destroy_process_group, "__shardsafe_guard__", False):
-        return
-    original = dist.destroy_process_group
-
-    @functools.wraps(original)
-    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-        group = args[0] if args else kwargs.get("group")
-        if group is None:   # the whole of torch.distributed: shardsafe's groups go with it
-            for live in list(_LIVE):
-                try:
-                    live.close()
-                except Exception as e:  # noqa: BLE001 - the program's own teardown must go on
-                    log.warning("[rank %d] closing shardsafe before destroy_process_group: %s", live.rank, e)
-        return original(*args, **kwargs)
-
-    destroy_process_group.__shardsafe_guard__ = True
-    dist.destroy_process_group = destroy_process_group
-    atexit.register(lambda: [live.close() for live in list(_LIVE)])

@@ -190,7 +190,7 @@ def _off_node(rank_nodes: list[str], node: str, rank: int, versions: Mapping[int
 # ---- the collective ------------------------------------------------------------------------------------
 
 def migrate(client, *, rank: int, world_size: int, node: str, rank_nodes: Optional[list[str]] = None,
-            group=None, coll=None) -> MigrationResult:
+            group=None, coll=None, settled: Optional[bool] = None) -> MigrationResult:
     """Run on every rank before restore (a collective over ``group``, every rank must call it).
 
     Args:
@@ -200,6 +200,8 @@ def migrate(client, *, rank: int, world_size: int, node: str, rank_nodes: Option
         group: the gloo process group the slots move on, point to point (None: the default group).
         coll: what the votes and the inventories' gather run on (shardsafe.collectives: a Hierarchy in a job;
             None: ``group``).
+        settled: whether every node's holder holds only slots of ranks that run on it, when every rank knows it
+            already (the restore's first gather carries it: shardsafe.snapshot.inventory); None: one vote asks.
     Returns:
         What moved. Never raises for a holder problem: a rank that cannot serve or store votes no,
         and then nothing is dropped anywhere (the restore that follows decides what is restorable).
@@ -207,7 +209,8 @@ def migrate(client, *, rank: int, world_size: int, node: str, rank_nodes: Option
     t0 = time.perf_counter()
     res = MigrationResult()
     coll = group if coll is None else coll
-    if rank_nodes is not None and _settled_everywhere(client, rank_nodes, rank=rank, node=node, group=coll):
+    if rank_nodes is not None and (settled if settled is not None else
+                                   _settled_everywhere(client, rank_nodes, rank=rank, node=node, group=coll)):
         res.message = "placement: no slot to move"
         res.seconds = time.perf_counter() - t0
         return res

@@ -61,7 +61,7 @@ SAME_SIZE = "same-size"
 @dataclass
 class Resize:
     """What a restore at another data-parallel size needs besides what a same-size restore gets (the runtime builds
-    it when :func:`.reshard_survey.other_size_held` says the holders hold another size).
+    it when :mod:`.inventory`'s checks say a holder holds another size).
 
     Args:
         places: every current rank's (node, dp, tp, pp), in rank order.

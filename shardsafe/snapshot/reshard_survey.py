@@ -12,8 +12,9 @@ m lost per parity group), and the current rank that **serves** each held source 
 sends what targets on other nodes need) and each parity share a rebuild reads.
 
 A holder whose node no longer runs a rank cannot be read: its sources count as lost, like those of a node that
-died. Whether a survey is needed at all is one cheap vote first (:func:`other_size_held`: the holders' listings
-say the world size of every sealed payload), so a restart at the same size pays one vote and nothing more.
+died. Whether a survey is needed at all is known from the first gather of every restore (each node's lowest rank
+reads the world size of every sealed payload in its holder's listing: shardsafe.snapshot.inventory), so a restart at
+the same size pays nothing more.
 """
 from __future__ import annotations
 
@@ -135,21 +136,11 @@ def leads_node(nodes: Sequence[str], rank: int) -> bool:
     return list(nodes).index(nodes[rank]) == rank
 
 
-def other_size_held(client: Any, *, rank: int, world_size: int, nodes: Sequence[str], coll: Any) -> bool:
-    """Collective (one vote): whether any node's holder holds a sealed payload taken at another world size than
-    ``world_size``. Only each node's lowest rank looks, in one listing of its holder."""
-    mine = False
-    if client is not None and leads_node(nodes, rank):
-        try:
-            mine = any(w != world_size for w in _world_sizes(client))
-        except (HolderFailure, OSError) as e:
-            log.warning("[rank %d] cannot list the holder to tell the world sizes it holds: %s", rank, e)
-    return not collectives.all_true(not mine, coll.hier, coll.world_size)
-
-
-def _world_sizes(client: Any) -> set[int]:
+def world_sizes(client: Any, listing: Optional[dict] = None) -> set[int]:
+    """The world sizes of the sealed data payloads in ``listing`` (the holder's ``list`` answer; None: listed
+    here), from each slot's listing or, where a holder does not list it, its manifest."""
     sizes = set()
-    for key, kinds in client.list().items():
+    for key, kinds in (client.list() if listing is None else listing).items():
         for s in kinds.get("data", []):
             if s.get("state") != "sealed":
                 continue

@@ -14,7 +14,6 @@ this size.
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
@@ -27,6 +26,7 @@ from ..holder.client import HolderClient
 from ..holder.early_open import EarlyOpen
 from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
+from .inventory import HeldEverywhere, gather_held, timeline_draw
 from .peers import PeerPayloads, manifest_digest
 from .pinning import PinnedMapping
 from .reshard_restore import SAME_SIZE, Resize, Resized, restore_resized
@@ -132,11 +132,7 @@ _OK, _CORRUPT, _REFUSED = 0, 1, 2
 def new_timeline(coll: Collectives) -> int:
     """A fresh timeline id, the same on every rank (rank 0's random draw): every snapshot sealed from now on
     carries it, so copies made by an abandoned branch can never be combined with this branch's."""
-    return int(coll.gather_ints([_timeline_draw()])[0][0])
-
-
-def _timeline_draw() -> int:
-    return secrets.randbits(62) + 1
+    return int(coll.gather_ints([timeline_draw()])[0][0])
 
 
 @dataclass
@@ -160,7 +156,8 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
                         nodes: list[str] | None = None, persist=None,
                         on_phase: Callable[[str, int], None] | None = None, h2d: str = "pinned",
                         early: Optional[EarlyOpen] = None, fingerprint: Optional[dict] = None,
-                        force: bool = False, resize: Optional[Resize] = None) -> RestoreResult:
+                        force: bool = False, resize: Optional[Resize] = None,
+                        held: Optional[HeldEverywhere] = None, started: Optional[float] = None) -> RestoreResult:
     """Run on every rank at start. Returns what was restored (version -1: nothing, fresh start).
 
     ``h2d`` (config ``restore_h2d``): how a restore into GPU tensors reads the holder's memory, "pinned"
@@ -176,6 +173,11 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     re-partitioned to this job's data-parallel size (shardsafe/snapshot/reshard_restore.py) unless the newest
     restorable version is at this size.
 
+    ``held``: what every rank holds, gathered by the caller (shardsafe/snapshot/inventory.py) with nothing moved
+    since; None: gathered here. Not used with ``resize`` (placement may move slots after it). ``started``: when
+    the caller began the restore (``time.perf_counter()``), having emitted ``restore_start`` itself; the restore's
+    seconds and its "agree" phase count from there.
+
     Raises RestoreError whenever any tier holds something for this job and nothing is restorable (more lost
     nodes than parity covers, every copy corrupt, snapshots of another layout): silently starting from
     scratch would throw the whole run away. Nothing refused is deleted. The one exception: ranks lost before the
@@ -183,8 +185,9 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     and starts fresh, saying so at WARNING level.
     """
     emit = on_event or (lambda kind, **f: None)
-    t0 = time.perf_counter()
-    emit("restore_start")
+    t0 = time.perf_counter() if started is None else started
+    if started is None:
+        emit("restore_start")
     res = None
     if resize is not None:
         res = _resized(adapter, client, rank=rank, coll=coll, resize=resize, persist=persist, emit=emit, t0=t0,
@@ -192,7 +195,7 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     if res is None:
         res = _same_size(adapter, client, rank=rank, coll=coll, emit=emit, t0=t0, exchange=exchange, nodes=nodes,
                          persist=persist, on_phase=on_phase, h2d=h2d, early=early, fingerprint=fingerprint,
-                         force=force, size_checked=resize is not None)
+                         force=force, size_checked=resize is not None, held=held if resize is None else None)
     res.seconds = time.perf_counter() - t0
     emit("restore_end", tier=res.tier, version=res.version, seconds=res.seconds, bytes=res.nbytes,
          rebuilt_bytes=res.rebuilt_bytes, rebuild_seconds=res.rebuild_seconds, phases=res.phases,
@@ -205,19 +208,19 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
 
 
 def _same_size(adapter: StateAdapter, client, *, rank: int, coll: Collectives, emit, t0: float, exchange, nodes,
-               persist, on_phase, h2d: str, early, fingerprint, force: bool, size_checked: bool) -> RestoreResult:
+               persist, on_phase, h2d: str, early, fingerprint, force: bool, size_checked: bool,
+               held: Optional[HeldEverywhere] = None) -> RestoreResult:
     """The restore of snapshots taken at this job's size (``size_checked``: the copies held at other sizes were
     looked at already, and the newest restorable version is at this size)."""
-    mine_d, mine_p, world_seen, committed = _held(client, rank, exchange)
     # One all-gather says what every rank holds, at which world size its newest copy was taken, whether its
     # holder ever saw a commit, and the new timeline's id (rank 0's draw): each collective of a restore is paid
     # by every restart, in the ring's latency at thousands of ranks.
-    everyone, extra = coll.gather_versions_and([mine_d, mine_p], [world_seen, _timeline_draw(), int(committed)])
-    data, parity = [e[0] for e in everyone], [e[1] for e in everyone]
-    timeline = int(extra[0][1])
+    if held is None:
+        held = gather_held(client, rank, exchange, coll)
+    data, parity, timeline = held.data, held.parity, held.timeline
     candidates = sorted({v for vs in data for v in vs}, reverse=True)
     if not size_checked:
-        _check_world_size([x[0] for x in extra], coll.world_size)
+        _check_world_size(held.world_seen, coll.world_size)
     st = _Attempt(rank, {"agree": time.perf_counter() - t0, "rebuild": 0.0, "verify": 0.0, "apply": 0.0}, [], [],
                   on_phase=on_phase or (lambda name, version: None), h2d=h2d, early=early, fingerprint=fingerprint,
                   force=force)
@@ -227,7 +230,7 @@ def _same_size(adapter: StateAdapter, client, *, rank: int, coll: Collectives, e
         for version in candidates:
             res = _try_version(version, adapter, client, coll, st, data, parity, exchange, live)
             if res is not None:
-                _fence_and_keep(client, rank, res.version, mine_d, mine_p, exchange)
+                _fence_and_keep(client, rank, res.version, held.mine_data, held.mine_parity, exchange)
                 break
     finally:
         if early is not None:
@@ -238,7 +241,7 @@ def _same_size(adapter: StateAdapter, client, *, rank: int, coll: Collectives, e
         # Memory could not serve (nothing held, or more losses than parity covers): the persistent tier.
         res, disk_refusals = (_restore_persistent(adapter, persist, rank=rank, coll=coll, live=live, h2d=h2d, st=st)
                               if persist is not None else (None, []))
-        if res is None and candidates and not (st.tried or disk_refusals or any(x[2] for x in extra)):
+        if res is None and candidates and not (st.tried or disk_refusals or any(held.committed)):
             res = _never_committed(rank, candidates, data, nodes, exchange)
         if res is None and (candidates or disk_refusals):
             emit("restore_end", tier="none", version=-1, seconds=time.perf_counter() - t0, bytes=0)
@@ -272,24 +275,6 @@ def _resized(adapter: StateAdapter, client, *, rank: int, coll: Collectives, res
                          reshard=out.reshard)
 
 
-def _held(client: Optional[HolderClient], rank: int, exchange) -> tuple[list[int], list[int], int, bool]:
-    """From one listing of this rank's slots: the sealed data and parity versions, the world size the newest data
-    copy was taken at (-1: none, or not recorded), and whether the holder holds a committed copy."""
-    if client is None:
-        return [], [], -1, False
-    try:
-        info = client.list(rank).get(str(rank), {})
-    except HolderFailure as e:
-        log.warning("[rank %d] cannot list snapshots from the holder: %s", rank, e)
-        return [], [], -1, False
-    sealed = {kind: sorted((s for s in info.get(kind, []) if s["state"] == "sealed"), key=lambda s: s["version"])
-              for kind in ("data", "parity")}
-    data = [s["version"] for s in sealed["data"]]
-    parity = [s["version"] for s in sealed["parity"]] if exchange is not None else []
-    world = int(sealed["data"][-1].get("world_size", -1)) if sealed["data"] else -1
-    return data, parity, world, any(s["committed"] for s in sealed["data"])
-
-
 def _never_committed(rank: int, candidates: list[int], data, nodes, exchange) -> RestoreResult:
     """No version is complete or rebuildable (lost ranks, not corrupt or foreign copies: those are refused), and no
     holder of this job's ranks holds a committed copy: the versions held were sealed before the job's first commit,
@@ -305,7 +290,7 @@ def _never_committed(rank: int, candidates: list[int], data, nodes, exchange) ->
 
 def _check_world_size(seen: list[int], world_size: int) -> None:
     """Snapshots of a job that ran at another world size are not 'lost ranks': say what changed. ``seen``: every
-    rank's world size from :func:`_held` (the same list on every rank, so every rank raises or none)."""
+    rank's world size from shardsafe.snapshot.inventory.held_by (the same list on every rank, so every rank raises or none)."""
     sizes = {w for w in seen if w >= 0}
     if sizes and sizes != {world_size}:
         raise RestoreError(

@@ -4,9 +4,10 @@ failure. And the same algorithms in the simulator, at sizes no machine here can 
 import time
 
 import pytest
+import torch
 
-from shardsafe.hierarchy import (Hierarchy, HierarchyError, Topology, allgather_algo, min_reduce_algo, rounds_bound,
-                                 simulate)
+from shardsafe.hierarchy import (Hierarchy, HierarchyError, Recv, Send, Topology, allgather_algo, allgather_ints_algo,
+                                 min_reduce_algo, rounds_bound, simulate)
 
 from ._fork_ranks import run_ranks
 
@@ -16,7 +17,8 @@ def _collectives(rank, world, per_node):
     topo = Topology.blocks(world, per_node)
     h = Hierarchy(dist.distributed_c10d._get_default_store(), "test/h", topo, rank, timeout_s=3)
     out = {"min": h.min_reduce([10 + rank, -rank, 7]),
-           "gather": [b.decode() for b in h.gather_bytes(("r%d" % rank * (rank + 1)).encode())]}
+           "gather": [b.decode() for b in h.gather_bytes(("r%d" % rank * (rank + 1)).encode())],
+           "ints": h.gather_ints([rank, -rank, 1000 + rank])}
     h.close()
     return out
 
@@ -26,6 +28,7 @@ def test_votes_and_gathers_over_nodes_and_leaders(world, per_node):
     for got in run_ranks(world, _collectives, per_node):
         assert got["min"] == [10, -(world - 1), 7]
         assert got["gather"] == ["r%d" % r * (r + 1) for r in range(world)]
+        assert got["ints"] == [[r, -r, 1000 + r] for r in range(world)]
 
 
 def _failure_then_rebuild(rank, world):
@@ -60,3 +63,28 @@ def test_simulated_rounds_stay_within_two_log_nodes_plus_two(ranks, per_node):
     assert st.max_pairs_per_rank <= per_node + topo.nodes.bit_length() + 1         # O(log) connections per rank
     res, st = simulate(topo, lambda r: allgather_algo(topo, r, b"%d" % r))
     assert res[ranks // 2] == [b"%d" % r for r in range(ranks)] and st.rounds <= rounds_bound(topo.nodes)
+
+
+def test_int_gathers_size_every_message_from_the_topology():
+    """Fixed-length int gathers send each hop as one message whose size the receiver computes from the ranks it
+    carries (the simulator fails a receive of another size, as gloo does), on uneven and interleaved nodes and with
+    leaders beyond the largest power of two; the bytes gather takes two messages per hop."""
+    for names in (["a", "a", "b", "c", "c", "c", "d", "e", "e"], ["x", "y", "x", "z", "y", "x", "w"],
+                  ["a"] * 3 + ["b"]):
+        topo = Topology.from_names(names)
+        vals = [[r, 7 * r, -r] for r in range(topo.world)]
+        res, st = simulate(topo, lambda r: allgather_ints_algo(topo, r, vals[r]))
+        assert all(x == vals for x in res)
+        _, sb = simulate(topo, lambda r: allgather_algo(topo, r, bytes(3 * 8)))
+        assert (st.rounds, st.messages) == (sb.rounds, sb.messages)   # the pattern is the same; each message whole
+    topo = Topology.blocks(4, 2)
+
+    def wrong(r):   # a receive sized for one rank's part where the partner sends two
+        if r == 0:
+            got = yield [Recv(2, torch.empty(1, dtype=torch.int64))]
+            return got
+        if r == 2:
+            yield [Send(0, torch.zeros(2, dtype=torch.int64))]
+        return None
+    with pytest.raises(HierarchyError, match="expected"):
+        simulate(topo, wrong)

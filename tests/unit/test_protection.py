@@ -140,3 +140,27 @@ def test_the_budget_check_sums_each_nodes_ranks_and_names_the_number():
     # what the holder keeps for the job's other engines counts too; a rank without a holder (-1) is not checked
     assert "node a" in budget_problem([gib] * 4, [2 * gib, 2 * gib, -1, -1], [gib, gib, 0, 0], nodes)
     assert budget_problem([gib] * 4, [-1] * 4, [0] * 4, nodes) is None
+
+
+def test_the_reporter_sends_the_newest_state_off_the_posting_thread():
+    """shardsafe status reads each rank's state from its holder; the runtime posts it to a Reporter, whose own thread
+    sends it. A slow holder never holds the poster up, a state replaced before it was sent is never sent, close()
+    sends what is pending, and nothing is sent after it."""
+    import threading
+    import time as _time
+    from shardsafe.protection import Reporter
+    sent, gate = [], threading.Event()
+
+    def send(state):
+        gate.wait(5)
+        sent.append(state)
+    r = Reporter(send)
+    for i in range(50):
+        r.post({"i": i})
+    assert sent == []   # every post returned while the send is still blocked
+    gate.set()
+    r.close(timeout=5)
+    assert sent[-1] == {"i": 49} and len(sent) <= 2, sent   # the first one taken, then only the newest
+    r.post({"i": 99})
+    _time.sleep(0.05)
+    assert {"i": 99} not in sent

@@ -201,12 +201,12 @@ class CountingCollectives(Collectives):
 
 
 def test_a_restore_from_memory_is_two_collectives_and_a_fresh_start_one(client):
-    """What every rank holds, the world size of its newest copy, whether its holder holds a committed copy and
-    the new timeline's id travel in one all-gather; the vote on a version carries the copies' digests (for the
+    """What every rank holds, the world size of its newest copy, whether its holder holds a committed copy, the
+    new timeline's id and the node's two checks (shardsafe.snapshot.inventory) travel in one all-gather; the vote on a version carries the copies' digests (for the
     peer-payload path). A fresh start is the first all-gather alone."""
     coll = CountingCollectives()
     res = restore_from_holder(ToyAdapter(2), client, rank=0, coll=coll)
-    assert res.version == -1 and coll.calls == ["gather_ints[11]"], coll.calls
+    assert res.version == -1 and coll.calls == ["gather_ints[13]"], coll.calls
     assert res.timeline > 0
     src = ToyAdapter(1)
     snap(client, src, 5)
@@ -214,6 +214,6 @@ def test_a_restore_from_memory_is_two_collectives_and_a_fresh_start_one(client):
     dst = ToyAdapter(3)
     res = restore_from_holder(dst, client, rank=0, coll=coll)
     assert (res.version, res.tier) == (5, "memory") and all(torch.equal(src.t[k], dst.t[k]) for k in src.t)
-    assert coll.calls == ["gather_ints[11]", "gather_ints[3]"], coll.calls
+    assert coll.calls == ["gather_ints[13]", "gather_ints[3]"], coll.calls
     assert res.timeline > 0 and res.timeline != restore_from_holder(ToyAdapter(3), client, rank=0,
                                                                       coll=Collectives()).timeline
