@@ -269,15 +269,16 @@ class Reporter:
     still unsent is replaced), never behind a snapshot that waits for its peers. The thread is started without
     waiting for it to run (``threading.Thread.start`` waits, which on a busy host is a wait for a turn on a core).
 
-    ``send(state)``: the request; its errors are the caller's to swallow (the holder comes back, the next post is
-    sent then)."""
+    ``send(state)``: the request; a holder that is away is the caller's to swallow (it comes back, the next post
+    is sent then). Any other error is logged once and the thread goes on: ``shardsafe status`` must not go stale
+    silently."""
 
-    def __init__(self, send: Callable[[dict], None]):
+    def __init__(self, send: Callable[[dict], None], who: str = ""):
         import threading
-        self._send = send
+        self._send, self._who = send, who
         self._cv = threading.Condition()
         self._state: dict | None = None
-        self._closed = self._started = False
+        self._closed = self._started = self._warned = False
         self._done = threading.Event()
 
     def post(self, state: dict) -> None:
@@ -309,6 +310,13 @@ class Reporter:
                     state, self._state = self._state, None
                 if state is None:
                     return
-                self._send(state)
+                try:
+                    self._send(state)
+                except Exception as e:  # noqa: BLE001 - the next state is sent all the same
+                    if not self._warned:
+                        self._warned = True
+                        log.warning("[%s] the protection state could not be left with the holder (%s: %s): "
+                                    "`shardsafe status` may show an older state for this rank", self._who,
+                                    type(e).__name__, e)
         finally:
             self._done.set()

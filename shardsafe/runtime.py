@@ -145,7 +145,7 @@ class Runtime(BaseRuntime):
         self.injector = Injector(rank, scope=scope)
         self.protection = Protection(rank=rank, interval=cfg.interval, on_unprotected=cfg.on_unprotected,
                                      emit=self.events.emit, warn_interval_s=cfg.warn_interval_s)
-        self.reporter = Reporter(self._send_state)
+        self.reporter = Reporter(self._send_state, who=f"rank {rank}")
         self.paths = HolderPaths(cfg.holder_dir, cfg.job_id, cfg.node)
         self.client: Optional[HolderClient] = None
         # Two running jobs that derived the same id must not share a holder (shardsafe.jobid): JobConflict.
@@ -354,7 +354,8 @@ class Runtime(BaseRuntime):
             # would move the old ranks' payloads by their old rank numbers); the restore re-partitions them.
             resize = Resize(places=self.places, recovery=MemberRecovery, migrate=lambda: placement(held.settled))
         elif not held.settled:
-            held = placement(False)   # None: slots moved, what every rank holds is gathered again
+            placement(False)
+            held = None   # slots moved: what every rank holds is gathered again
         self.restored = restore_from_holder(adapter, self.client, rank=self.rank, coll=self.coll,
                                             on_event=emit, exchange=self.exchange, nodes=self.nodes,
                                             persist=self.persist, on_phase=self.injector.phase,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from ..holder.protocol import HolderFailure
+from .reshard_survey import leads_node, world_sizes
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,6 @@ def node_checks(client: Any, *, rank: int, world_size: int, nodes: Sequence[str]
     tells from that listing whether the holder keeps only slots of ranks that run on this node (placement's rule,
     shardsafe.parity.placement.settled, handed in by the runtime). A holder that cannot be listed answers as one
     that holds nothing, as each check did on its own: the restore that follows finds out what is restorable."""
-    from .reshard_survey import leads_node, world_sizes
     if client is None or not leads_node(nodes, rank):
         return NodeChecks()
     try:

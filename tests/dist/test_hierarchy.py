@@ -68,7 +68,8 @@ def test_simulated_rounds_stay_within_two_log_nodes_plus_two(ranks, per_node):
 def test_int_gathers_size_every_message_from_the_topology():
     """Fixed-length int gathers send each hop as one message whose size the receiver computes from the ranks it
     carries (the simulator fails a receive of another size, as gloo does), on uneven and interleaved nodes and with
-    leaders beyond the largest power of two; the bytes gather takes two messages per hop."""
+    leaders beyond the largest power of two (on gloo, a bytes gather's hop is two messages: its length, then the
+    bytes)."""
     for names in (["a", "a", "b", "c", "c", "c", "d", "e", "e"], ["x", "y", "x", "z", "y", "x", "w"],
                   ["a"] * 3 + ["b"]):
         topo = Topology.from_names(names)

@@ -164,3 +164,26 @@ def test_the_reporter_sends_the_newest_state_off_the_posting_thread():
     r.post({"i": 99})
     _time.sleep(0.05)
     assert {"i": 99} not in sent
+
+
+def test_the_reporter_goes_on_after_an_unexpected_send_error_and_says_so(caplog):
+    """A send that fails with something other than a holder being away must not end the reporter silently: it
+    warns once, and the next state is sent."""
+    import logging
+    import threading
+    from shardsafe.protection import Reporter
+    sent, failed = [], threading.Event()
+
+    def send(state):
+        if state["i"] == 0:
+            failed.set()
+            raise ValueError("not JSON")
+        sent.append(state)
+    r = Reporter(send, who="rank 3")
+    with caplog.at_level(logging.WARNING, logger="shardsafe.protection"):
+        r.post({"i": 0})
+        assert failed.wait(5)
+        r.post({"i": 1})
+        r.close(timeout=5)   # sends what is pending, then stops
+    assert sent == [{"i": 1}]
+    assert any("rank 3" in m and "ValueError" in m for m in caplog.messages), caplog.messages
