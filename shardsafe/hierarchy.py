@@ -18,6 +18,7 @@ Payloads are int64 vectors (votes) or bytes (gathers of JSON): no pickle.
 """
 from __future__ import annotations
 
+import _thread
 import dataclasses
 import functools
 import struct
@@ -29,7 +30,7 @@ import torch
 from .errors import ShardsafeError
 
 __all__ = ["Topology", "Send", "Recv", "min_reduce_algo", "allgather_algo", "allgather_ints_algo", "MemberGroup",
-           "GlooLinks", "Hierarchy", "simulate", "SimStats", "HierarchyError", "rounds_bound"]
+           "GlooLinks", "Hierarchy", "simulate", "SimStats", "HierarchyError", "rounds_bound", "let_go_of"]
 
 
 class HierarchyError(RuntimeError, ShardsafeError):
@@ -219,6 +220,32 @@ def allgather_algo(topo: Topology, rank: int, blob: bytes) -> Algo:
 
 # ---- running the algorithms over gloo ---------------------------------------------------------------------
 
+def let_go_of(pgs: Sequence[Any], *, abort: bool) -> None:
+    """Let go of gloo process groups in a thread of their own, never the caller's.
+
+    A ProcessGroupGloo's destructor joins its device's event-loop thread, and that thread can be inside a wait
+    for a peer of an attempt being abandoned for up to the group's timeout. A survivor of a restart in place
+    whose main thread dropped such a group stayed there for that long, and every other rank timed out waiting for
+    it in the next attempt's first gather. ``abort``: abort each group first (a broken group, whose peers must not
+    wait on it), else only drop it (its sockets close as it goes). The thread starts without waiting for it to be
+    scheduled."""
+    pgs = [pg for pg in pgs if pg is not None]
+    if pgs:
+        _thread.start_new_thread(_drop_groups, (pgs, abort))
+
+
+def _drop_groups(pgs: list, abort: bool) -> None:
+    for pg in pgs if abort else ():
+        for stop in ("abort", "shutdown"):
+            try:
+                getattr(pg, stop)()
+                break
+            except Exception:  # noqa: BLE001 - tearing down a broken group: nothing to save
+                continue
+    pgs.clear()   # the destructors run here
+
+
+
 class MemberGroup:
     """A gloo process group of ``members`` (global ranks) that shardsafe builds itself over the job's store under
     ``prefix``, only in its members. torch's ``new_group`` is collective over the whole world (every rank creates
@@ -258,12 +285,14 @@ class MemberGroup:
         return [int(x) for x in t.tolist()]
 
     def close(self) -> None:
-        for stop in ("abort", "shutdown"):
-            try:
-                getattr(self.pg, stop)()
-                return
-            except Exception:  # noqa: BLE001 - tearing down a broken group: nothing to save
-                continue
+        """Abort the group (it broke), off this thread (:func:`let_go_of`); the object is unusable after."""
+        pg, self.pg = self.pg, None
+        let_go_of([pg], abort=True)
+
+    def retire(self) -> None:
+        """Drop the group without aborting it, off this thread (:func:`let_go_of`); the object is unusable after."""
+        pg, self.pg = self.pg, None
+        let_go_of([pg], abort=False)
 
 
 class GlooLinks:
@@ -331,6 +360,12 @@ class GlooLinks:
         self._owned.clear()
         self._via.clear()
 
+    def retire(self) -> None:
+        for g in self._owned:
+            g.retire()
+        self._owned.clear()
+        self._via.clear()
+
 
 class Hierarchy:
     """The job-wide collectives of one rank (:func:`min_reduce`, :func:`gather_bytes`) over :class:`GlooLinks`,
@@ -349,12 +384,15 @@ class Hierarchy:
         self.store, self.prefix, self.topo, self.rank, self.timeout_s = store, prefix, topo, rank, timeout_s
         self.generation = 0
         self._links: Optional[GlooLinks] = None
+        self._retired = False
 
     @property
     def world(self) -> int:
         return self.topo.world
 
     def _run(self, algo: Algo) -> Any:
+        if self._retired:   # a thread of an abandoned attempt must not build groups under its keys again
+            raise HierarchyError(f"the groups of {self.prefix} were let go of (the attempt was abandoned)")
         try:
             if self._links is None:
                 self._links = GlooLinks(self.store, f"{self.prefix}/g{self.generation}", self.topo, self.rank,
@@ -390,6 +428,14 @@ class Hierarchy:
     def close(self) -> None:
         """Let go of the groups (healthy ones are not aborted: a peer may still be finishing its last message)."""
         self._links = None
+
+    def retire(self) -> None:
+        """For good, for a restart in place: the groups are dropped off this thread (:func:`let_go_of`), and a later
+        collective raises HierarchyError instead of building them again."""
+        self._retired = True
+        links, self._links = self._links, None
+        if links is not None:
+            links.retire()
 
 
 # ---- the simulator ----------------------------------------------------------------------------------------

@@ -525,10 +525,14 @@ class Runtime(BaseRuntime):
         teardown.forget(self)
         self.reporter.close(0)
         self.pipeline.abandon()
+        # Off this thread: a gloo group's destructor can wait for a peer up to its timeout (hierarchy.let_go_of).
+        for h in (self._vote_hier, self.coll.hier):
+            if isinstance(h, Hierarchy):
+                h.retire()
         self._vote_hier = None
         self.coll = Collectives(None, self.world_size)
         if self.exchange is not None:
-            self.exchange.pg = None
+            self.exchange.retire()
         self.exchange = None
         stopped = self.pipeline.join(grace_s)
         if self.client is not None and not self.pipeline.wait_abandoned_copy(self.ABANDON_COPY_WAIT_S):

@@ -177,15 +177,18 @@ class HolderClient:
 
     def request(self, op: str, **kw: Any) -> tuple[dict, list[int]]:
         with self._lock:
-            if self._sock is None:
+            # close() does not wait for a request in flight (another thread's, such as the protection reporter's):
+            # it closes the socket under it, and the request fails as if the holder had gone.
+            sock = self._sock
+            if sock is None:
                 raise HolderUnavailable(f"not connected to the holder of node {self.paths.node!r}")
             if self.scope and op not in self._UNSCOPED:
                 kw["scope"] = self.scope
             try:
-                send_msg(self._sock, {"op": op, **kw})
-                resp, fds = recv_msg(self._sock)
+                send_msg(sock, {"op": op, **kw})
+                resp, fds = recv_msg(sock)
             except (ProtocolError, OSError) as e:
-                self._sock.close()
+                sock.close()
                 self._sock = None
                 raise HolderUnavailable(f"holder of node {self.paths.node!r} went away during {op!r}: {e}") from None
         if not resp.get("ok"):

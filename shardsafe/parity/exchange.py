@@ -151,6 +151,13 @@ class ParityExchange:
         return MemberGroup(self._store, f"{self.prefix}/g{self.generation}/{self.group.index}", self.group.members,
                            self.rank, self.timeout_s)
 
+    def retire(self) -> None:
+        """For a restart in place: the gloo group is dropped off this thread (shardsafe.hierarchy.let_go_of); the
+        exchange is unusable after."""
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            pg.retire()
+
     def rebuild_groups(self, generation: int) -> None:
         """After a failed exchange (a member slower than the timeout, a network error) the gloo group is unusable:
         build it again under ``generation`` (the same number on every member: the version that failed). The device

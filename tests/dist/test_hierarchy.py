@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from shardsafe.hierarchy import (Hierarchy, HierarchyError, Recv, Send, Topology, allgather_algo, allgather_ints_algo,
-                                 min_reduce_algo, rounds_bound, simulate)
+from shardsafe.hierarchy import (Hierarchy, HierarchyError, MemberGroup, Recv, Send, Topology, allgather_algo,
+                                 allgather_ints_algo, min_reduce_algo, rounds_bound, simulate)
 
 from ._fork_ranks import run_ranks
 
@@ -89,3 +89,29 @@ def test_int_gathers_size_every_message_from_the_topology():
         return None
     with pytest.raises(HierarchyError, match="expected"):
         simulate(topo, wrong)
+
+
+def test_letting_go_of_a_group_never_runs_its_destructor_on_the_caller():
+    """A ProcessGroupGloo's destructor joins its event loop, which can wait for a peer of an abandoned attempt up to
+    the group's timeout: a survivor of a restart in place that dropped one on its main thread stayed there, and the
+    next attempt's first gather timed out on every other rank. Retired groups are dropped on a thread of their own,
+    and a retired hierarchy never builds groups under its old keys again."""
+    import threading
+    release, dropped, where = threading.Event(), threading.Event(), []
+
+    class Stuck:   # stands for a gloo group whose destructor waits
+        def __del__(self):
+            where.append(threading.get_ident())
+            release.wait(30)
+            dropped.set()
+
+    g = MemberGroup.__new__(MemberGroup)
+    g.pg = Stuck()
+    g.retire()   # with the destructor on this thread, this would wait for `release`, and `where` name this thread
+    assert g.pg is None
+    release.set()
+    assert dropped.wait(30) and where and where[0] != threading.get_ident(), where
+    h = Hierarchy(None, "t/retired", Topology.from_names(["a", "b"]), 0, 1.0)
+    h.retire()
+    with pytest.raises(HierarchyError, match="let go of"):
+        h.min_reduce([1])
