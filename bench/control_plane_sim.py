@@ -32,12 +32,11 @@ from typing import Any, Sequence
 GATHER_SIM_MAX = 1024
 
 # What a restarted rank runs on shardsafe's hierarchy between its start and its first step (kind, ints or bytes
-# per rank, which hierarchy), as the harness records it at 4 ranks: the places gather (runtime._places), the
-# restore's two (what every rank holds, with each node's placement and world-size checks; its vote with the copies'
-# digests) and the budget check's gather. Every real run records its own (rows[].start_collectives) and the harness
-# simulates that.
-DEFAULT_RESTART = (("gather_bytes", 46, "restore"), ("gather_ints", 13, "restore"), ("gather_ints", 3, "restore"),
-                   ("gather_ints", 4, "restore"))
+# per rank, which hierarchy), as the harness records it at 4 ranks: the places gather (runtime._places), which
+# carries what every rank holds and each node's placement and world-size checks, then the restore's vote on the
+# verified copy (with the copies' digests), which carries the budget check. Every real run records its own
+# (rows[].start_collectives) and the harness simulates that.
+DEFAULT_RESTART = (("gather_bytes", 126, "restore"), ("gather_ints", 7, "restore"))
 
 
 def vote_len() -> int:

@@ -26,7 +26,7 @@ from . import env
 from .config import ConfigError, ShardsafeConfig
 from .persist import PersistentStore
 from .parity.exchange import ExchangeError, ParityExchange, gather_places, plan_parity
-from .parity.placement import inventory_of, migrate, settled
+from .parity.placement import inventory_of, migrate, settled, settled_ranks, slot_ranks
 from .parity.recovery import MemberRecovery
 from .parity.topology import TopologyError
 from .fatal import install_excepthook
@@ -39,7 +39,7 @@ from .jobid import claim
 from .ordinals import next_ordinal
 from .protection import Cause, Protection, Reporter, budget_problem
 from .snapshot.reshard_restore import Resize, drop_old_layout
-from .snapshot.inventory import gather_held, node_checks
+from .snapshot.inventory import gather_held, held_from_parts, held_part, node_checks, node_listing
 from .snapshot.restore import Collectives, RestoreResult, new_timeline, restore_from_holder
 from .snapshot.pipeline import GlooAgreement, LocalAgreement, PipelineHooks, SnapshotPipeline
 from .snapshot.state import StateAdapter
@@ -168,6 +168,7 @@ class Runtime(BaseRuntime):
         self.places: list[tuple[str, int, int, int]] = [(cfg.node, int(c["dp"]), int(c["tp"]), int(c["pp"]))]
         self._resized_from = -1   # after a restore at another size: its version, until a version at this size commits
         self._vote_hier = None
+        self._held: Optional[tuple[Any, list[dict]]] = None   # (client, every rank's holdings) from the places gather
         if world_size > 1:
             import torch.distributed as dist
             advice = mesh_advice(world_size, os.environ)
@@ -236,10 +237,16 @@ class Runtime(BaseRuntime):
             topo = Topology.from_names([p.node for p in places])
         else:
             hier = Hierarchy(self._store, f"{self._prefix}/restore", topo, rank, self.cfg.timeout_s)
-            mine = {"rank": rank, "node": self.cfg.node, "dp": c["dp"], "tp": c["tp"], "pp": c["pp"]}
-            places = [RankPlace(**p) for p in collectives.gather_json(mine, hier)]
+            # What this rank's holder holds travels with its place, for the restore (snapshot/inventory.py): a
+            # restart's first collective is then the only one before the vote.
+            listed = node_listing(self.client, rank=rank, world_size=world) if topo.members(rank)[0] == rank else None
+            mine = {"rank": rank, "node": self.cfg.node, "dp": c["dp"], "tp": c["tp"], "pp": c["pp"],
+                    "held": held_part(self.client, rank, listed and (listed[0], slot_ranks(inventory_of(listed[1]))))}
+            got = collectives.gather_json(mine, hier)
+            places = [RankPlace(**{k: v for k, v in p.items() if k != "held"}) for p in got]
             named = Topology.from_names([p.node for p in places])
-            if named == topo:
+            if named == topo:   # the node leaders that listed are the nodes' lowest ranks
+                self._held = (self.client, [p["held"] for p in got])
                 self.coll = Collectives(group, world, hier=hier)
                 return places, topo
             hier.close()
@@ -343,11 +350,16 @@ class Runtime(BaseRuntime):
                                      settled=settled))
 
         emit("restore_start")
-        t0 = time.perf_counter()   # one gather: what every rank holds, and the nodes' checks (snapshot/inventory.py)
+        t0 = time.perf_counter()   # what every rank holds, and the nodes' checks (snapshot/inventory.py)
         nodes = self.nodes or [self.cfg.node]
-        held = gather_held(self.client, self.rank, self.exchange, self.coll, node_checks(
-            self.client, rank=self.rank, world_size=self.world_size, nodes=nodes,
-            settled=lambda listing: settled(nodes, self.cfg.node, inventory_of(listing))))
+        listed, self._held = self._held, None
+        if listed is not None and listed[0] is self.client:   # gathered with the places, nothing written since
+            held = held_from_parts(listed[1], self.rank, nodes, parity=self.exchange is not None,
+                                   settled=lambda node, ranks: settled_ranks(nodes, node, ranks))
+        else:
+            held = gather_held(self.client, self.rank, self.exchange, self.coll, node_checks(
+                self.client, rank=self.rank, world_size=self.world_size, nodes=nodes,
+                settled=lambda listing: settled(nodes, self.cfg.node, inventory_of(listing))))
         resize = None
         if not held.same_size:
             # Copies of another world size (the job re-formed at another data-parallel size): no migration (it
@@ -360,13 +372,16 @@ class Runtime(BaseRuntime):
                                             on_event=emit, exchange=self.exchange, nodes=self.nodes,
                                             persist=self.persist, on_phase=self.injector.phase,
                                             h2d=self.cfg.restore_h2d, early=early, fingerprint=fp,
-                                            force=self.cfg.resume == "force", resize=resize, held=held, started=t0)
+                                            force=self.cfg.resume == "force", resize=resize, held=held, started=t0,
+                                            # the budget check's gather rides in the vote on the verified copy: the
+                                            # restored state's size is its manifest's
+                                            vote_extra=lambda m: self._budget_row(int(m["payload_nbytes"]) if m else 0))
         if self.restored.reshard:
             self._resized_from = self.restored.version
         # Every snapshot of this attempt belongs to the new branch; the restored version counts as committed.
         self.pipeline.timeline = self.restored.timeline
         self.protection.started(self.restored.version)
-        self._check_budget(adapter)   # after the restore: a restored engine has all of its state
+        self._check_budget(adapter, self.restored.vote_rows)   # after the restore: the engine has all of its state
         if self.restored.version >= 0:
             self.pipeline.last_committed = self.restored.version
         if self.rank == 0:
@@ -418,12 +433,30 @@ class Runtime(BaseRuntime):
         """What rank 0 says at initialize: protected or not, and why (never a claim that is not true)."""
         return self.protection.startup_check()
 
-    def _check_budget(self, adapter: StateAdapter) -> None:
+    def _check_budget(self, adapter: StateAdapter, rows: Optional[list[list[int]]] = None) -> None:
         """Every node's holder must keep two versions (and their parity) of every rank of the node, or the second
         version never commits and a crash much later restores the first. Collective: every rank reports its need,
-        its holder's budget and what the holder's other engines hold; every rank reaches the same verdict."""
-        _, nbytes = mf.layout(adapter.capture().tensors)
-        nbytes += adapter.pending_state_nbytes()
+        its holder's budget and what the holder's other engines hold; every rank reaches the same verdict.
+        ``rows``: every rank's :meth:`_budget_row`, gathered already (in the restore's vote); None: gathered here."""
+        if rows is None:
+            _, nbytes = mf.layout(adapter.capture().tensors)
+            rows = self.coll.gather_ints(self._budget_row(nbytes + adapter.pending_state_nbytes()))
+        missing = [r for r, row in enumerate(rows) if not row[3]]
+        if missing and self.client is not None:   # every rank knows, so rank 0 never claims protection
+            self.protection.stand_until_commit(Cause.NO_HOLDER, f"rank(s) {missing[:8]}"
+                                               + ("..." if len(missing) > 8 else "") + " have no holder")
+        nodes = self.nodes or [self.cfg.node]
+        problem = budget_problem([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], nodes)
+        if problem is None:
+            return
+        if self.cfg.on_unprotected == "fail":
+            raise ConfigError(f"shardsafe: {problem}; on_unprotected is \"fail\", so the run does not start "
+                              "unprotected.")
+        self.protection.stand(Cause.BUDGET, problem)
+
+    def _budget_row(self, nbytes: int) -> list[int]:
+        """This rank's line of the budget check for a state of ``nbytes``: what its holder must keep for it, the
+        holder's budget, what the holder's other engines hold, and whether it has a holder."""
         need = 0
         if self.client is not None:
             from .holder.segments import round_size
@@ -439,19 +472,7 @@ class Runtime(BaseRuntime):
                 other = int(st.get("used", 0)) - int((st.get("used_by_scope") or {}).get(self.scope, st.get("used", 0)))
             except HolderFailure as e:
                 log.warning("[rank %d] the holder's budget could not be read: %s", self.rank, e)
-        rows = self.coll.gather_ints([need, budget, max(other, 0), int(self.client is not None)])
-        missing = [r for r, row in enumerate(rows) if not row[3]]
-        if missing and self.client is not None:   # every rank knows, so rank 0 never claims protection
-            self.protection.stand_until_commit(Cause.NO_HOLDER, f"rank(s) {missing[:8]}"
-                                               + ("..." if len(missing) > 8 else "") + " have no holder")
-        nodes = self.nodes or [self.cfg.node]
-        problem = budget_problem([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], nodes)
-        if problem is None:
-            return
-        if self.cfg.on_unprotected == "fail":
-            raise ConfigError(f"shardsafe: {problem}; on_unprotected is \"fail\", so the run does not start "
-                              "unprotected.")
-        self.protection.stand(Cause.BUDGET, problem)
+        return [need, budget, max(other, 0), int(self.client is not None)]
 
     def _drop_everything(self) -> int:
         """``resume: never``: every version this rank keeps, in its holder and on disk, goes."""

@@ -178,7 +178,18 @@ def settled(rank_nodes: list[str], node: str, inventory: Inventory) -> bool:
     """Does ``node``'s holder hold slots only of ranks that run on ``node`` now? True for every node that has a
     rank exactly when :func:`plan_migration` has nothing to move or drop (a move's source and a drop are a slot
     held off its rank's node), so the nodes can find that out with one vote instead of exchanging listings."""
-    return not any(_off_node(rank_nodes, node, r, vs) for (r, _kind), vs in inventory.items())
+    return settled_ranks(rank_nodes, node, slot_ranks(inventory))
+
+
+def slot_ranks(inventory: Inventory) -> list[int]:
+    """The ranks ``inventory`` holds sealed slots of: all that :func:`settled` needs of it, a few ints a node's
+    lowest rank can send before anyone knows where the ranks run."""
+    return sorted({r for (r, _kind), vs in inventory.items() if vs})
+
+
+def settled_ranks(rank_nodes: list[str], node: str, ranks: list[int]) -> bool:
+    """:func:`settled` of a holder on ``node`` that keeps slots of ``ranks`` (:func:`slot_ranks`)."""
+    return not any(_off_node(rank_nodes, node, r, (True,)) for r in ranks)
 
 
 def _off_node(rank_nodes: list[str], node: str, rank: int, versions: Mapping[int, Any]) -> bool:

@@ -9,6 +9,11 @@ node's holder, and in the common restart (same size, no rank moved) nothing chan
 questions. So each node's lowest rank lists its holder once (:func:`node_checks`), and its two answers travel in
 the gather of what every rank holds (:func:`gather_held`): one collective for the three. Only where a check fails
 does the restore take the longer way, and then it gathers again after the slots moved.
+
+A runtime that builds its hierarchy from the launcher's node blocks gathers every rank's place before any restore
+(shardsafe.runtime): what each rank holds and its node's listing then travel in that gather as :func:`held_part`,
+and :func:`held_from_parts` reads them back, so a restart's first collective answers all of it. The checks that
+need every rank's node (placement's) are made from it by every rank alike.
 """
 from __future__ import annotations
 
@@ -21,8 +26,10 @@ from ..holder.protocol import HolderFailure
 from .reshard_survey import leads_node, world_sizes
 
 log = logging.getLogger(__name__)
+MAX_VERSIONS = 4   # the newest versions of each rank a restore's gather carries
 
-__all__ = ["NodeChecks", "node_checks", "HeldEverywhere", "gather_held", "held_by", "timeline_draw"]
+__all__ = ["NodeChecks", "node_checks", "node_listing", "HeldEverywhere", "gather_held", "held_by", "held_part",
+           "held_from_parts", "timeline_draw"]
 
 
 @dataclass(frozen=True)
@@ -40,13 +47,21 @@ def node_checks(client: Any, *, rank: int, world_size: int, nodes: Sequence[str]
     that holds nothing, as each check did on its own: the restore that follows finds out what is restorable."""
     if client is None or not leads_node(nodes, rank):
         return NodeChecks()
+    got = node_listing(client, rank=rank, world_size=world_size)
+    return NodeChecks() if got is None else NodeChecks(same_size=got[0], settled=settled(got[1]))
+
+
+def node_listing(client: Any, *, rank: int, world_size: int) -> Optional[tuple[bool, dict]]:
+    """One listing of the node's holder (on the node's lowest rank): whether it holds sealed payloads of this world
+    size only, and the listing (the holder's ``list`` answer); None where it cannot be listed."""
+    if client is None:
+        return None
     try:
         listing = client.list()
-        same = all(w == world_size for w in world_sizes(client, listing))
+        return all(w == world_size for w in world_sizes(client, listing)), listing
     except (HolderFailure, OSError) as e:
         log.warning("[rank %d] cannot list the holder's slots (world sizes, placement): %s", rank, e)
-        return NodeChecks()
-    return NodeChecks(same_size=same, settled=settled(listing))
+        return None
 
 
 def timeline_draw() -> int:
@@ -55,8 +70,9 @@ def timeline_draw() -> int:
 
 
 def held_by(client: Any, rank: int, exchange: Any) -> tuple[list[int], list[int], int, bool]:
-    """From one listing of this rank's slots: the sealed data and parity versions, the world size the newest data
-    copy was taken at (-1: none, or not recorded), and whether the holder holds a committed copy."""
+    """From one listing of this rank's slots: the sealed data and parity versions (parity only where ``exchange``
+    is not None), the world size the newest data copy was taken at (-1: none, or not recorded), and whether the
+    holder holds a committed copy."""
     if client is None:
         return [], [], -1, False
     try:
@@ -98,3 +114,40 @@ def gather_held(client: Any, rank: int, exchange: Any, coll: Any,
                           parity=[e[1] for e in everyone], world_seen=[x[0] for x in extra],
                           committed=[bool(x[2]) for x in extra], timeline=int(extra[0][1]),
                           same_size=all(x[3] for x in extra), settled=all(x[4] for x in extra))
+
+
+def _newest(versions: list[int]) -> list[int]:
+    """The newest MAX_VERSIONS of ``versions``, newest first (what the int gather carries)."""
+    return sorted(versions, reverse=True)[:MAX_VERSIONS]
+
+
+def held_part(client: Any, rank: int, listed: Optional[tuple[bool, list[int]]] = None) -> dict:
+    """This rank's part of a gather that runs anyway (JSON): what it holds, its timeline draw and, on a node's
+    lowest rank, ``listed``: whether its holder holds this world size only and the ranks it keeps sealed slots of
+    (from :func:`node_listing`; None where it could not list, which counts as nothing held)."""
+    data, parity, world, committed = held_by(client, rank, True)
+    part = {"d": data, "p": parity, "w": world, "c": int(committed), "t": timeline_draw()}
+    if listed is not None:
+        part.update(s=int(listed[0]), o=list(listed[1]))
+    return part
+
+
+def held_from_parts(parts: Sequence[dict], rank: int, nodes: Sequence[str], *, parity: bool,
+                    settled: Callable[[str, list[int]], bool]) -> HeldEverywhere:
+    """Every rank's :func:`held_part`, in rank order, as :func:`gather_held` would have gathered it.
+
+    Args:
+        parts: the parts, one per rank.
+        rank: this rank.
+        nodes: every rank's node.
+        parity: whether the job keeps parity (without, the parity versions are not counted, as in gather_held).
+        settled: placement's rule, ``settled(node, ranks)``: whether a holder on ``node`` that keeps slots of
+            ``ranks`` holds slots only of ranks that run on it now.
+    """
+    leaders = [(r, p) for r, p in enumerate(parts) if "s" in p]
+    return HeldEverywhere(
+        mine_data=list(parts[rank]["d"]), mine_parity=list(parts[rank]["p"]) if parity else [],
+        data=[_newest(p["d"]) for p in parts], parity=[_newest(p["p"]) if parity else [] for p in parts],
+        world_seen=[int(p["w"]) for p in parts], committed=[bool(p["c"]) for p in parts], timeline=int(parts[0]["t"]),
+        same_size=all(p["s"] for _, p in leaders),
+        settled=all(settled(nodes[r], [int(x) for x in p["o"]]) for r, p in leaders))

@@ -26,7 +26,7 @@ from ..holder.client import HolderClient
 from ..holder.early_open import EarlyOpen
 from ..holder.protocol import HolderFailure
 from ..payload import manifest as mf
-from .inventory import HeldEverywhere, gather_held, timeline_draw
+from .inventory import MAX_VERSIONS, HeldEverywhere, gather_held, timeline_draw
 from .peers import PeerPayloads, manifest_digest
 from .pinning import PinnedMapping
 from .reshard_restore import SAME_SIZE, Resize, Resized, restore_resized
@@ -37,7 +37,6 @@ if TYPE_CHECKING:   # the exchange imports the holder client and the codec; the 
     from ..parity.exchange import ParityExchange
 
 log = logging.getLogger(__name__)
-MAX_VERSIONS = 4
 
 
 @dataclass
@@ -55,6 +54,7 @@ class RestoreResult:
     timeline: int = 0          # the id every snapshot of this attempt carries (a new branch starts at `version`)
     repaired_ranks: list = None  # type: ignore[assignment]  # ranks whose copy failed its checksums, rebuilt from parity
     reshard: dict = None       # type: ignore[assignment]  # restored at another data-parallel size: sizes, traffic
+    vote_rows: list = None     # type: ignore[assignment]  # every rank's ``vote_extra`` ints, from the vote that passed
 
 
 class RestoreError(RuntimeError, ShardsafeError):
@@ -149,6 +149,7 @@ class _Attempt:
     early: Optional[EarlyOpen] = None   # this rank's slot, mapped while the trainer started (holder/early_open.py)
     fingerprint: Optional[dict] = None   # the starting run's (shardsafe/fingerprint.py); None: not compared
     force: bool = False                  # resume "force": another run's fingerprint is applied anyway, said loudly
+    vote_extra: Optional[Callable[[Optional[dict]], list[int]]] = None   # restore_from_holder's ``vote_extra``
 
 
 def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *, rank: int, coll: Collectives,
@@ -157,7 +158,8 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
                         on_phase: Callable[[str, int], None] | None = None, h2d: str = "pinned",
                         early: Optional[EarlyOpen] = None, fingerprint: Optional[dict] = None,
                         force: bool = False, resize: Optional[Resize] = None,
-                        held: Optional[HeldEverywhere] = None, started: Optional[float] = None) -> RestoreResult:
+                        held: Optional[HeldEverywhere] = None, started: Optional[float] = None,
+                        vote_extra: Optional[Callable[[Optional[dict]], list[int]]] = None) -> RestoreResult:
     """Run on every rank at start. Returns what was restored (version -1: nothing, fresh start).
 
     ``h2d`` (config ``restore_h2d``): how a restore into GPU tensors reads the holder's memory, "pinned"
@@ -178,6 +180,11 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     the caller began the restore (``time.perf_counter()``), having emitted ``restore_start`` itself; the restore's
     seconds and its "agree" phase count from there.
 
+    ``vote_extra``: ints of the caller's that ride in the vote on a verified copy, so that a check the caller would
+    otherwise run as a collective of its own costs no message: called with the manifest this rank verified (None
+    where it has none or refused it), it returns the same number of ints on every rank. Every rank's ints from the
+    vote that passed come back in ``vote_rows`` of the result (None where no holder copy was applied).
+
     Raises RestoreError whenever any tier holds something for this job and nothing is restorable (more lost
     nodes than parity covers, every copy corrupt, snapshots of another layout): silently starting from
     scratch would throw the whole run away. Nothing refused is deleted. The one exception: ranks lost before the
@@ -195,7 +202,8 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
     if res is None:
         res = _same_size(adapter, client, rank=rank, coll=coll, emit=emit, t0=t0, exchange=exchange, nodes=nodes,
                          persist=persist, on_phase=on_phase, h2d=h2d, early=early, fingerprint=fingerprint,
-                         force=force, size_checked=resize is not None, held=held if resize is None else None)
+                         force=force, size_checked=resize is not None, held=held if resize is None else None,
+                         vote_extra=vote_extra)
     res.seconds = time.perf_counter() - t0
     emit("restore_end", tier=res.tier, version=res.version, seconds=res.seconds, bytes=res.nbytes,
          rebuilt_bytes=res.rebuilt_bytes, rebuild_seconds=res.rebuild_seconds, phases=res.phases,
@@ -209,7 +217,8 @@ def restore_from_holder(adapter: StateAdapter, client: Optional[HolderClient], *
 
 def _same_size(adapter: StateAdapter, client, *, rank: int, coll: Collectives, emit, t0: float, exchange, nodes,
                persist, on_phase, h2d: str, early, fingerprint, force: bool, size_checked: bool,
-               held: Optional[HeldEverywhere] = None) -> RestoreResult:
+               held: Optional[HeldEverywhere] = None,
+               vote_extra: Optional[Callable[[Optional[dict]], list[int]]] = None) -> RestoreResult:
     """The restore of snapshots taken at this job's size (``size_checked``: the copies held at other sizes were
     looked at already, and the newest restorable version is at this size)."""
     # One all-gather says what every rank holds, at which world size its newest copy was taken, whether its
@@ -223,7 +232,7 @@ def _same_size(adapter: StateAdapter, client, *, rank: int, coll: Collectives, e
         _check_world_size(held.world_seen, coll.world_size)
     st = _Attempt(rank, {"agree": time.perf_counter() - t0, "rebuild": 0.0, "verify": 0.0, "apply": 0.0}, [], [],
                   on_phase=on_phase or (lambda name, version: None), h2d=h2d, early=early, fingerprint=fingerprint,
-                  force=force)
+                  force=force, vote_extra=vote_extra)
     live = adapter.capture().tensors
     res = None
     try:
@@ -330,7 +339,8 @@ def _try_version(version: int, adapter: StateAdapter, client, coll: Collectives,
         # The vote carries each copy's digest too, for an adapter that reads its peers' copies from the holder
         # (PeerPayloads checks them against it); 0 for the others (the same on every rank: a class attribute).
         digest = manifest_digest(manifest) if manifest and not bad and adapter.uses_peer_payloads else 0
-        votes = coll.gather_ints([status, int(manifest.get("timeline", 0)) if manifest else -1, digest])
+        extra = st.vote_extra(manifest if manifest and not bad else None) if st.vote_extra is not None else []
+        votes = coll.gather_ints([status, int(manifest.get("timeline", 0)) if manifest else -1, digest, *extra])
         st.phases["verify"] += time.perf_counter() - t1
         statuses = [v[0] for v in votes]
         newly = {r for r, x in enumerate(statuses) if x == _CORRUPT}
@@ -359,6 +369,7 @@ def _try_version(version: int, adapter: StateAdapter, client, coll: Collectives,
         res = _apply(adapter, client, coll, st, version, manifest, pin, tier, digests=[v[2] for v in votes])
         res.lost_ranks = lost
         res.repaired_ranks = sorted(corrupt)
+        res.vote_rows = [v[3:] for v in votes] if st.vote_extra is not None else None
         if lost:
             res.message += (f" after rebuilding ranks {lost} from parity"
                             + (f" (ranks {sorted(corrupt)} had corrupt copies)" if corrupt else ""))

@@ -217,3 +217,75 @@ def test_a_restore_from_memory_is_two_collectives_and_a_fresh_start_one(client):
     assert coll.calls == ["gather_ints[13]", "gather_ints[3]"], coll.calls
     assert res.timeline > 0 and res.timeline != restore_from_holder(ToyAdapter(3), client, rank=0,
                                                                       coll=Collectives()).timeline
+
+
+def test_holdings_sent_with_the_places_are_what_the_restore_would_gather(client):
+    """A runtime sends what its holder holds (and, on a node's lowest rank, the node's listing) in the places
+    gather it runs anyway: read back, that is what the restore's own gather says, and placement's rule reads the
+    same from a node's slot ranks as from its listing."""
+    from shardsafe.parity.placement import inventory_of, settled, settled_ranks, slot_ranks
+    from shardsafe.snapshot.inventory import gather_held, held_from_parts, held_part, node_checks, node_listing
+    for v in (5, 6):
+        snap(client, ToyAdapter(v), v)
+    nodes = ["n0"]
+    gathered = gather_held(client, 0, None, Collectives(), node_checks(
+        client, rank=0, world_size=1, nodes=nodes, settled=lambda listing: settled(nodes, "n0", inventory_of(listing))))
+    same, listing = node_listing(client, rank=0, world_size=1)
+    parts = [held_part(client, 0, (same, slot_ranks(inventory_of(listing))))]
+    sent = held_from_parts(parts, 0, nodes, parity=False, settled=lambda node, ranks: settled_ranks(nodes, node, ranks))
+    assert gathered.data == sent.data == [[6, 5]] and gathered.mine_data == sent.mine_data == [5, 6]
+    for field in ("parity", "world_seen", "committed", "same_size", "settled", "mine_parity"):
+        assert getattr(gathered, field) == getattr(sent, field), field
+    assert sent.timeline == parts[0]["t"] > 0
+    # rank 1 runs on n1 now, and n0's holder keeps a slot of it: placement has something to move
+    moved = [dict(parts[0], o=[0, 1]), {k: v for k, v in parts[0].items() if k not in ("s", "o")}]
+    two = ["n0", "n1"]
+    got = held_from_parts(moved, 1, two, parity=False, settled=lambda node, ranks: settled_ranks(two, node, ranks))
+    inv = {**inventory_of(listing), (1, "data"): {6: {}}}
+    assert got.settled is False and settled(two, "n0", inv) is False and got.mine_data == [5, 6]
+
+
+def test_the_budget_check_rides_in_the_vote_on_the_verified_copy(client):
+    """A restore from memory is one collective when what every rank holds came with the places: the vote on the
+    verified copy carries the caller's ints (the runtime's budget check), computed from the manifest it verified."""
+    from shardsafe.snapshot.inventory import held_from_parts, held_part
+    src = ToyAdapter(1)
+    snap(client, src, 5)
+    held = held_from_parts([held_part(client, 0, (True, [0]))], 0, ["n0"], parity=False, settled=lambda n, r: True)
+    seen = []
+
+    def extra(manifest):
+        seen.append(manifest and manifest["payload_nbytes"])
+        return [7, len(seen)]
+
+    coll, dst = CountingCollectives(), ToyAdapter(3)
+    res = restore_from_holder(dst, client, rank=0, coll=coll, held=held, vote_extra=extra)
+    assert (res.version, res.tier) == (5, "memory") and all(torch.equal(src.t[k], dst.t[k]) for k in src.t)
+    assert coll.calls == ["gather_ints[5]"], coll.calls
+    assert res.vote_rows == [[7, 1]] and seen == [mf.layout(src.capture().tensors)[1]]
+
+
+def test_a_runtime_restart_judges_the_budget_from_the_restored_version(holder_factory, monkeypatch):
+    """A holder with room for one version of the rank but not two: the start says the rank is NOT protected for its
+    budget, and so does a restart that restores that version (its check now rides in the restore's vote)."""
+    from shardsafe.config import ShardsafeConfig
+    from shardsafe.protection import Cause
+    from shardsafe.runtime import Runtime
+    holders = holder_factory(1, job="bjob", budget_gb=0.012)
+    monkeypatch.delenv("SHARDSAFE_RUN_DIR", raising=False)
+    cfg = ShardsafeConfig(job_id="bjob", holder_dir=holders.root, node="n0", start_holder=False, interval=1,
+                          timeout_s=10)
+    verdicts = []
+    for attempt in range(2):
+        rt = Runtime(cfg, rank=0, world_size=1)
+        try:
+            state = ToyAdapter(attempt)
+            res = rt.try_restore(state)
+            verdicts.append((res.version, res.vote_rows is not None, set(rt.protection.causes()), rt.banner()))
+            if attempt == 0:
+                rt.after_step(1, state)
+                assert rt.flush(30)
+        finally:
+            rt.close()
+    assert verdicts[0][0] == -1 and verdicts[1][:2] == (1, True), verdicts
+    assert all(Cause.BUDGET in v[2] and "NOT protected" in v[3] for v in verdicts), verdicts
