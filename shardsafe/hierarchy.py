@@ -245,7 +245,6 @@ def _drop_groups(pgs: list, abort: bool) -> None:
     pgs.clear()   # the destructors run here
 
 
-
 class MemberGroup:
     """A gloo process group of ``members`` (global ranks) that shardsafe builds itself over the job's store under
     ``prefix``, only in its members. torch's ``new_group`` is collective over the whole world (every rank creates
