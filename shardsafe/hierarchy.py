@@ -19,9 +19,12 @@ Payloads are int64 vectors (votes) or bytes (gathers of JSON): no pickle.
 from __future__ import annotations
 
 import _thread
+import atexit
 import dataclasses
 import functools
+import os
 import struct
+import time
 from datetime import timedelta
 from typing import Any, Callable, Generator, Mapping, NamedTuple, Optional, Sequence
 
@@ -228,21 +231,58 @@ def let_go_of(pgs: Sequence[Any], *, abort: bool) -> None:
     whose main thread dropped such a group stayed there for that long, and every other rank timed out waiting for
     it in the next attempt's first gather. ``abort``: abort each group first (a broken group, whose peers must not
     wait on it), else only drop it (its sockets close as it goes). The thread starts without waiting for it to be
-    scheduled."""
+    scheduled; the interpreter waits for it at exit (:func:`_wait_for_drops`)."""
     pgs = [pg for pg in pgs if pg is not None]
     if pgs:
-        _thread.start_new_thread(_drop_groups, (pgs, abort))
+        done = _thread.allocate_lock()
+        done.acquire()
+        _DROPPING.append(done)
+        _thread.start_new_thread(_drop_groups, (pgs, abort, done))
 
 
-def _drop_groups(pgs: list, abort: bool) -> None:
-    for pg in pgs if abort else ():
+# The drops still running. torch drops a group's GIL while destroying it, and a thread that takes the GIL back
+# after the interpreter finalized is ended by forced unwinding, which std::terminate()s in gloo's noexcept
+# destructors: a trainer that raised on a lost peer right after letting go of a group exited with SIGABRT, not
+# its own error, and the launcher blamed it for the failure.
+_DROPPING: list = []
+DROP_WAIT_AT_EXIT_S = 30.0
+
+
+def _drop_groups(pgs: list, abort: bool, done: Any) -> None:
+    try:
+        if abort:
+            _abort_each(pgs)
+        pgs.clear()   # the destructors run here: nothing else refers to the groups
+    finally:
+        done.release()
+
+
+def _abort_each(pgs: list) -> None:
+    for pg in pgs:
         for stop in ("abort", "shutdown"):
             try:
                 getattr(pg, stop)()
                 break
             except Exception:  # noqa: BLE001 - tearing down a broken group: nothing to save
                 continue
-    pgs.clear()   # the destructors run here
+
+
+@atexit.register
+def _wait_for_drops() -> None:
+    """At exit, while the interpreter still runs: the drops still running end first (bounded: a drop that waits
+    longer is a peer that hangs, and the process ends as it would have)."""
+    deadline = time.monotonic() + DROP_WAIT_AT_EXIT_S
+    while _DROPPING:
+        done = _DROPPING.pop()
+        if done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            done.release()
+
+
+def _forget_drops() -> None:   # a forked child runs none of its parent's threads
+    _DROPPING.clear()
+
+
+os.register_at_fork(after_in_child=_forget_drops)
 
 
 class MemberGroup:

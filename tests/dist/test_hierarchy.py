@@ -1,6 +1,10 @@
 """The hierarchical collectives over real gloo (shardsafe/hierarchy.py): node-local groups and a leaders' group
 shardsafe builds itself over the job's store, only by their members; rebuilt under a new generation after a
 failure. And the same algorithms in the simulator, at sizes no machine here can run."""
+import os
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -115,3 +119,72 @@ def test_letting_go_of_a_group_never_runs_its_destructor_on_the_caller():
     h.retire()
     with pytest.raises(HierarchyError, match="let go of"):
         h.min_reduce([1])
+
+
+_EXIT_AFTER_LETTING_GO = textwrap.dedent("""
+    import os, sys, time
+    from shardsafe.hierarchy import MemberGroup
+    mark = sys.argv[1]
+
+    class Slow:   # stands for a gloo group whose abort and destructor take a while
+        def abort(self):
+            time.sleep(0.3)
+        def __del__(self):
+            time.sleep(0.3)
+            open(mark, "w").close()
+
+    g = MemberGroup.__new__(MemberGroup)
+    g.pg = Slow()
+    g.close()
+    sys.exit(3)   # at once, as a trainer that raised on the lost peer
+""")
+
+
+def test_a_process_exits_only_after_the_groups_it_let_go_of_are_gone(tmp_path):
+    """A thread still dropping a group when the interpreter finalizes is ended by forced unwinding, which aborts
+    in gloo's noexcept destructors: a trainer that raised on a lost peer right after its broken vote group was let
+    go of died with SIGABRT instead of its own error. The interpreter waits for the drop at exit (bounded)."""
+    mark = tmp_path / "dropped"
+    res = subprocess.run([sys.executable, "-c", _EXIT_AFTER_LETTING_GO, str(mark)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert res.returncode == 3 and mark.exists(), (res.returncode, res.stderr[-2000:])
+
+
+_LOST_PEER = textwrap.dedent("""
+    import os, signal, sys, time
+    from datetime import timedelta
+    from torch.distributed import TCPStore
+    from shardsafe.hierarchy import MemberGroup
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    store = TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    g = MemberGroup(store, "lost", [0, 1], rank, 5.0)
+    g.min_reduce([1])
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        g.min_reduce([2])
+        sys.exit(4)
+    except Exception:
+        g.close()   # the vote broke: abort the group, off this thread
+        sys.exit(3)
+""")
+
+
+def test_a_rank_that_let_go_of_a_broken_group_exits_with_its_own_error_over_real_gloo():
+    """The same over real gloo: the peer is SIGKILLed, the survivor's vote fails, it lets go of the group and exits
+    with its own code (three pairs at once; without the wait at exit most of them ended in SIGABRT)."""
+    import socket
+    ports = []
+    for _ in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    pairs = [[subprocess.Popen([sys.executable, "-c", _LOST_PEER, str(r), str(p)], env=env,
+                               stderr=subprocess.PIPE, text=True) for r in (0, 1)] for p in ports]
+    got = []
+    for a, b in pairs:
+        err = a.communicate(timeout=120)[1]
+        b.communicate(timeout=120)
+        got.append((a.returncode, b.returncode, err[-600:]))
+    assert all(g[:2] == (3, -9) for g in got), got
