@@ -63,6 +63,7 @@ def summarize(run_dir: str, world: int) -> dict[str, Any]:
         "snapshot_stall_ms_median": round(statistics.median(stalls), 3) if stalls else None,
         "snapshots": len(stalls),
         "snapshots_committed": sum(1 for e in ev if e.get("kind") == "snapshot" and e.get("committed")),
+        "restarts_in_place": _restarts_in_place(ev, world),
         "prewarm": next(({"preload": e.get("preload"), "seconds": e.get("seconds")} for e in ev
                          if e.get("kind") == "prewarm_ready"), None),
     }
@@ -152,7 +153,10 @@ def _resolve(a: argparse.Namespace) -> _Plan:
     problem = budget_problem(a.memory_budget_gb)
     if problem:
         raise ConfigError(problem)
-    return _plan(a, a.nodes * a.nproc_per_node)
+    plan = _plan(a, a.nodes * a.nproc_per_node)
+    if a.restart == "in-place":   # the example trains inside shardsafe.inplace.run
+        plan.protect = [*plan.protect, "--in-place"]
+    return plan
 
 
 def run_demo(a: argparse.Namespace) -> dict[str, Any]:
@@ -185,7 +189,7 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
         f"injected faults: {inject} (a SIGKILLed trainer, then a whole node: its trainers and holder)")
     run = LocalLauncher(LaunchConfig(nodes=a.nodes, nproc_per_node=a.nproc_per_node, job_id=job, run_dir=run_dir,
                                      inject=inject, max_restarts=3, memory_budget_gb=a.memory_budget_gb,
-                                     preload=preload))
+                                     preload=preload, restart=a.restart))
     t_run = time.time()
     r1 = run.run([sys.executable, plan.script, *plan.common, *plan.protect, "--out", run_dir])
     measured = time.time() - t_run   # the wall time TOR must account for, measured outside the launcher
@@ -194,7 +198,7 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
                     for f in r1.failures))
     say("[3/3] comparing every loss and every rank's final state with the reference (torch.equal)")
     cmp = compare_runs(run_dir, ref_dir, world, a.steps) if r1.ok else None
-    out = {"engine": a.engine, "zero_stage": plan.stage,
+    out = {"engine": a.engine, "zero_stage": plan.stage, "restart": a.restart,
            "layout": plan.layout, "dtype": a.dtype, "steps": a.steps,
            "nodes": a.nodes, "ranks": world, "failures_injected": len(r1.failures), "attempts": r1.attempts,
            **summarize(run_dir, world),
@@ -208,6 +212,16 @@ def run_demo(a: argparse.Namespace) -> dict[str, Any]:
     if not keep:
         shutil.rmtree(base, ignore_errors=True)
     return out
+
+
+def _restarts_in_place(ev: list[dict[str, Any]], world: int) -> int:
+    """Restarts after which fewer trainers started than the job has ranks: the others went on in their processes."""
+    started: dict[int, int] = {}
+    for e in ev:
+        if e.get("kind") == "trainer_start":
+            a = int(e.get("attempt") or 0)
+            started[a] = started.get(a, 0) + 1
+    return sum(1 for a, n in started.items() if a > 0 and n < world)
 
 
 def _read_events(run_dir: str) -> list[dict[str, Any]]:

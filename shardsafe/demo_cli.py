@@ -8,6 +8,7 @@ import os
 import time
 
 from .cliargs import hidden_alias, seconds, whole
+from .env import RESTART_MODES
 from .launch.cli import fault_spec_arg, preload_arg
 from .launch.presets import PRESETS
 
@@ -29,6 +30,9 @@ def cmd_demo(a: argparse.Namespace) -> int:
         print(f"shardsafe demo: {out['ranks']} ranks on {out['nodes']} nodes, {out['engine']} {out['layout']}, "
               f"{out['steps']} steps")
         print(f"  failures injected : {out['failures_injected']} (SIGKILL)")
+        if out.get("restart") == "in-place":
+            print(f"  restarts in place : {out['restarts_in_place']} of {out['attempts'] - 1} (only the killed "
+                  "rank started again; the others went on in their processes)")
         print(f"  restores          : {out['restores']} from tiers {out['restore_tiers']} "
               f"(versions {out['restored_versions']}), {out['restore_seconds']:.3f} s in all")
         print(f"  node losses       : {out['node_losses']}; {out['rebuilt_bytes'] / 2**20:.1f} MiB rebuilt from parity "
@@ -91,6 +95,10 @@ def register_cli(sub) -> None:
                         "lost at 3/4)")
     p.add_argument("--inject", type=fault_spec_arg, default="", metavar="FAULTS",
                    help="a fault spec replacing the demo's two faults (default: none; see shardsafe.faults)")
+    p.add_argument("--restart", choices=RESTART_MODES, default="full",
+                   help="full (default): a killed trainer restarts every trainer; in-place: only the killed rank "
+                        "starts again and the others go on in their processes, building their engines again (the "
+                        "examples' --in-place). The lost node still restarts every trainer")
     p.add_argument("--memory-budget-gb", type=float, default=1.0, metavar="GB", help="memory budget of each holder")
     p.add_argument("--preload", type=preload_arg, default=None, metavar="PRESET|MODULES",
                    help="what the protected run's fork server imports once; its trainers (first start and every "

@@ -11,6 +11,7 @@ import logging
 import os
 from typing import Any, Mapping
 
+from shardsafe import env
 from shardsafe.config import ShardsafeConfig
 from shardsafe.fatal import install_excepthook
 from shardsafe.inplace import on_let_go
@@ -21,7 +22,7 @@ from .. import ds_config
 from . import rng_trackers
 from .client_state import (DS_CHECKPOINT_KEYS, client_state_at, client_state_without_checkpoint, disk_checkpoint,
                            live_rng, program_layout)
-from .inplace import forget_groups
+from .inplace import forget_groups, remember_engine
 from .layout import coords as parallel_coords
 from .layout import is_pipeline
 from .prewarm import memo_cpu_info
@@ -264,6 +265,8 @@ def protect(ds_initialize: Any, args: tuple, kwargs: dict, *, auto: str = ""):
         memo_cpu_info(cfg.holder_dir)
     ret = ds_initialize(*args, **kwargs)
     engine = ret[0]
+    if env.restart_mode() == "in-place":
+        remember_engine(engine)
     program_args = kwargs.get("args", args[0] if args else None)
     engine.shardsafe = ShardsafeEngineHook(engine, cfg, auto=auto, program_args=program_args) if cfg.enabled else None
     # What is true now, on every rank (on_unprotected "fail" raises here when a rank cannot be protected).

@@ -26,17 +26,25 @@ KEYS = {"engine", "zero_stage", "steps", "failures_injected", "restores", "resto
         "rebuild_seconds", "tor", "tor_breakdown", "tor_accounted"}
 
 
-@pytest.mark.parametrize("engine, steps", [
-    ("deepspeed", 30),
-    ("deepspeed-3d", 20),   # PipelineModule PP2 x DP2, BF16_Optimizer, 4 nodes x 1 rank
-    pytest.param("megatron", 20, marks=pytest.mark.skipif(
+@pytest.mark.parametrize("engine, steps, restart", [
+    ("deepspeed", 30, "full"),
+    ("deepspeed-3d", 20, "full"),   # PipelineModule PP2 x DP2, BF16_Optimizer, 4 nodes x 1 rank
+    # ZeRO-2 on 2 nodes x 2 ranks: rank 3 starts again alone while ranks 0 and 1 wait in an all-reduce with rank 2,
+    # freed when rank 2's abandoned engine (kept alive by DeepSpeed's gradient hooks) is taken apart
+    ("deepspeed", 30, "in-place"),
+    # the killed rank (stage 1) starts again alone; the survivors build their pipeline engines again in their
+    # processes, rank 0 freed from the data-parallel all-gather it waits in with rank 1; the node loss is a full
+    # restart from parity
+    ("deepspeed-3d", 20, "in-place"),
+    pytest.param("megatron", 20, "full", marks=pytest.mark.skipif(
         not installed_version("megatron-core", "megatron.core"),
         reason="megatron-core is not installed in this venv (docs/megatron.md)")),
 ])
-def test_demo_json(tmp_path, engine, steps):
+def test_demo_json(tmp_path, engine, steps, restart):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     r = subprocess.run([sys.executable, "-m", "shardsafe.cli", "demo", "--engine", engine, "--steps", str(steps),
-                        "--json", "--run-dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+                        "--restart", restart, "--json", "--run-dir", str(tmp_path)], capture_output=True, text=True,
+                       env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
     assert len(lines) == 1, r.stdout        # exactly one JSON object on stdout
@@ -47,10 +55,16 @@ def test_demo_json(tmp_path, engine, steps):
     assert out["resumed"] is True, out["resume_problems"]   # the restarts continued, they did not start over
     assert out["failures_injected"] == 2 and out["restores"] == 2 and out["node_losses"] == 1
     assert out["restore_tiers"] == ["memory", "parity"] and out["rebuilt_bytes"] > 0
+    assert out["restart"] == restart and out["restarts_in_place"] == (1 if restart == "in-place" else 0), out
+    events = [json.loads(ln) for ln in open(tmp_path / "run" / "events.jsonl")]
+    if restart == "in-place":   # attempt 1 started only the killed rank, and it was not given up for a full one
+        starts = sorted((e.get("attempt"), e["rank"]) for e in events if e["kind"] == "trainer_start")
+        assert [s for s in starts if s[0] == 1] == [(1, out["ranks"] - 1)], starts
+        causes = [(e["cause"], e.get("rank"), e.get("rc")) for e in events if e["kind"] == "failure_detected"]
+        assert causes == [("rank_exit", out["ranks"] - 1, -9), ("node_loss", None, -9)], causes
     assert out["tor_accounted"] is True and 0 < out["tor"] < 1
     # the protected run's trainers were forked from the preset's server, the reference's from one without
     # shardsafe's runtime
-    events = [json.loads(ln) for ln in open(tmp_path / "run" / "events.jsonl")]
     assert any(e["kind"] == "prewarm_ready" for e in events)
     assert out["prewarm"]["preload"] and out["prewarm"]["seconds"] > 0
     ref_ready = [e for e in map(json.loads, open(tmp_path / "reference" / "events.jsonl"))
