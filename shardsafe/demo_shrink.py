@@ -190,12 +190,12 @@ def _compare_segments(run_dir: str, segs: list[dict[str, Any]], steps: int, mp: 
 
 def run_shrink_demo(a: argparse.Namespace) -> dict[str, Any]:
     from .runcheck import resume_problems
-    # deepspeed-3d: PP stages per replica; megatron: TP x PP ranks. Every node runs one model replica: after a node
-    # loss every node left still runs ranks, so every holder that keeps a stage's snapshots is read by the restore
-    # (a node that runs none cannot serve it; with one rank per node, D' would leave such a node idle).
     if getattr(a, "restart", "full") != "full":
         raise ConfigError("--shrink with --restart in-place: the shrink demo loses a whole node, which restarts "
                           "every trainer; drop --restart in-place")
+    # deepspeed-3d: PP stages per replica; megatron: TP x PP ranks. Every node runs one model replica: after a node
+    # loss every node left still runs ranks, so every holder that keeps a stage's snapshots is read by the restore
+    # (a node that runs none cannot serve it; with one rank per node, D' would leave such a node idle).
     mp = {"deepspeed-3d": a.pp if a.pp > 1 else 2, "megatron": a.tp * a.pp}.get(a.engine, 1)
     a.nodes = 4 if a.nodes is None else a.nodes
     a.nproc_per_node = mp if a.nproc_per_node is None else a.nproc_per_node
