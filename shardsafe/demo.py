@@ -154,6 +154,7 @@ def _resolve(a: argparse.Namespace) -> _Plan:
     if problem:
         raise ConfigError(problem)
     plan = _plan(a, a.nodes * a.nproc_per_node)
+    a.restart = getattr(a, "restart", "full")   # a Namespace built by a program, not the CLI, may lack it
     if a.restart == "in-place":   # the example trains inside shardsafe.inplace.run
         plan.protect = [*plan.protect, "--in-place"]
     return plan
