@@ -121,6 +121,15 @@ def test_letting_go_of_a_group_never_runs_its_destructor_on_the_caller():
         h.min_reduce([1])
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _child_env(**extra):
+    """This checkout first on the children's path, whatever the working directory; the caller's PYTHONPATH kept."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 _EXIT_AFTER_LETTING_GO = textwrap.dedent("""
     import os, sys, time
     from shardsafe.hierarchy import MemberGroup
@@ -146,7 +155,7 @@ def test_a_process_exits_only_after_the_groups_it_let_go_of_are_gone(tmp_path):
     go of died with SIGABRT instead of its own error. The interpreter waits for the drop at exit (bounded)."""
     mark = tmp_path / "dropped"
     res = subprocess.run([sys.executable, "-c", _EXIT_AFTER_LETTING_GO, str(mark)], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                         timeout=120, env=_child_env())
     assert res.returncode == 3 and mark.exists(), (res.returncode, res.stderr[-2000:])
 
 
@@ -179,7 +188,7 @@ def test_a_rank_that_let_go_of_a_broken_group_exits_with_its_own_error_over_real
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    env = _child_env(OMP_NUM_THREADS="1")
     pairs = [[subprocess.Popen([sys.executable, "-c", _LOST_PEER, str(r), str(p)], env=env,
                                stderr=subprocess.PIPE, text=True) for r in (0, 1)] for p in ports]
     got = []
