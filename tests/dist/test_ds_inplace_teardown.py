@@ -17,9 +17,14 @@ def _abandon(rank, world):
     import weakref
 
     import deepspeed
+    import deepspeed.ops
     import torch
 
     from shardsafe.adapters.deepspeed.inplace import _take_engines_apart, remember_engine
+    # DeepSpeed's CPU accelerator would otherwise JIT-compile its shared-memory all-reduce in each rank (minutes
+    # on a cold cache), as the other test_ds_* modules say
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
@@ -41,7 +46,7 @@ def _abandon(rank, world):
 
 
 def test_an_abandoned_zero2_engine_is_taken_apart_and_collected():
-    for got in run_ranks(2, _abandon, timeout_s=120):
+    for got in run_ranks(2, _abandon, timeout_s=180, pg_timeout_s=20):
         assert got["kind"] == "DeepSpeedZeroOptimizer", got
         assert got["kept"] and got["taken"] == 1, got   # the leak the take-apart exists for
         assert not got["alive_after"], got
