@@ -64,6 +64,7 @@ test-mcore019: venv
 		tests/fault/test_megatron_resume.py -k "not megatron_lm"
 	SHARDSAFE_TEST_MCORE_LM=$(CURDIR)/$(VENV)/mcore-0.19.2 $(BIN)/python -m pytest -q \
 		tests/fault/test_megatron_resume.py tests/fault/test_export_megatron.py tests/unit/test_megatron_args.py \
+		tests/fault/test_inplace.py \
 		-k "megatron_lm or export"
 
 test-slurm: venv

@@ -16,7 +16,9 @@ CPU-only host the CPU shims are installed and gloo is used.
 Kill a rank mid-run and start the same command again: it continues from the newest snapshot,
 bit-identically. ``--out DIR`` (default SHARDSAFE_RUN_DIR; taken out of argv before Megatron parses it)
 receives losses_rank{R}.jsonl (``{"step", "loss": float.hex, "grad_norm", "attempt"}`` per iteration)
-and final_rank{R}.{bin,json} (rank state + model params) for ``shardsafe.runcheck.compare_runs``.
+and final_rank{R}.{bin,json} (rank state + model params) for ``shardsafe.runcheck.compare_runs``, written when
+Megatron-LM's ``train`` returns. Under ``shardsafe launch --restart in-place`` the script leaves torch.distributed
+to shardsafe's ``pretrain``, which runs Megatron-LM's once per attempt (docs/operations.md, "Restart in place").
 """
 from __future__ import annotations
 
@@ -105,6 +107,11 @@ def _attempt() -> int:
     return int(os.environ.get("SHARDSAFE_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
+def _rank() -> int:
+    """This process's rank, also where no default group exists (before and after shardsafe.inplace.run)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def _pipeline_loss(loss: Optional[float]) -> Optional[float]:
     """The last pipeline stage's loss on every stage (training_log runs on all ranks every iteration)."""
     from megatron.core import parallel_state as ps
@@ -124,7 +131,7 @@ def _record(out_dir: str) -> None:
     losses = None
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        losses = open(os.path.join(out_dir, f"losses_rank{torch.distributed.get_rank()}.jsonl"), "a")
+        losses = open(os.path.join(out_dir, f"losses_rank{_rank()}.jsonl"), "a")
 
     def setup_model_and_optimizer(*a, **k):
         RUN["model"], RUN["optimizer"], RUN["scheduler"] = out = orig_setup(*a, **k)
@@ -145,8 +152,21 @@ def _record(out_dir: str) -> None:
         return orig_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
                         skipped_iter, grad_norm, *a, **k)
 
+    orig_train = T.train
+
+    def train(*a, **k):
+        # The final state is saved where training ends, inside pretrain: under a restart in place the default group
+        # exists only there (shardsafe.inplace.run ends it when pretrain returns).
+        out = orig_train(*a, **k)
+        if out_dir and "model" in RUN:
+            before = set(sys.modules)
+            _save_final(out_dir)
+            RUN["imported_by_save"] = set(sys.modules) - before   # shardsafe's, not the program's (--plain-entry)
+        return out
+
     T.training_log = training_log
     T.setup_model_and_optimizer = setup_model_and_optimizer
+    T.train = train
 
 
 def _save_final(out_dir: str) -> None:
@@ -159,7 +179,7 @@ def _save_final(out_dir: str) -> None:
                               set_iteration=lambda _: None)
     out = dict(ad.capture().tensors)
     out.update({f"model/c{i}.{n}": p.detach() for i, c in enumerate(model) for n, p in c.named_parameters()})
-    save_tensors(os.path.join(out_dir, f"final_rank{torch.distributed.get_rank()}"), out)
+    save_tensors(os.path.join(out_dir, f"final_rank{_rank()}"), out)
 
 
 def main(argv: Optional[list[str]] = None, *, runtime_factory=None) -> list[tuple[int, float]]:
@@ -187,6 +207,9 @@ def main(argv: Optional[list[str]] = None, *, runtime_factory=None) -> list[tupl
         import typing   # megatron.training >= 0.18 imports typing.override (Python 3.12); it is a no-op decorator
         if not hasattr(typing, "override"):
             typing.override = lambda f: f
+    # Under `shardsafe launch --restart in-place` shardsafe's pretrain makes the default group itself, once per
+    # attempt (shardsafe.inplace.run), as it lets Megatron-LM do on a GPU cluster.
+    in_place = os.environ.get("SHARDSAFE_RESTART") == "in-place" and not plain
     if not torch.distributed.is_initialized():
         if torch.cuda.is_available():
             backend = "nccl"
@@ -194,7 +217,8 @@ def main(argv: Optional[list[str]] = None, *, runtime_factory=None) -> list[tupl
             import _megatron_cpu_shims
             _megatron_cpu_shims.install_training_shims()
             backend = "gloo"
-        torch.distributed.init_process_group(backend, timeout=timedelta(seconds=60))
+        if not in_place:
+            torch.distributed.init_process_group(backend, timeout=timedelta(seconds=60))
     elif not torch.cuda.is_available():
         import _megatron_cpu_shims
         _megatron_cpu_shims.install_training_shims()
@@ -219,12 +243,14 @@ def main(argv: Optional[list[str]] = None, *, runtime_factory=None) -> list[tupl
     if plain:
         _plain_entry(ModelType.encoder_or_decoder)
         if out_dir:
-            with open(os.path.join(out_dir, f"modules_rank{torch.distributed.get_rank()}.json"), "w") as f:
-                json.dump(sorted(m for m in sys.modules if m == "shardsafe" or m.startswith("shardsafe.")), f)
-            if "model" in RUN:
-                _save_final(out_dir)
+            with open(os.path.join(out_dir, f"modules_rank{_rank()}.json"), "w") as f:
+                json.dump(sorted(m for m in sys.modules if (m == "shardsafe" or m.startswith("shardsafe."))
+                                 and m not in RUN.get("imported_by_save", ())), f)
         return list(LOSSES)
     from shardsafe.adapters import megatron as ss_megatron
+    if in_place:
+        from shardsafe.inplace import on_let_go
+        on_let_go("this example's model", RUN.clear)   # an abandoned attempt's model holds its groups
     if "extra_args_provider" in inspect.signature(T.pretrain).parameters:   # megatron-core <= 0.17
         ss_megatron.pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
                              args_defaults={"tokenizer_type": "NullTokenizer"}, **kw)
@@ -235,8 +261,6 @@ def main(argv: Optional[list[str]] = None, *, runtime_factory=None) -> list[tupl
                                        args_defaults={"tokenizer_type": "NullTokenizer"})
         ss_megatron.pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
                              forward_step, model_provider=model_provider, **kw)
-    if out_dir and "model" in RUN:
-        _save_final(out_dir)
     return list(LOSSES)
 
 

@@ -6,17 +6,20 @@ globals (and ``optimizer.step`` on the instance, :func:`~.core_api.wrap_optimize
 Megatron-LM is not modified. The wrappers drive the same :class:`shardsafe.runtime.BaseRuntime` contract as the
 core API, bind the adapter's iteration and counters to Megatron-LM's ``args``, and implement
 ``--shardsafe-export-dir`` with Megatron-LM's own ``save_checkpoint``. :func:`protected_pretrain` is also
-what the automatic activation (adapters/autoload.py) calls.
+what the automatic activation (adapters/autoload.py) calls; under ``SHARDSAFE_RESTART=in-place`` it runs
+Megatron-LM's ``pretrain`` inside :func:`shardsafe.inplace.run`, once per attempt.
 """
 from __future__ import annotations
 
 import inspect
 import logging
+import os
 import time
 from typing import Any, Callable, Optional
 
 import torch
 
+from shardsafe import env
 from shardsafe.config import ShardsafeConfig
 from shardsafe.fatal import install_excepthook
 from shardsafe.runtime import BaseRuntime
@@ -177,15 +180,17 @@ class HookHandle:
     def adapter(self) -> Optional[MegatronStateAdapter]:
         return self.state.adapter
 
-    def remove(self) -> None:
-        """Restore Megatron-LM's functions and the optimizer's step, flush the last snapshot, disconnect."""
+    def remove(self, *, close: bool = True) -> None:
+        """Restore Megatron-LM's functions and the optimizer's step, flush the last snapshot, disconnect.
+        ``close=False``: the attempt was abandoned for a restart in place; shardsafe.inplace abandons its runtime
+        (a flush would vote with peers that are gone)."""
         for k, v in self._originals.items():
             setattr(self._module, k, v)
         self._originals = {}
         self.state.undo_step()
         self.state.undo_step = lambda: None
         rt = self.state.runtime
-        if rt is not None:
+        if rt is not None and close:
             rt.close()
 
 
@@ -279,8 +284,60 @@ def protected_pretrain(original: Callable[..., Any], args: tuple, kwargs: dict, 
         bound = sig.bind_partial(*args, **kwargs)
         bound.arguments["extra_args_provider"] = compose_extra_args_provider(bound.arguments.get("extra_args_provider"))
         args, kwargs = bound.args, bound.kwargs
+    if env.restart_mode() != "in-place":
+        return _pretrain_once(T, original, args, kwargs, runtime_factory)
+    if torch.distributed.is_initialized():
+        log.warning("shardsafe: %s=in-place, but torch.distributed was initialised before pretrain: this rank "
+                    "cannot restart in place, and a restart in place of the job ends it (the job then restarts "
+                    "in full). Let pretrain initialise torch.distributed (Megatron-LM's pretrain_gpt.py does)",
+                    env.RESTART)
+        return _pretrain_once(T, original, args, kwargs, runtime_factory)
+    from shardsafe.inplace import run
+    if torch.cuda.is_available():
+        # Megatron-LM sets the device only where it initialises torch.distributed itself
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))   # torchrun's
+    # Each attempt is a whole pretrain: Megatron-LM parses its arguments, initialises its globals and groups
+    # (cleared on let go, adapters/megatron/inplace.py), builds the model and restores; torch.distributed's
+    # default group is made by run, once per attempt, and Megatron-LM finds it initialised.
+    # pretrain sets its startup timestamps at module level, and whether it all-reduces them depends on whether they
+    # are set: every attempt starts from what the first one found, as a rank started again does.
+    stamps = getattr(T, "_STARTUP_TIMESTAMPS", None)
+    found = dict(stamps) if isinstance(stamps, dict) else None
+    parsed = None if "extra_args_provider" in sig.parameters else _parsed_arguments()
+    attempts = 0
+
+    def attempt() -> Any:
+        nonlocal attempts
+        if found is not None:
+            stamps.update(found)
+        if attempts and parsed is not None:
+            parsed()
+        attempts += 1
+        return _pretrain_once(T, original, args, kwargs, runtime_factory)
+
+    return run(attempt, backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _parsed_arguments() -> Callable[[], None]:
+    """megatron-core >= 0.18: the entry script parsed the arguments and set Megatron-LM's globals from them before
+    calling pretrain, which parses nothing; let go of, they are set again for every later attempt from a copy of
+    what the entry parsed (training changes the live ones: iteration, consumed samples)."""
+    import copy
+
+    from megatron.training.global_vars import get_args, set_global_variables
+    kept = copy.deepcopy(get_args())
+    return lambda: set_global_variables(copy.deepcopy(kept))
+
+
+def _pretrain_once(T: Any, original: Callable[..., Any], args: tuple, kwargs: dict,
+                   runtime_factory: Callable[[ShardsafeConfig], BaseRuntime]) -> Any:
+    from shardsafe.inplace import RestartInPlace
     handle = install_hooks(runtime_factory, training_module=T)
+    close = True
     try:
         return original(*args, **kwargs)
+    except RestartInPlace:
+        close = False
+        raise
     finally:
-        handle.remove()
+        handle.remove(close=close)

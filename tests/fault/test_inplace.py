@@ -220,6 +220,45 @@ def test_megatron_core_restarts_in_place_bit_exact(tmp_path):
                                                            cmp.state_mismatches)
 
 
+def test_megatron_lm_pretrain_restarts_in_place_bit_exact(tmp_path, monkeypatch):
+    """Megatron-LM's own loop (examples/megatron_lm_pretrain_gpt.py: TP2 x DP2, bf16, DistributedOptimizer) on 2
+    nodes x 2 ranks: rank 2 is SIGKILLed before its optimizer step 4 and starts again alone; ranks 0, 1 and 3 run
+    Megatron-LM's pretrain again in their processes (its arguments, timers, microbatch calculator, rerun state
+    machine and groups cleared: adapters/megatron/inplace.py), every rank restores from memory and ends bit-exact
+    with plain Megatron-LM."""
+    from shardsafe.launch import PRELOAD_MEGATRON
+
+    from .test_megatron_resume import LM_ARGS, MCORE_017, MEGATRON_LM, lm_args, lm_env, run_megatron
+    if not os.path.isdir(os.path.join(MCORE_017, "megatron", "training")):
+        pytest.skip(f"Megatron-LM's loop needs megatron-core >= 0.17 in {MCORE_017} (docs/megatron.md)")
+    assert os.path.exists(LM_ARGS)
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    assert run_megatron(ref, lm_args(), script=MEGATRON_LM, env=lm_env(), shardsafe=False, max_restarts=0).ok
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    monkeypatch.setenv("PYTHONPATH", lm_env()["PYTHONPATH"])
+    cfg = ElasticConfig(nodes=2, nproc_per_node=2, run_dir=str(run_dir), inject="kill-rank:2@4", memory_budget_gb=0.5,
+                        max_restarts=2, timeout_s=300, preload=PRELOAD_MEGATRON, restart="in-place")
+    res = ElasticLauncher(cfg).run([MEGATRON_LM, *lm_args(), "--shardsafe", "--shardsafe-no-start-holder",
+                                    "--shardsafe-timeout-s", "30", "--out", str(run_dir)])
+    logd = run_dir / "logs"
+    logs = "".join((logd / f).read_text(errors="replace") for f in sorted(os.listdir(logd)))
+    assert res.ok and res.attempts == 2, (res, logs[-4000:])
+    assert [(f["cause"], f["rank"], f["rc"]) for f in res.failures] == [("rank_exit", 2, -9)], res.failures
+    evs = read_jsonl(str(run_dir / "events.jsonl"))
+    starts = sorted((e.get("attempt"), e["rank"]) for e in evs if e["kind"] == "trainer_start")
+    assert starts == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 2)], starts
+    for r in (0, 1, 3):
+        assert f"[rank {r}] the job restarts in place at attempt 1" in logs, logs[-4000:]
+    got = restores(run_dir)
+    assert got[0] == -1 and got[1] in (2, 3), got
+    check_resumed(evs, got[1], 4)
+    cmp = compare_runs(str(run_dir), str(ref), 4, 6)
+    assert cmp.bit_identical and not cmp.resume_problems, (cmp.resume_problems, cmp.loss_mismatches,
+                                                           cmp.state_mismatches)
+
+
 @pytest.mark.parametrize("kill", [1, 0])
 def test_the_local_launcher_restarts_in_place_bit_exact(tmp_path, reference, kill):
     """The local launcher (`shardsafe demo`, the tests) with ``restart="in-place"``: the killed rank starts again
