@@ -128,7 +128,7 @@ def one_job(a: argparse.Namespace, ranks: int) -> dict:
         from shardsafe.launch import LaunchConfig, LocalLauncher
         launcher = LocalLauncher(LaunchConfig(nodes=nodes, nproc_per_node=per, job_id=job, run_dir=d, max_restarts=1,
                                               inject=inject, memory_budget_gb=a.budget_gb, preload=PRELOAD,
-                                              attempt_timeout_s=a.job_timeout_s))
+                                              attempt_timeout_s=a.job_timeout_s, restart=a.restart))
         args = [sys.executable] + args
     rss = HolderRss(launcher)
     rss.start()
@@ -229,6 +229,12 @@ def measure(a: argparse.Namespace, ranks: int, ev: list[dict], lines: list[dict]
                                for e in rend},
            "placement_restore_s": max(x["try_restore_s"] for x in a1),
            "runtime_init_s": max(x["runtime_s"] for x in a1), "start_phases": start_phases,
+           # survivors of a restart in place (shardsafe.inplace.timings): letting go of the abandoned attempt, and
+           # the new default group; the slowest rank's
+           "let_go_s": max((x.get("in_place", {}).get("let_go_s", 0.0) for x in a1), default=None),
+           "reinit_s": max((x.get("in_place", {}).get("init_s", 0.0) for x in a1), default=None),
+           "let_go_parts_s": {k: max((x.get("in_place", {}).get(f"{k}_s", 0.0) for x in a1), default=None)
+                              for k in ("abandon", "destroy", "forget", "collect")},
            "start_collectives": min(a1, key=lambda x: x["rank"])["start_collectives"]}
     for dsg in DESIGNS:
         row[f"vote_{dsg}_s"] = _median(votes[dsg])
@@ -331,8 +337,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--kill-at {a.kill_at}: expected between {3 + a.warmup} and {a.steps - a.warmup - 2} "
                          "so that both attempts have versions past --warmup")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if a.restart == "in-place" and a.launcher != "elastic":
-        raise SystemExit("--restart in-place needs --launcher elastic (the local launcher restarts every trainer)")
     out: dict = {"schema": SCHEMA, "machine": machine(), "launcher": a.launcher, "restart": a.restart, "ranks": ranks,
                  "settings": {k: getattr(a, k) for k in ("per_node", "mb", "steps", "kill_at", "step_s", "warmup",
                                                         "votes", "budget_gb")}}

@@ -12,8 +12,8 @@ program that runs its training inside :func:`run` then, on every surviving rank:
    raises in ``train`` before the signal comes: the rank then waits for the notice (``notice_wait_s``);
 2. abandons its shardsafe runtimes. The snapshot in flight is neither sealed nor committed, the runtime's gloo
    groups are dropped, and its holder connection closes as if the process had died. Then it lets go of its
-   process groups (``destroy_process_group``). Dropped gloo groups close their sockets, so a peer still waiting on
-   one of them fails at once. A snapshot thread still waiting after ``abandon_grace_s`` (its peer's end of the group
+   process groups (``destroy_process_group``, their destructors on a thread of their own). Dropped gloo groups
+   close their sockets, so a peer still waiting on one of them fails at once. A snapshot thread still waiting after ``abandon_grace_s`` (its peer's end of the group
    is held open by that peer's own wait) is left to end at its timeout, its holder memory fenced off first
    (shardsafe.holder.client.HolderClient.fence): it can no longer write into the holder;
 3. calls ``train`` again under the new attempt, on a new default group over the same store (its keys prefixed by
@@ -76,7 +76,8 @@ class RestartInPlace(BaseException):
 
 timings: dict[str, float] = {}
 """This process's last restart in place: ``noticed`` (wall clock), ``let_go_s`` (abandoning the runtimes and
-groups), ``init_s`` (the new default group). Empty before the first."""
+groups; of it ``abandon_s``, ``destroy_s``, ``forget_s`` and ``collect_s``), ``init_s`` (the new default group).
+Empty before the first."""
 
 
 _FORGET: dict[str, Callable[[], None]] = {}
@@ -372,15 +373,27 @@ def _let_go(rank: int, why: RestartInPlace, grace_s: float) -> bool:
     """Abandon this process's shardsafe runtimes and process groups (module docstring, step 2); True when a snapshot
     thread was left behind."""
     import torch.distributed as dist
+    from .hierarchy import let_go_of
     from .teardown import live_runtimes
     log.warning("[rank %d] %s: abandoning this attempt", rank, why)
+    t0 = time.perf_counter()
     runtimes = live_runtimes()
-    if not all([rt.abandon(grace_s) for rt in runtimes]):
+    fenced = all([rt.abandon(grace_s) for rt in runtimes])
+    timings["abandon_s"], t0 = time.perf_counter() - t0, time.perf_counter()
+    if not fenced:
         log.error("[rank %d] an abandoned snapshot could not be fenced off from holder memory: this rank cannot "
                   "restart in place; exiting with %d so the job restarts in full", rank, EXIT_NOT_IN_PLACE)
         os._exit(EXIT_NOT_IN_PLACE)
     if dist.is_initialized():
+        # destroy_process_group unregisters and shuts down every group torch knows, and returns at once while a
+        # reference remains: the groups' destructors, which close their pairs one by one (up to 0.45 s at 64 ranks
+        # here, and a wait up to the timeout where a pair's loop is inside an abandoned collective), run on
+        # let_go_of's thread, as shardsafe's own groups' do.
+        held = list(getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None) or ())
         dist.destroy_process_group()
+        let_go_of(held, abort=False)
+        del held
+    timings["destroy_s"], t0 = time.perf_counter() - t0, time.perf_counter()
     for name, forget in _FORGET.items():
         try:
             forget()
@@ -393,5 +406,7 @@ def _let_go(rank: int, why: RestartInPlace, grace_s: float) -> bool:
     # only a collection frees them. Freed groups close their sockets, so a peer blocked in one of their
     # collectives fails at once and restarts in place too; freed tensors give the next attempt's engine the memory
     # (device memory on a GPU) it is about to allocate again.
+    timings["forget_s"], t0 = time.perf_counter() - t0, time.perf_counter()
     gc.collect()
+    timings["collect_s"] = time.perf_counter() - t0
     return any(rt.left_behind for rt in runtimes)
