@@ -13,9 +13,10 @@ program that runs its training inside :func:`run` then, on every surviving rank:
 2. abandons its shardsafe runtimes. The snapshot in flight is neither sealed nor committed, the runtime's gloo
    groups are dropped, and its holder connection closes as if the process had died. Then it lets go of its
    process groups (``destroy_process_group``, their destructors on a thread of their own). Dropped gloo groups
-   close their sockets, so a peer still waiting on one of them fails at once. A snapshot thread still waiting after ``abandon_grace_s`` (its peer's end of the group
-   is held open by that peer's own wait) is left to end at its timeout, its holder memory fenced off first
-   (shardsafe.holder.client.HolderClient.fence): it can no longer write into the holder;
+   close their sockets, so a peer still waiting on one of them fails at once. A snapshot thread still waiting after
+   ``abandon_grace_s`` (its peer's end of the group is held open by that peer's own wait) is left to end at its
+   timeout, its holder memory fenced off first (shardsafe.holder.client.HolderClient.fence): it can no longer write
+   into the holder;
 3. calls ``train`` again under the new attempt, on a new default group over the same store (its keys prefixed by
    the attempt). The runtime's restore then agrees on the newest version every rank holds and applies it, as after
    a full restart.
@@ -402,11 +403,11 @@ def _let_go(rank: int, why: RestartInPlace, grace_s: float) -> bool:
                       "place; exiting with %d so the job restarts in full", rank, name, type(e).__name__, e,
                       EXIT_NOT_IN_PLACE)
             os._exit(EXIT_NOT_IN_PLACE)
+    timings["forget_s"], t0 = time.perf_counter() - t0, time.perf_counter()
     # The attempt's engine and model hold their groups and tensors in reference cycles (module hooks, closures):
     # only a collection frees them. Freed groups close their sockets, so a peer blocked in one of their
     # collectives fails at once and restarts in place too; freed tensors give the next attempt's engine the memory
     # (device memory on a GPU) it is about to allocate again.
-    timings["forget_s"], t0 = time.perf_counter() - t0, time.perf_counter()
     gc.collect()
     timings["collect_s"] = time.perf_counter() - t0
     return any(rt.left_behind for rt in runtimes)
