@@ -320,8 +320,8 @@ def protected_pretrain(original: Callable[..., Any], args: tuple, kwargs: dict, 
 
 def _parsed_arguments() -> Callable[[], None]:
     """megatron-core >= 0.18: the entry script parsed the arguments and set Megatron-LM's globals from them before
-    calling pretrain, which parses nothing; let go of, they are set again for every later attempt from a copy of
-    what the entry parsed (training changes the live ones: iteration, consumed samples)."""
+    calling pretrain, which parses nothing. Cleared on let go, they are set again for every later attempt from a
+    copy of what the entry parsed (training changes the live ones: iteration, consumed samples)."""
     import copy
 
     from megatron.training.global_vars import get_args, set_global_variables
