@@ -95,8 +95,10 @@ def report_text(out: dict) -> str:
                 f"{rs['collectives']:>14} {rs['rounds']:>6} {_big(rs['pairs']):>6} {_big(rs.get('store_ops', 0)):>9} "
                 f"{rs.get('store_ops_per_rank', 0):>5.1f} | {_big(rg.get('store_ops_lazy', 0)):>25} "
                 f"{_big(rg.get('store_ops_full_mesh', 0)):>9}")
-        lines.append(f"    store operations measured on gloo groups here: {store['per_member']:g} per group member + "
-                     f"{store['per_pair']:g} per connected pair (hierarchy); a torch world group: "
+        lines.append(f"    store operations measured on gloo groups here: {store['per_mesh_member']:g} per member of a "
+                     f"group that connects all its pairs when made (up to {s['shared_device_max']} members), "
+                     f"{store['per_lazy_member']:g} per member of a larger one, {store['per_pair']:g} per connected "
+                     "pair (hierarchy); a torch world group: "
                      f"{store['world_lazy_per_rank']:g} per rank lazily, {store['world_full_mesh_n2']:g} N^2 as a full "
                      "mesh")
         lines.append(f"    restart sequence: {s['restart_sequence_from']}: "

@@ -6,14 +6,17 @@ The vote and the gathers of the snapshot and restart paths run here with shardsa
 
 * rounds: the longest chain of messages one after another (the latency-bound steps);
 * messages, and the most one rank sends;
-* pairs of ranks that ever exchange a message: each is one gloo connection, made on first use through the job's
-  store (shardsafe's launchers set TORCH_GLOO_LAZY_INIT=1).
+* pairs of ranks that ever exchange a message. Each gloo group of up to ``SHARED_DEVICE_MAX`` members (a node's
+  ranks; the leaders of a few nodes) connects all its pairs through the job's store when it is made (it is on the
+  process's shared gloo device, shardsafe.hierarchy); a larger one connects the pairs its messages use, on first use
+  (shardsafe's launchers set TORCH_GLOO_LAZY_INIT=1): :func:`connections`.
 
 The store's load per connection is measured, not assumed (:func:`store_costs`): gloo groups of a few ranks are
-built in threads over a counting store, once as shardsafe's hierarchy and once as a torch world group (the ring's,
-lazily and as a full mesh), and the operations per group member and per connected pair are read off; at 1k-16k
-ranks they are multiplied by the members and pairs the simulation counts. The old design (gloo's ring all-reduce
-over a world group) is not simulated: its figures are gloo's algorithm, 2(N - 1) steps per rank.
+built in threads over a counting store, as shardsafe's hierarchies (small groups only, a large leaders' group, both)
+and as a torch world group (the ring's, lazily and as a full mesh), and the operations per group member and per
+connected pair are read off; at 1k-16k ranks they are multiplied by the members and pairs of :func:`connections`.
+The old design (gloo's ring all-reduce over a world group) is not simulated: its figures are gloo's algorithm,
+2(N - 1) steps per rank.
 
 An all-gather at 16k ranks would hold N x N blobs in this one process (tens of GB): gathers are simulated up to
 GATHER_SIM_MAX ranks, where the harness checks that their rounds, messages and pairs equal the vote's (both run
@@ -172,16 +175,39 @@ def _gloo_lazy(lazy: bool):
             os.environ["TORCH_GLOO_LAZY_INIT"] = old
 
 
+def connections(ranks: int, per_node: int) -> dict[str, int]:
+    """The gloo connections one :class:`shardsafe.hierarchy.Hierarchy` over ``ranks`` makes, by how its groups
+    connect: a group of up to ``SHARED_DEVICE_MAX`` members is on the process's shared device and connects every
+    pair of its members when it is made (``mesh_*``); a larger one (the leaders of many nodes) connects the pairs its
+    messages use, on first use (``lazy_*``, the pairs the simulation counts)."""
+    from shardsafe.hierarchy import SHARED_DEVICE_MAX, Topology
+    topo = Topology.blocks(ranks, per_node)
+    groups = [len(topo.members(r)) for r in topo.leaders if len(topo.members(r)) > 1]
+    out = {"mesh_members": 0, "mesh_pairs": 0, "lazy_members": 0, "lazy_pairs": 0}
+    used_in_nodes = 0   # node groups' pairs the messages use: each member with its leader
+    for m in groups:
+        used_in_nodes += m - 1
+        kind = "mesh" if m <= SHARED_DEVICE_MAX else "lazy"
+        out[f"{kind}_members"] += m
+        out[f"{kind}_pairs"] += m * (m - 1) // 2 if kind == "mesh" else m - 1
+    if topo.nodes > 1:
+        lead = topo.nodes
+        if lead <= SHARED_DEVICE_MAX:
+            out["mesh_members"] += lead
+            out["mesh_pairs"] += lead * (lead - 1) // 2
+        else:
+            out["lazy_members"] += lead
+            out["lazy_pairs"] += vote_pattern(ranks, per_node, 1)["pairs"] - used_in_nodes
+    return out
+
+
 def _count_hierarchy(ranks: int, per_node: int) -> dict[str, Any]:
     from shardsafe.hierarchy import Hierarchy, Topology
     store, topo = _CountingStore.make(), Topology.blocks(ranks, per_node)
     with _gloo_lazy(True):
         _in_threads(ranks, lambda r: Hierarchy(store, "count", topo, r, 60).min_reduce([r]))
-    members = sum(len(topo.members(r)) for r in topo.leaders if len(topo.members(r)) > 1) \
-        + (topo.nodes if topo.nodes > 1 else 0)
-    pairs = vote_pattern(ranks, per_node, 1)["pairs"]
-    return {"ranks": ranks, "ops": sum(store.ops.values()), "by_op": dict(store.ops), "members": members,
-            "pairs": pairs}
+    return {"ranks": ranks, "per_node": per_node, "ops": sum(store.ops.values()), "by_op": dict(store.ops),
+            **connections(ranks, per_node)}
 
 
 def _count_world_group(ranks: int, lazy: bool) -> dict[str, Any]:
@@ -200,22 +226,37 @@ def _count_world_group(ranks: int, lazy: bool) -> dict[str, Any]:
     return {"ranks": ranks, "ops": sum(store.ops.values()), "by_op": dict(store.ops)}
 
 
-def store_costs(sizes: Sequence[int] = (8, 16), per_node: int = 4) -> dict[str, Any]:
-    """Store operations per group member and per connected pair, measured at ``sizes`` ranks in threads; raises
-    when the same coefficients do not explain every size (the model would not hold)."""
-    hier = [_count_hierarchy(n, per_node) for n in sizes]
-    per_member = hier[0]["by_op"].get("set", 0) / hier[0]["members"]
-    per_pair = (hier[0]["ops"] - hier[0]["by_op"].get("set", 0)) / hier[0]["pairs"]
+def store_ops(costs: dict[str, Any], conn: dict[str, int]) -> float:
+    """The store operations of the connections ``conn`` (:func:`connections`) at the measured ``costs``."""
+    return (costs["per_mesh_member"] * conn["mesh_members"] + costs["per_lazy_member"] * conn["lazy_members"]
+            + costs["per_pair"] * (conn["mesh_pairs"] + conn["lazy_pairs"]))
+
+
+def store_costs(per_node: int = 4) -> dict[str, Any]:
+    """Store operations per group member (for groups that connect every pair when made, and for those that connect
+    on first use) and per connected pair, measured on hierarchies built in threads over a counting store; raises
+    when the same coefficients do not explain every hierarchy counted (the model would not hold)."""
+    from shardsafe.hierarchy import SHARED_DEVICE_MAX
+    mesh = [_count_hierarchy(n, per_node) for n in (2 * per_node, 4 * per_node)]   # every group on the shared device
+    many = SHARED_DEVICE_MAX + 4                                                    # leaders beyond it: lazy pairs
+    lazy = [_count_hierarchy(n, 1) for n in (many, 2 * many)]
+    per_lazy_member = lazy[0]["by_op"].get("set", 0) / lazy[0]["lazy_members"]
+    per_pair = (lazy[0]["ops"] - lazy[0]["by_op"].get("set", 0)) / lazy[0]["lazy_pairs"]
+    per_mesh_member = (mesh[0]["ops"] - per_pair * mesh[0]["mesh_pairs"]) / mesh[0]["mesh_members"]
+    costs = {"per_mesh_member": per_mesh_member, "per_lazy_member": per_lazy_member, "per_pair": per_pair}
+    mixed = _count_hierarchy(2 * many, 2)   # node groups on the shared device, the leaders' group lazy
+    hier = mesh + lazy + [mixed]
     for h in hier:
-        if abs(per_member * h["members"] + per_pair * h["pairs"] - h["ops"]) > 0.5:
-            raise AssertionError(f"store ops {h}: not {per_member} per member + {per_pair} per pair")
-    lazy = [_count_world_group(n, True) for n in sizes]
-    mesh = [_count_world_group(n, False) for n in sizes]
+        if abs(store_ops(costs, h) - h["ops"]) > 0.5:
+            raise AssertionError(f"store ops {h}: not {costs}")
+    sizes = (8, 16)
+    lazy_world = [_count_world_group(n, True) for n in sizes]
+    full = [_count_world_group(n, False) for n in sizes]
     # A full mesh: every rank reads every member's address, a * N^2 + b * N (solved from the two largest sizes).
-    (n1, o1), (n2, o2) = [(m["ranks"], m["ops"]) for m in mesh[-2:]]
+    (n1, o1), (n2, o2) = [(m["ranks"], m["ops"]) for m in full[-2:]]
     a = (o2 / n2 - o1 / n1) / (n2 - n1)
-    return {"per_member": per_member, "per_pair": per_pair, "hierarchy": hier, "world_lazy": lazy,
-            "world_full_mesh": mesh, "world_lazy_per_rank": lazy[-1]["ops"] / sizes[-1],
+    return {**costs, "hierarchy": hier, "world_lazy": lazy_world,
+            "world_full_mesh": full, "world_lazy_per_rank": lazy_world[-1]["ops"] / sizes[-1],
             "world_full_mesh_n2": a, "world_full_mesh_n1": o2 / n2 - a * n2}
 
 
@@ -223,7 +264,7 @@ def simulate_sizes(sizes: Sequence[int], per_node: int, restart: Sequence[Sequen
                    store: dict[str, Any] | None = None) -> dict[str, Any]:
     """Per simulated rank count: the commit vote, one restart's collectives on the hierarchy, the old ring's
     figures, and (with ``store``, :func:`store_costs`) the store operations of one restart's gloo connections."""
-    from shardsafe.hierarchy import Topology, rounds_bound
+    from shardsafe.hierarchy import SHARED_DEVICE_MAX, Topology, rounds_bound
     rows = []
     for n in sizes:
         topo = Topology.blocks(n, per_node)
@@ -237,9 +278,10 @@ def simulate_sizes(sizes: Sequence[int], per_node: int, restart: Sequence[Sequen
                 if (s["rounds"], s["messages"], s["pairs"]) != (vote["rounds"], vote["messages"], vote["pairs"]):
                     raise AssertionError(f"{n} ranks: a gather's pattern {s} differs from the vote's {vote}")
         # Two hierarchies per start (the restore's and the vote's), each with its own groups: their pairs connect
-        # once each (the vote's at the first commit vote, the restore's during the restart).
-        members = sum(len(topo.members(r)) for r in topo.leaders if len(topo.members(r)) > 1) \
-            + (topo.nodes if topo.nodes > 1 else 0)
+        # once each (the vote's at the first commit vote, the restore's during the restart). Groups on the shared
+        # device connect all their pairs, larger ones the pairs the messages use (connections()).
+        conn = connections(n, per_node)
+        leaders_pairs = topo.nodes - 1 if topo.nodes <= SHARED_DEVICE_MAX else 0
         row = {"ranks": n, "nodes": topo.nodes, "per_node": per_node, "rounds_bound": rounds_bound(topo.nodes),
                "vote": vote, "ring": ring_model(n),
                "restart": {"collectives": len(steps), "rounds": sum(s["rounds"] for s in steps),
@@ -247,16 +289,19 @@ def simulate_sizes(sizes: Sequence[int], per_node: int, restart: Sequence[Sequen
                            "gathers": sum(1 for k, _, _ in restart if k.startswith("gather")),
                            "votes": sum(1 for k, _, _ in restart if k == "min_reduce"),
                            "bytes_per_rank_received": sum(s.get("bytes_per_rank_received", 0) for s in steps),
-                           "pairs": 2 * vote["pairs"], "max_pairs_per_rank": 2 * vote["max_pairs_per_rank"],
-                           "group_members": 2 * members}}
+                           "pairs": 2 * (conn["mesh_pairs"] + conn["lazy_pairs"]),
+                           "max_pairs_per_rank": 2 * max(vote["max_pairs_per_rank"],
+                                                         len(topo.members(0)) - 1 + leaders_pairs),
+                           "group_members": 2 * (conn["mesh_members"] + conn["lazy_members"]),
+                           "connections": {k: 2 * v for k, v in conn.items()}}}
         row["within_bound"] = vote["rounds"] <= row["rounds_bound"] and all(
             s["rounds"] <= row["rounds_bound"] for s in steps)
         if store is not None:
             r = row["restart"]
-            r["store_ops"] = store["per_member"] * r["group_members"] + store["per_pair"] * r["pairs"]
+            r["store_ops"] = 2 * store_ops(store, conn)
             r["store_ops_per_rank"] = r["store_ops"] / n
             row["ring"]["store_ops_lazy"] = store["world_lazy_per_rank"] * n
             row["ring"]["store_ops_full_mesh"] = store["world_full_mesh_n2"] * n * n + store["world_full_mesh_n1"] * n
         rows.append(row)
     return {"per_node": per_node, "rows": rows, "restart_sequence": [list(x) for x in restart],
-            "store": store, "gather_sim_max": GATHER_SIM_MAX}
+            "store": store, "gather_sim_max": GATHER_SIM_MAX, "shared_device_max": SHARED_DEVICE_MAX}

@@ -142,3 +142,9 @@ def launcher_job_id(environ: Optional[Mapping[str, str]] = None) -> str:
 def auto_enabled(environ: Optional[Mapping[str, str]] = None) -> bool:
     """The automatic activation is on unless SHARDSAFE_AUTO is 0 / false / no / off."""
     return get(AUTO, environ, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def gloo_interfaces(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """The network interfaces torch's gloo groups bind to: GLOO_SOCKET_IFNAME, comma-separated (torch's variable;
+    empty: the address this host's name resolves to)."""
+    return [x.strip() for x in _environ(environ).get("GLOO_SOCKET_IFNAME", "").split(",") if x.strip()]

@@ -285,6 +285,43 @@ def _forget_drops() -> None:   # a forked child runs none of its parent's thread
 os.register_at_fork(after_in_child=_forget_drops)
 
 
+# gloo's event loop wakes every 10 ms whether or not anything happens (gloo/transport/tcp/loop.cc: epoll_wait with
+# a 10 ms timeout), one loop thread per device, and torch gives every group a device of its own: a trainer with
+# shardsafe's node, leaders, parity and restore groups beside the program's ran 9 to 15 loop threads, 100 wake-ups a
+# second each, on every rank of the node, all through training. Groups of up to SHARED_DEVICE_MAX members share one
+# device per process, so one loop thread serves them all. A lazily connecting device cannot serve two groups (the
+# second group's pairs time out connecting, torch 2.13), so the shared device connects a group's pairs when the group
+# is made: at most SHARED_DEVICE_MAX - 1 connections per member. Larger groups (the leaders of many nodes) keep a
+# device of their own, connecting pairs on first use where TORCH_GLOO_LAZY_INIT=1 says so.
+SHARED_DEVICE_MAX = 16
+_SHARED: dict[int, list] = {}   # pid -> the devices (a forked child makes its own: the loop threads stay behind)
+
+
+def _shared_options(size: int, timeout: timedelta) -> Optional[Any]:
+    """Options for a group of ``size`` members on this process's shared device, or None: the group gets a device of
+    its own (too large, or a torch without these options)."""
+    if size > SHARED_DEVICE_MAX:
+        return None
+    from torch.distributed import ProcessGroupGloo
+    make = getattr(ProcessGroupGloo, "_Options", None)
+    if make is None:
+        return None
+    devices = _SHARED.get(os.getpid())
+    if devices is None:
+        from .env import gloo_interfaces
+        names = gloo_interfaces()
+        # torch's default device for a group, without the lazy connection (see above)
+        devices = ([ProcessGroupGloo.create_device(interface=n, lazy_init=False) for n in names] if names else
+                   [ProcessGroupGloo.create_default_device(lazy_init=False)])
+        _SHARED.clear()
+        _SHARED[os.getpid()] = devices
+    opts = make()
+    opts._devices = devices
+    opts._threads = 1   # the worker for a group's own collectives (min_reduce, all_gather): one at a time here
+    opts._timeout = timeout
+    return opts
+
+
 class MemberGroup:
     """A gloo process group of ``members`` (global ranks) that shardsafe builds itself over the job's store under
     ``prefix``, only in its members. torch's ``new_group`` is collective over the whole world (every rank creates
@@ -297,8 +334,10 @@ class MemberGroup:
         self.members = list(members)
         self._index = {r: i for i, r in enumerate(self.members)}
         self.rank, self.size = rank, len(self.members)
-        self.pg = ProcessGroupGloo(PrefixStore(prefix, store), self._index[rank], self.size,
-                                   timedelta(seconds=timeout_s))
+        store, timeout = PrefixStore(prefix, store), timedelta(seconds=timeout_s)
+        opts = _shared_options(self.size, timeout)
+        self.pg = (ProcessGroupGloo(store, self._index[rank], self.size, opts) if opts is not None else
+                   ProcessGroupGloo(store, self._index[rank], self.size, timeout))
 
     def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> Any:
         return self.pg.send([t], self._index[dst], tag)

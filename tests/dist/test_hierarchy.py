@@ -35,6 +35,37 @@ def test_votes_and_gathers_over_nodes_and_leaders(world, per_node):
         assert got["ints"] == [[r, -r, 1000 + r] for r in range(world)]
 
 
+def _loop_threads() -> int:
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return names.count("gloo_tcp_loop")
+
+
+def _many_groups(rank, world):
+    import torch.distributed as dist
+    store = dist.distributed_c10d._get_default_store()
+    before = _loop_threads()
+    topo = Topology.blocks(world, 2)
+    hs = [Hierarchy(store, f"test/share{i}", topo, rank, timeout_s=3) for i in range(3)]
+    mins = [h.min_reduce([rank + i]) for i, h in enumerate(hs)]
+    pair = MemberGroup(store, f"test/share/pair{rank // 2}", [rank - rank % 2, rank - rank % 2 + 1], rank, 3)
+    pair_min = pair.min_reduce([rank])
+    return {"mins": mins, "pair": pair_min, "new_loops": _loop_threads() - before}
+
+
+def test_shardsafe_groups_share_one_gloo_loop_thread_per_process():
+    # gloo's loop thread wakes every 10 ms: three hierarchies (a node group each, a leaders' group each on the
+    # leaders) and a pair group add one loop thread per process, not one per group.
+    for rank, got in enumerate(run_ranks(4, _many_groups)):
+        assert got["mins"] == [[0], [1], [2]] and got["pair"] == [rank - rank % 2]
+        assert got["new_loops"] == 1, got
+
+
 def _failure_then_rebuild(rank, world):
     import torch.distributed as dist
     store = dist.distributed_c10d._get_default_store()
