@@ -285,40 +285,41 @@ def _forget_drops() -> None:   # a forked child runs none of its parent's thread
 os.register_at_fork(after_in_child=_forget_drops)
 
 
-# gloo's event loop wakes every 10 ms whether or not anything happens (gloo/transport/tcp/loop.cc: epoll_wait with
-# a 10 ms timeout), one loop thread per device, and torch gives every group a device of its own: a trainer with
-# shardsafe's node, leaders, parity and restore groups beside the program's ran 9 to 15 loop threads, 100 wake-ups a
-# second each, on every rank of the node, all through training. Groups of up to SHARED_DEVICE_MAX members share one
-# device per process, so one loop thread serves them all. A lazily connecting device cannot serve two groups (the
-# second group's pairs time out connecting, torch 2.13), so the shared device connects a group's pairs when the group
-# is made: at most SHARED_DEVICE_MAX - 1 connections per member. Larger groups (the leaders of many nodes) keep a
-# device of their own, connecting pairs on first use where TORCH_GLOO_LAZY_INIT=1 says so.
+# gloo's loop thread wakes every 10 ms (tcp/loop.cc: epoll_wait, 10 ms timeout), one per device, and torch gives each
+# group its own device: a bench trainer ran 9-15 of them. Groups of up to SHARED_DEVICE_MAX members share one device
+# per process. A lazy device cannot serve two groups (the second one's pairs time out connecting, torch 2.13), so this
+# one connects a group's pairs when it is made; larger groups keep their own device, lazy with TORCH_GLOO_LAZY_INIT=1.
 SHARED_DEVICE_MAX = 16
 _SHARED: dict[int, list] = {}   # pid -> the devices (a forked child makes its own: the loop threads stay behind)
+_SHARED_LOCK = _thread.allocate_lock()   # the snapshot thread's vote and the main thread's restore may both build
+
+
+def _keep_parents_devices() -> None:   # a device's destructor joins its loop thread, which a forked child lacks
+    import ctypes
+    for devices in _SHARED.values():
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(devices))
+    _SHARED.clear()
+
+
+os.register_at_fork(after_in_child=_keep_parents_devices)
 
 
 def _shared_options(size: int, timeout: timedelta) -> Optional[Any]:
     """Options for a group of ``size`` members on this process's shared device, or None: the group gets a device of
     its own (too large, or a torch without these options)."""
-    if size > SHARED_DEVICE_MAX:
-        return None
     from torch.distributed import ProcessGroupGloo
     make = getattr(ProcessGroupGloo, "_Options", None)
-    if make is None:
+    if size > SHARED_DEVICE_MAX or make is None:
         return None
-    devices = _SHARED.get(os.getpid())
-    if devices is None:
-        from .env import gloo_interfaces
-        names = gloo_interfaces()
-        # torch's default device for a group, without the lazy connection (see above)
-        devices = ([ProcessGroupGloo.create_device(interface=n, lazy_init=False) for n in names] if names else
-                   [ProcessGroupGloo.create_default_device(lazy_init=False)])
-        _SHARED.clear()
-        _SHARED[os.getpid()] = devices
+    with _SHARED_LOCK:
+        devices = _SHARED.get(os.getpid())
+        if devices is None:
+            from .env import gloo_interfaces
+            devices = ([ProcessGroupGloo.create_device(interface=n, lazy_init=False) for n in gloo_interfaces()]
+                       or [ProcessGroupGloo.create_default_device(lazy_init=False)])   # torch's, but not lazy
+            _SHARED[os.getpid()] = devices
     opts = make()
-    opts._devices = devices
-    opts._threads = 1   # the worker for a group's own collectives (min_reduce, all_gather): one at a time here
-    opts._timeout = timeout
+    opts._devices, opts._threads, opts._timeout = devices, 1, timeout   # 1 worker: a group's collectives run in turn
     return opts
 
 
@@ -327,7 +328,7 @@ class MemberGroup:
     ``prefix``, only in its members. torch's ``new_group`` is collective over the whole world (every rank creates
     every group) and names groups by a process-wide counter, so a group broken by a failed collective could not be
     built again; this one is built again under a new prefix. Methods take global ranks, like torch.distributed's.
-    Pairs connect on first use with TORCH_GLOO_LAZY_INIT=1 (shardsafe's launchers set it)."""
+    Groups of up to SHARED_DEVICE_MAX members connect their pairs when made, larger ones on first use."""
 
     def __init__(self, store: Any, prefix: str, members: Sequence[int], rank: int, timeout_s: float):
         from torch.distributed import PrefixStore, ProcessGroupGloo
