@@ -11,8 +11,9 @@ latency-bound steps: about a second per vote at 16k ranks, every snapshot. Here 
 The algorithms are generators that yield the messages they send and receive (:class:`Send`, :class:`Recv`), so the
 same code runs over real gloo groups (:class:`GlooLinks`, groups shardsafe builds itself over the job's store, only
 by their members, rebuilt under a new prefix after a failure) and in the simulator (:func:`simulate`), which drives
-thousands of ranks in one process and counts rounds, messages and the pairs of ranks that ever talk (each pair is
-one gloo connection, set up through the job's store on first use).
+thousands of ranks in one process and counts rounds, messages and the pairs of ranks that ever talk (in a group of
+more than SHARED_DEVICE_MAX members each is one gloo connection, set up through the job's store on first use;
+smaller groups connect all their pairs when made).
 
 Payloads are int64 vectors (votes) or bytes (gathers of JSON): no pickle.
 """
@@ -286,7 +287,7 @@ os.register_at_fork(after_in_child=_forget_drops)
 
 
 # gloo's loop thread wakes every 10 ms (tcp/loop.cc: epoll_wait, 10 ms timeout), one per device, and torch gives each
-# group its own device: a bench trainer ran 9-15 of them. Groups of up to SHARED_DEVICE_MAX members share one device
+# group its own device (a bench trainer ran 9-15 in a restart). Groups of up to SHARED_DEVICE_MAX members share a device
 # per process. A lazy device cannot serve two groups (the second one's pairs time out connecting, torch 2.13), so this
 # one connects a group's pairs when it is made; larger groups keep their own device, lazy with TORCH_GLOO_LAZY_INIT=1.
 SHARED_DEVICE_MAX = 16
